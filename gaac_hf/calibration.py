@@ -1,0 +1,209 @@
+"""`GAACCalibration`: the calibrated exponent windows and slot capacity of one model, as a Hub artifact.
+
+On disk (a local folder or a Hub repo): `config.json` (a `CalibrationConfig`), `windows.safetensors` (uint8
+`base3` and `base4`, each `[calibrated layers, 2 (K|V), kv_heads, head_dim]`) and a generated `README.md`.
+Loading reads JSON and safetensors only; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from huggingface_hub import ModelCard, ModelCardData, ModelHubMixin, hf_hub_download
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .format import BLOCK_TOKENS, FORMAT_VERSION, GROUP_SIZE, TileLayout, tile_split
+from .model_layers import kv_geometry, text_config
+
+WINDOWS_FILE = "windows.safetensors"
+CONFIG_FILE = "config.json"
+
+
+class CalibrationMismatchError(ValueError):
+    """The calibration was made for a model of another shape."""
+
+
+class CorruptArtifactError(ValueError):
+    """A calibration artifact is truncated, corrupted or of an unknown format."""
+
+
+@dataclass
+class CalibrationConfig:
+    """Everything `config.json` records about a calibration."""
+
+    format_version: int = FORMAT_VERSION
+    base_model: str | None = None
+    architecture: str | None = None
+    num_hidden_layers: int | None = None
+    layers: list[int] = field(default_factory=list)  # the full-attention layers that were calibrated
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    block_tokens: int = BLOCK_TOKENS
+    group_size: int = GROUP_SIZE
+    grouping: str = "token"
+    escape_capacity: int | None = None
+    slot_bytes: int | None = None
+    corpus: str = ""
+    corpus_tokens: int = 0
+    prompt_tokens: int = 0
+    measured: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.format_version != FORMAT_VERSION:
+            raise CorruptArtifactError(
+                f"unknown GAAC format version {self.format_version!r}; this gaac-hf reads version {FORMAT_VERSION}"
+            )
+        for name in ("base_model", "num_hidden_layers", "num_kv_heads", "head_dim", "escape_capacity"):
+            if getattr(self, name) is None:
+                raise CorruptArtifactError(f"calibration config lacks the field {name!r}")
+        if (self.block_tokens, self.group_size, self.grouping) != (BLOCK_TOKENS, GROUP_SIZE, "token"):
+            raise CorruptArtifactError(
+                f"calibration uses blocks of {self.block_tokens}, groups of {self.group_size} ({self.grouping}); "
+                f"format version {FORMAT_VERSION} has {BLOCK_TOKENS}, {GROUP_SIZE} (token)"
+            )
+        _, channels = tile_split(self.head_dim)
+        self.slot_bytes = TileLayout(channels, self.escape_capacity).slot_bytes
+
+    @property
+    def tile_channels(self) -> int:
+        return tile_split(self.head_dim)[1]
+
+
+CARD_TEMPLATE = """---
+{{ card_data }}
+---
+
+# GAAC calibration for {{ base_model }}
+
+Exponent windows and slot capacity for [GAAC](https://github.com/) lossless KV-cache compression with the
+`gaac-hf` package (format version {{ format_version }}). Use it with
+
+```python
+from gaac_hf import GAACCalibration
+calibration = GAACCalibration.from_pretrained("{{ repo_id }}")
+```
+
+| field | value |
+|---|---|
+| base model | `{{ base_model }}` ({{ architecture }}) |
+| calibrated layers | {{ n_layers }} full-attention layers of {{ num_hidden_layers }}, {{ num_kv_heads }} KV heads, head_dim {{ head_dim }} |
+| slot | {{ slot_bytes }} bytes per 16 x {{ tile_channels }} tile, escape capacity {{ escape_capacity }} bytes |
+| corpus | {{ corpus }} |
+| tokens | {{ corpus_tokens }} in prompts of {{ prompt_tokens }} |
+
+Measured on the calibration corpus and on held-out text:
+
+{{ measured_table }}
+
+Compression is lossless whatever the data: windows calibrated on other text change the ratio, never the values.
+"""
+
+
+class GAACCalibration(
+    ModelHubMixin,
+    library_name="gaac-hf",
+    tags=["gaac", "kv-cache", "lossless-compression"],
+    model_card_template=CARD_TEMPLATE,
+):
+    """Per (layer, K|V, kv-head, channel) exponent windows plus the slot's escape capacity."""
+
+    def __init__(self, config: CalibrationConfig, base3: torch.Tensor | None = None,
+                 base4: torch.Tensor | None = None):
+        self.config = config
+        shape = (len(config.layers), 2, config.num_kv_heads, config.head_dim)
+        for name, t in (("base3", base3), ("base4", base4)):
+            if t is None:
+                raise CorruptArtifactError(f"calibration has no {name} windows")
+            if t.dtype != torch.uint8 or tuple(t.shape) != shape:
+                raise CorruptArtifactError(
+                    f"{name} windows have dtype {t.dtype} and shape {tuple(t.shape)}; expected uint8 {shape}"
+                )
+        if int(base3.max()) > 256 - 8 or int(base4.max()) > 256 - 16:
+            raise CorruptArtifactError("calibration windows reach past exponent 255")
+        self.base3, self.base4 = base3.contiguous(), base4.contiguous()
+        self._layer_rows = {layer: i for i, layer in enumerate(config.layers)}
+
+    # --- use ---------------------------------------------------------------------------------------------------
+    def windows(self, layer_idx: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(base3, base4)` of one layer, each uint8 `[2 (K|V), kv_heads, head_dim]`."""
+        if layer_idx not in self._layer_rows:
+            raise KeyError(f"layer {layer_idx} was not calibrated (calibrated: {self.config.layers})")
+        row = self._layer_rows[layer_idx]
+        return self.base3[row].to(device), self.base4[row].to(device)
+
+    def check_model(self, model_config) -> None:
+        """Raise `CalibrationMismatchError` unless this calibration fits a model with `model_config`."""
+        geometry = kv_geometry(model_config)
+        cfg = self.config
+        problems = []
+        if len(geometry.layer_types) != cfg.num_hidden_layers:
+            problems.append(f"{len(geometry.layer_types)} layers, calibration has {cfg.num_hidden_layers}")
+        if list(geometry.full_attention_layers) != list(cfg.layers):
+            problems.append(
+                f"full-attention layers {list(geometry.full_attention_layers)}, calibration has {cfg.layers}")
+        if geometry.num_kv_heads != cfg.num_kv_heads:
+            problems.append(f"{geometry.num_kv_heads} KV heads, calibration has {cfg.num_kv_heads}")
+        if geometry.head_dim != cfg.head_dim:
+            problems.append(f"head_dim {geometry.head_dim}, calibration has {cfg.head_dim}")
+        if problems:
+            name = getattr(text_config(model_config), "name_or_path", "") or "this model"
+            raise CalibrationMismatchError(
+                f"GAAC calibration for {cfg.base_model} does not fit {name}: the model has " + "; ".join(problems)
+            )
+
+    # --- Hub I/O -----------------------------------------------------------------------------------------------
+    def _save_pretrained(self, save_directory: Path) -> None:
+        cfg = asdict(self.config)
+        (save_directory / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        meta = {"format_version": str(self.config.format_version), "base_model": str(self.config.base_model)}
+        save_file({"base3": self.base3, "base4": self.base4}, str(save_directory / WINDOWS_FILE), metadata=meta)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs) -> "GAACCalibration":
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        except json.JSONDecodeError as e:
+            raise CorruptArtifactError(
+                f"corrupt GAAC calibration {pretrained_model_name_or_path}: {CONFIG_FILE} is not valid JSON ({e})"
+            ) from e
+        except TypeError as e:  # config.json whose fields do not fit CalibrationConfig
+            raise CorruptArtifactError(f"corrupt GAAC calibration {pretrained_model_name_or_path}: {e}") from e
+
+    @classmethod
+    def _from_pretrained(cls, *, model_id, revision, cache_dir, force_download, local_files_only, token,
+                         config=None, **kwargs) -> "GAACCalibration":
+        if config is None:
+            raise CorruptArtifactError(f"GAAC calibration {model_id} has no {CONFIG_FILE}")
+        if isinstance(config, dict):
+            config = CalibrationConfig(**config)
+        if os.path.isdir(model_id):
+            path = os.path.join(model_id, WINDOWS_FILE)
+            if not os.path.isfile(path):
+                raise CorruptArtifactError(f"GAAC calibration {model_id} has no {WINDOWS_FILE}")
+        else:
+            path = hf_hub_download(model_id, WINDOWS_FILE, revision=revision, cache_dir=cache_dir,
+                                   force_download=force_download, local_files_only=local_files_only, token=token)
+        try:
+            tensors = load_file(path)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CorruptArtifactError(f"corrupt GAAC calibration {model_id}: cannot read {WINDOWS_FILE} ({e})") from e
+        return cls(config, tensors.get("base3"), tensors.get("base4"))
+
+    def generate_model_card(self, *args, **kwargs) -> ModelCard:
+        cfg = self.config
+        rows = ["| data | codec ratio | codec bit/elt | resident bit/elt | resident saving |", "|---|---|---|---|---|"]
+        for name, m in cfg.measured.items():
+            if isinstance(m, dict) and "codec_ratio" in m:
+                rows.append(f"| {name} | {m['codec_ratio']:.3f}x | {m['codec_bits']:.3f} | {m['resident_bits']:.3f} "
+                            f"| {100 * m['resident_saving']:.1f}% |")
+        data = ModelCardData(library_name="gaac-hf", tags=["gaac", "kv-cache", "lossless-compression"],
+                             base_model=cfg.base_model if "/" in str(cfg.base_model) else None)
+        values = {k: v for k, v in asdict(cfg).items() if k != "measured"}
+        values.update(n_layers=len(cfg.layers), tile_channels=cfg.tile_channels, measured_table="\n".join(rows),
+                      repo_id=kwargs.pop("repo_id", "<repo>"))
+        return ModelCard.from_template(card_data=data, template_str=CARD_TEMPLATE, **values)

@@ -1,0 +1,194 @@
+"""Reference GAAC encoder and decoder in torch: the oracle every kernel is tested against.
+
+Vectorized over any leading dimensions, on any device. Layout and rules are in `format.py` / docs/format.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .format import (
+    BLOCK_TOKENS,
+    CODE_PLANES_IN_STREAM,
+    ESCAPE_BYTES_PER_GROUP,
+    GROUP_SIZE,
+    MODE_3BIT,
+    MODE_4BIT,
+    MODE_RAW,
+    TileLayout,
+    tile_split,
+)
+
+# Element order inside a group: "token" = 8 tokens of one channel (the format's), "channel" = 8 channels of one
+# token (the other candidate, kept for the measurement in docs/format.md).
+FORMAT_GROUPING = "token"
+
+
+def check_bf16(x: torch.Tensor, what: str = "KV") -> None:
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"the GAAC codec is lossless for BF16 only; {what} has dtype {x.dtype}")
+
+
+def split_fields(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """BF16 -> (8-bit exponent, sign<<7 | mantissa), both int32."""
+    bits = x.view(torch.int16).to(torch.int32) & 0xFFFF
+    return (bits >> 7) & 0xFF, ((bits >> 8) & 0x80) | (bits & 0x7F)
+
+
+def join_fields(exponent: torch.Tensor, signmant: torch.Tensor) -> torch.Tensor:
+    """Inverse of `split_fields`: int32 fields -> BF16."""
+    bits = ((signmant & 0x80) << 8) | (exponent << 7) | (signmant & 0x7F)
+    return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(torch.bfloat16)
+
+
+def to_groups(t: torch.Tensor, grouping: str = FORMAT_GROUPING) -> torch.Tensor:
+    """`[..., 16, C]` -> `[..., G, 8]` in group order."""
+    *lead, tokens, channels = t.shape
+    if grouping == "token":
+        return t.reshape(*lead, tokens // GROUP_SIZE, GROUP_SIZE, channels).transpose(-1, -2).reshape(
+            *lead, tokens * channels // GROUP_SIZE, GROUP_SIZE)
+    if grouping == "channel":
+        return t.reshape(*lead, tokens * channels // GROUP_SIZE, GROUP_SIZE)
+    raise ValueError(f"unknown grouping {grouping!r}")
+
+
+def from_groups(t: torch.Tensor, channels: int, grouping: str = FORMAT_GROUPING) -> torch.Tensor:
+    """`[..., G, 8]` -> `[..., 16, C]`, inverse of `to_groups`."""
+    *lead, groups, _ = t.shape
+    tokens = groups * GROUP_SIZE // channels
+    if grouping == "token":
+        return t.reshape(*lead, tokens // GROUP_SIZE, channels, GROUP_SIZE).transpose(-1, -2).reshape(
+            *lead, tokens, channels)
+    if grouping == "channel":
+        return t.reshape(*lead, tokens, channels)
+    raise ValueError(f"unknown grouping {grouping!r}")
+
+
+def group_modes(exponent: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor,
+                grouping: str = FORMAT_GROUPING) -> torch.Tensor:
+    """Mode of every group of `[..., 16, C]` exponents under per-channel bases `[..., C]` -> `[..., G]` int32."""
+    shape = exponent.shape
+    e = to_groups(exponent, grouping)
+    b3 = to_groups(base3.to(torch.int32).unsqueeze(-2).expand(shape), grouping)
+    b4 = to_groups(base4.to(torch.int32).unsqueeze(-2).expand(shape), grouping)
+    d3, d4 = e - b3, e - b4
+    fit3 = ((d3 >= 0) & (d3 < 8)).all(-1)
+    fit4 = ((d4 >= 0) & (d4 < 16)).all(-1)
+    return torch.where(fit3, MODE_3BIT, torch.where(fit4, MODE_4BIT, MODE_RAW)).to(torch.int32)
+
+
+def escape_bytes(modes: torch.Tensor) -> torch.Tensor:
+    """Escape bytes needed by each tile, from its group modes `[..., G]`."""
+    weights = torch.tensor(ESCAPE_BYTES_PER_GROUP, dtype=torch.int32, device=modes.device)
+    return weights[modes.long()].sum(-1, dtype=torch.int32)
+
+
+def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """`[..., n, 8]` of 0/1 -> `[..., n]` bytes, element i in bit i."""
+    shifts = torch.arange(8, device=bits.device, dtype=torch.int32)
+    return (bits.to(torch.int32) << shifts).sum(-1, dtype=torch.int32)
+
+
+def _unpack_bits(bytes_: torch.Tensor) -> torch.Tensor:
+    """`[..., n]` bytes -> `[..., n, 8]` bits."""
+    shifts = torch.arange(8, device=bytes_.device, dtype=torch.int32)
+    return (bytes_.to(torch.int32).unsqueeze(-1) >> shifts) & 1
+
+
+def _bases(mode: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, shape) -> torch.Tensor:
+    b3 = to_groups(base3.to(torch.int32).unsqueeze(-2).expand(shape))
+    b4 = to_groups(base4.to(torch.int32).unsqueeze(-2).expand(shape))
+    m = mode.unsqueeze(-1)
+    return torch.where(m == MODE_3BIT, b3, torch.where(m == MODE_4BIT, b4, torch.zeros_like(b3)))
+
+
+def _escape_offsets(mode: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    weights = torch.tensor(ESCAPE_BYTES_PER_GROUP, dtype=torch.int32, device=mode.device)[mode.long()]
+    return torch.cumsum(weights, -1) - weights, weights
+
+
+@dataclass
+class EncodedTiles:
+    """Output of `encode_tiles` for tiles `[..., 16, C]`."""
+
+    slots: torch.Tensor  # uint8 [..., slot_bytes]; escape area truncated to capacity where `fits` is False
+    fits: torch.Tensor  # bool [...]: escape bytes <= capacity, i.e. the tile goes to a slot (else raw BF16)
+    escape_bytes: torch.Tensor  # int32 [...]
+    modes: torch.Tensor  # int32 [..., G]
+
+
+def encode_tiles(x: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, escape_capacity: int) -> EncodedTiles:
+    """Encode BF16 tiles `[..., 16, C]` (C = 64 or 128) with per-channel bases `[..., C]` (uint8, broadcastable)."""
+    check_bf16(x)
+    if x.dim() < 2 or x.shape[-2] != BLOCK_TOKENS:
+        raise ValueError(f"tiles must have shape [..., {BLOCK_TOKENS}, C]; got {tuple(x.shape)}")
+    layout = TileLayout(x.shape[-1], escape_capacity)
+    lead = x.shape[:-2]
+    base3 = base3.expand(*lead, layout.channels)
+    base4 = base4.expand(*lead, layout.channels)
+    exponent, signmant = split_fields(x)
+    mode = group_modes(exponent, base3, base4)
+    code = (to_groups(exponent) - _bases(mode, base3, base4, exponent.shape)) & 0xFF  # [..., G, 8]
+    planes = torch.stack([_pack_bits((code >> p) & 1) for p in range(8)], -2)  # [..., 8, G]
+    tags = torch.stack([(mode >= MODE_4BIT), (mode == MODE_RAW)], -2)  # [..., 2, G]
+    tags = _pack_bits(tags.reshape(*lead, 2, layout.tag_plane_bytes, 8)).reshape(*lead, -1)
+
+    offsets, weights = _escape_offsets(mode)
+    total = weights.sum(-1)
+    k = torch.arange(5, device=x.device, dtype=torch.int32)
+    values = planes[..., CODE_PLANES_IN_STREAM:, :].transpose(-1, -2)  # [..., G, 5]: planes 3..7 of each group
+    dump = max(5 * layout.groups, escape_capacity)  # every escape byte of a tile lies below this index
+    index = torch.where(k < weights.unsqueeze(-1), offsets.unsqueeze(-1) + k, dump)
+    area = torch.zeros(*lead, dump + 1, dtype=torch.int32, device=x.device)
+    area.scatter_(-1, index.reshape(*lead, -1).long(), values.reshape(*lead, -1))
+    slots = torch.cat(
+        [signmant.reshape(*lead, -1), planes[..., :CODE_PLANES_IN_STREAM, :].reshape(*lead, -1), tags,
+         area[..., :escape_capacity]], -1).to(torch.uint8)
+    return EncodedTiles(slots, total <= escape_capacity, total, mode)
+
+
+def decode_tiles(slots: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, channels: int) -> torch.Tensor:
+    """Decode slots `[..., slot_bytes]` (uint8) back to BF16 tiles `[..., 16, C]`, bit-exactly."""
+    if slots.dtype != torch.uint8:
+        raise TypeError(f"slots must be uint8, got {slots.dtype}")
+    escape_capacity = slots.shape[-1] - TileLayout(channels, 0).fixed_bytes
+    layout = TileLayout(channels, escape_capacity)
+    lead = slots.shape[:-1]
+    s = slots.to(torch.int32)
+    signmant = s[..., :layout.planes_offset].reshape(*lead, BLOCK_TOKENS, channels)
+    planes = s[..., layout.planes_offset:layout.tags_offset].reshape(*lead, CODE_PLANES_IN_STREAM, layout.groups)
+    tags = _unpack_bits(s[..., layout.tags_offset:layout.escape_offset].reshape(*lead, 2, -1)).reshape(
+        *lead, 2, layout.groups)
+    wide, raw = tags[..., 0, :], tags[..., 1, :]
+    if bool((raw > wide).any()):
+        raise ValueError("corrupt GAAC slot: a mode tag has the raw bit without the wide bit")
+    mode = wide + raw
+    offsets, weights = _escape_offsets(mode)
+    if bool((weights.sum(-1) > escape_capacity).any()):
+        raise ValueError("corrupt GAAC slot: its mode tags need more escape bytes than the slot holds")
+
+    code = sum(_unpack_bits(planes[..., p, :]) << p for p in range(CODE_PLANES_IN_STREAM))  # [..., G, 8]
+    area = torch.nn.functional.pad(s[..., layout.escape_offset:], (0, 5))
+    k = torch.arange(5, device=slots.device, dtype=torch.int32)
+    index = (offsets.unsqueeze(-1) + k).clamp(max=escape_capacity + 4).reshape(*lead, -1).long()
+    values = torch.gather(area, -1, index).reshape(*lead, layout.groups, 5)
+    values = torch.where(k < weights.unsqueeze(-1), values, 0)
+    for j in range(5):
+        code = code | (_unpack_bits(values[..., j]) << (CODE_PLANES_IN_STREAM + j))
+    shape = (*lead, BLOCK_TOKENS, channels)
+    exponent = from_groups((code + _bases(mode, base3.expand(*lead, channels), base4.expand(*lead, channels),
+                                          shape)) & 0xFF, channels)
+    return join_fields(exponent, signmant)
+
+
+def split_head(x: torch.Tensor) -> torch.Tensor:
+    """`[..., T, head_dim]` -> `[..., tiles, T, C]`: head dim 256 becomes two 128-channel halves."""
+    n, c = tile_split(x.shape[-1])
+    return x.reshape(*x.shape[:-1], n, c).movedim(-2, -3)
+
+
+def merge_head(x: torch.Tensor) -> torch.Tensor:
+    """Inverse of `split_head`."""
+    return x.movedim(-3, -2).reshape(*x.shape[:-3], x.shape[-2], x.shape[-3] * x.shape[-1])

