@@ -54,3 +54,28 @@ def token_prompts(tokenizer, text: str, prompt_tokens: int, max_prompts: int | N
     if n == 0:
         raise ValueError(f"the text has {ids.numel()} tokens, fewer than one prompt of {prompt_tokens}")
     return [ids[i * prompt_tokens:(i + 1) * prompt_tokens] for i in range(n)]
+
+
+LICENCE_TEXTS = ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0")
+
+
+def sample_text() -> Corpus:
+    """Real English text present on any machine: Debian's licence texts, else the licences of installed packages."""
+    found = [p for p in LICENCE_TEXTS if Path(p).is_file()]
+    if found:
+        return read_text_files(found)
+    from importlib import metadata
+
+    parts, names = [], []
+    for dist in ("torch", "transformers", "huggingface_hub", "safetensors"):
+        try:
+            files = metadata.distribution(dist).files or []
+        except metadata.PackageNotFoundError:
+            continue
+        for f in files:
+            if "LICENSE" in f.name.upper() and f.locate().is_file():
+                parts.append(f.locate().read_text(errors="replace"))
+                names.append(f"{dist}:{f.name}")
+    if not parts:
+        raise FileNotFoundError("no licence text found to use as sample text")
+    return Corpus("\n\n".join(parts), "licence texts of " + ", ".join(names))

@@ -1,0 +1,38 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded default model, loaded once for the whole session: `(model, tokenizer)`."""
+    from gaac_hf.default_model import load_default_model
+
+    return load_default_model()
+
+
+def tiny_llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    kw = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_llama_config(), dtype=torch.bfloat16).eval()
+
+
+@pytest.fixture(scope="session")
+def sample_corpus():
+    from gaac_hf.corpus import sample_text
+
+    return sample_text()
