@@ -1,0 +1,145 @@
+"""The `"gaac"` attention implementation: decode attention that reads GAAC-compressed KV in place.
+
+Importing this module registers `"gaac"` with `transformers.AttentionInterface` (the attention function) and with
+`transformers.masking_utils.AttentionMaskInterface` (`sdpa_mask`, so padded batches get their bool masks). Use it as
+`AutoModelForCausalLM.from_pretrained(..., attn_implementation="gaac")` or `model.set_attn_implementation("gaac")`
+after importing `gaac_hf`.
+
+* Decode (one query token, no unusual kwargs): `gaac_decode_attention`, a torch reference that walks the KV block by
+  block, `DECODE_CHUNK_BLOCKS` 16-token blocks at a time, with an fp32 online softmax, GQA without `repeat_kv`, and
+  the bool mask (left padding) honoured. Fed `GAACLazyKV` from a `GAACCache`, it decodes one chunk of compressed
+  blocks at a time and never materializes the whole decompressed cache; fed plain BF16 K/V (e.g. from a
+  `DynamicCache`), it slices the same chunks. The chunks it computes on are bit-identical either way, so the output
+  is bit-identical: that is the lossless contract of `"gaac"`.
+* Anything else (prefill and verify steps with several query tokens, softcap, sinks, position bias, sliding window,
+  output_attentions, dropout in training): `transformers.integrations.sdpa_attention.sdpa_attention_forward` over
+  the expanded context.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .cache import GAAC_ATTENTION_NAME, CompressedKV, GAACLazyKV
+from .format import BLOCK_TOKENS
+
+# Blocks of 16 tokens per decode step of the online softmax (the chunking is part of the math: both the compressed
+# and the plain path use it, so they stay bit-identical whatever its value).
+DECODE_CHUNK_BLOCKS = 32
+
+# Keyword arguments the decode path understands or may ignore; other kwargs with a value other than None/False
+# send the call to sdpa.
+_IGNORED_KWARGS = {"position_ids", "use_cache", "is_causal", "cache_position", "layer_idx"}
+
+
+class PlainKV:
+    """The chunk interface of `CompressedKV` over plain K/V tensors `[B, H_kv, S, D]`."""
+
+    def __init__(self, key: torch.Tensor, value: torch.Tensor):
+        self.key, self.value = key, value
+        self.batch, self.heads, self.length, self.head_dim = key.shape
+
+    def chunk(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.key[:, :, start:end].contiguous(), self.value[:, :, start:end].contiguous())
+
+
+def kv_source(key: torch.Tensor, value: torch.Tensor) -> CompressedKV | PlainKV:
+    """A chunk source for the decode attention: the compressed snapshot when given `GAACLazyKV`, else plain KV."""
+    if isinstance(key, GAACLazyKV) and isinstance(value, GAACLazyKV) and key.compressed is value.compressed \
+            and (key.which, value.which) == (0, 1):
+        return key.compressed
+    if isinstance(key, GAACLazyKV):
+        key = key.materialize()
+    if isinstance(value, GAACLazyKV):
+        value = value.materialize()
+    return PlainKV(key, value)
+
+
+def _mask_chunk(mask: torch.Tensor, start: int, end: int, batch: int, kv_heads: int, n_rep: int) -> torch.Tensor:
+    """Mask `[B|1, 1|H_q, 1, S]` -> its columns `[start, end)` shaped to broadcast over `[B, H_kv, n_rep, n]`."""
+    m = mask[:, :, -1, start:end]  # [B|1, 1|H_q, n]
+    if m.shape[1] == 1:
+        return m.unsqueeze(2)  # [B|1, 1, 1, n]
+    return m.reshape(m.shape[0], kv_heads, n_rep, -1)
+
+
+def gaac_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None = None, scaling: float | None = None,
+                          chunk_blocks: int | None = None) -> torch.Tensor:
+    """Single-query attention over K/V, block-chunked with an fp32 online softmax.
+
+    `query` `[B, H_q, 1, D]`; `key`/`value` `[B, H_kv, S, D]`, plain tensors or `GAACLazyKV` (read compressed, chunk
+    by chunk); `attention_mask` None, bool (True = attend) or additive float, `[B|1, 1|H_q, 1, S]`.
+    Returns `[B, 1, H_q, D]` in the query dtype. Query head `h` reads KV head `h // (H_q / H_kv)` (no repeat_kv).
+    """
+    source = kv_source(key, value)
+    b, hq, q_len, d = query.shape
+    if q_len != 1:
+        raise ValueError(f"gaac_decode_attention takes one query token, got {q_len}")
+    hkv = source.heads
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads do not group over {hkv} KV heads")
+    n_rep = hq // hkv
+    scale = d ** -0.5 if scaling is None else scaling
+    step = BLOCK_TOKENS * (chunk_blocks or DECODE_CHUNK_BLOCKS)
+
+    q = query.float().reshape(b, hkv, n_rep, d)
+    m = torch.full((b, hkv, n_rep, 1), float("-inf"), dtype=torch.float32, device=query.device)
+    denom = torch.zeros((b, hkv, n_rep, 1), dtype=torch.float32, device=query.device)
+    acc = torch.zeros((b, hkv, n_rep, d), dtype=torch.float32, device=query.device)
+    for start in range(0, source.length, step):
+        end = min(start + step, source.length)
+        k, v = source.chunk(start, end)  # contiguous BF16 [B, H_kv, n, D]
+        s = torch.matmul(q, k.float().transpose(-1, -2)) * scale  # [B, H_kv, n_rep, n]
+        if attention_mask is not None:
+            mc = _mask_chunk(attention_mask, start, end, b, hkv, n_rep)
+            s = s.masked_fill(~mc, float("-inf")) if mc.dtype == torch.bool else s + mc.float()
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(s - m_safe)
+        alpha = torch.exp(m - m_safe)
+        denom = denom * alpha + p.sum(-1, keepdim=True)
+        acc = acc * alpha + torch.matmul(p, v.float())
+        m = m_new
+    out = torch.where(denom > 0, acc / denom, torch.zeros_like(acc))
+    return out.reshape(b, hq, d).unsqueeze(1).to(query.dtype)
+
+
+def _decode_supported(query: torch.Tensor, dropout: float, module, kwargs: dict) -> bool:
+    if query.shape[2] != 1:
+        return False
+    if dropout and getattr(module, "training", False):
+        return False
+    for name, value in kwargs.items():
+        if name in _IGNORED_KWARGS:
+            continue
+        if value is None or value is False:
+            continue
+        return False
+    return True
+
+
+def gaac_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                           **kwargs) -> tuple[torch.Tensor, None]:
+    """The `"gaac"` attention function (signature of transformers' attention interface)."""
+    if _decode_supported(query, dropout, module, kwargs):
+        return gaac_decode_attention(query, key, value, attention_mask, scaling), None
+    if isinstance(key, GAACLazyKV):
+        key = key.materialize()
+    if isinstance(value, GAACLazyKV):
+        value = value.materialize()
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
+
+
+def register() -> None:
+    """Register `"gaac"` (attention function and `sdpa_mask`) process-wide; done at import."""
+    AttentionInterface.register(GAAC_ATTENTION_NAME, gaac_attention_forward)
+    AttentionMaskInterface.register(GAAC_ATTENTION_NAME, sdpa_mask)
+
+
+register()

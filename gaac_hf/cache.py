@@ -1,0 +1,591 @@
+"""`GAACCache`: a lossless compressed KV cache for `transformers` `generate`.
+
+Every full-attention layer gets a `GAACLayer`; every other layer (sliding window, linear attention, dummy, ...) gets
+the stock transformers layer that `DynamicCache(config=...)` would build, so hybrid and sliding models work unchanged.
+
+A `GAACLayer` is fill-then-finalize. New tokens go to a BF16 *tail*; every completed 16-token block is encoded once
+(K and V, every kv-head and tile independently, all batch rows in one vectorized `encode_tiles` call) and is never
+re-encoded afterwards (only `crop` pulls a block back into the tail). A tile goes to one of two storage classes:
+
+* the *slot pool*, uint8 `[n_slots, slot_bytes]`: fixed-size GAAC slots (format.py);
+* the *raw pool*, BF16 `[n_raw, 16, C]`: tiles whose escape bytes overflow the slot's escape capacity.
+
+The *block table*, int32 `[batch, blocks, 2 (K|V), kv_heads, tiles]`, holds for every tile its slot index (>= 0)
+or `-1 - raw_index`. Both pools grow by amortized doubling. Finalized tiles are immutable, so rows may share them
+(beam search, `batch_repeat_interleave`); tiles no row references any more (after `crop`, `reorder_cache`,
+`batch_select_indices`, `reset`) are found by a mark-and-sweep over the table and reused.
+
+`update()` returns K/V `[B, H_kv, S, D]` BF16: the losslessly expanded full K/V (all finalized tiles decoded, plus
+the tail), except when the model runs the `"gaac"` attention (gaac_hf/attention.py) on a single query token: then it
+returns `GAACLazyKV` tensors, storage-less tensor subclasses that carry a `CompressedKV` snapshot of the layer, which
+the `"gaac"` decode attention reads block by block. Any other torch op on a `GAACLazyKV` materializes it
+(bit-identical to the expanded K/V).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_map
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .calibration import CalibrationMismatchError, GAACCalibration
+from .codec import decode_tiles, encode_tiles, merge_head, split_head
+from .format import BLOCK_TABLE_ENTRY_BYTES, BLOCK_TOKENS, MODE_NAMES, TileLayout, tile_split
+from .model_layers import layer_types_and_kwargs, text_config
+
+GAAC_ATTENTION_NAME = "gaac"
+# Most tiles given to one `encode_tiles` call (bounds the encoder's temporary memory on long prompts).
+ENCODE_MAX_TILES = 8192
+_MIN_POOL = 64
+
+
+def _check_kv_dtype(key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    for name, t in (("key", key_states), ("value", value_states)):
+        if t.dtype != torch.bfloat16:
+            raise TypeError(
+                f"GAACCache stores BF16 KV losslessly; the model produced {name} states of dtype {t.dtype}. "
+                "Load the model with dtype=torch.bfloat16, or use DynamicCache for other dtypes."
+            )
+
+
+def _grow(t: torch.Tensor | None, needed: int, dim: int = 0, fill=0) -> torch.Tensor:
+    """Return `t` with at least `needed` entries along `dim` (amortized doubling; new entries = `fill`)."""
+    have = t.shape[dim]
+    if needed <= have:
+        return t
+    cap = max(needed, 2 * have, _MIN_POOL)
+    shape = list(t.shape)
+    shape[dim] = cap
+    out = torch.full(shape, fill, dtype=t.dtype, device=t.device)
+    out.narrow(dim, 0, have).copy_(t)
+    return out
+
+
+class CompressedKV:
+    """Read-only snapshot of one `GAACLayer` at one step: finalized blocks (block table) plus the BF16 tail.
+
+    Valid until the next `crop`/`reorder_cache`/`batch_select_indices`/`reset` of its layer (those may recycle
+    tiles the snapshot still points to); plain appends never invalidate it.
+    """
+
+    def __init__(self, layer: "GAACLayer", table: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor):
+        self.layer = layer
+        self.table = table  # int32 [B, n_blocks, 2, H, tiles]
+        self.slot_pool = layer._slot_pool
+        self.raw_pool = layer._raw_pool
+        self.tail_k, self.tail_v = tail_k, tail_v
+        self.n_blocks = table.shape[1]
+        self.batch, self.heads, _, self.head_dim = tail_k.shape
+        self.length = self.n_blocks * BLOCK_TOKENS + tail_k.shape[-2]
+        self._dense = None
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.heads, self.length, self.head_dim)
+
+    def blocks(self, b0: int, b1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded finalized blocks `[b0, b1)`: K, V each `[B, H, (b1 - b0) * 16, D]`."""
+        kv = self.layer._decode_table(self.table[:, b0:b1], self.slot_pool, self.raw_pool)
+        return kv[:, 0], kv[:, 1]
+
+    def chunk(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens `[start, end)` (start a multiple of 16) as contiguous BF16 K, V `[B, H, end - start, D]`."""
+        if start % BLOCK_TOKENS:
+            raise ValueError(f"chunks start on a block boundary, not at token {start}")
+        end = min(end, self.length)
+        fin = self.n_blocks * BLOCK_TOKENS
+        ks, vs = [], []
+        if start < fin:
+            stop = min(end, fin)
+            k, v = self.blocks(start // BLOCK_TOKENS, (stop + BLOCK_TOKENS - 1) // BLOCK_TOKENS)
+            ks.append(k[:, :, :stop - start])
+            vs.append(v[:, :, :stop - start])
+        if end > fin:
+            lo = max(start - fin, 0)
+            ks.append(self.tail_k[:, :, lo:end - fin])
+            vs.append(self.tail_v[:, :, lo:end - fin])
+        k = ks[0] if len(ks) == 1 else torch.cat(ks, -2)
+        v = vs[0] if len(vs) == 1 else torch.cat(vs, -2)
+        return k.contiguous(), v.contiguous()
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full K, V `[B, H, length, D]`, BF16 (decoded once, then cached)."""
+        if self._dense is None:
+            self._dense = self.chunk(0, self.length)
+        return self._dense
+
+
+_METADATA_FUNCS = {
+    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+    torch.Tensor.ndim.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.is_cuda.__get__,
+    torch.Tensor.layout.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.ndimension,
+    torch.Tensor.numel, torch.Tensor.__len__,
+}
+
+
+class GAACLazyKV(torch.Tensor):
+    """A storage-less `[B, H_kv, S, D]` BF16 tensor standing for one side (K or V) of a `CompressedKV`.
+
+    The `"gaac"` attention reads `.compressed` in place. Shape/dtype/device queries are answered from metadata;
+    every other torch op materializes the full tensor (lossless decode, cached) and runs on it.
+    """
+
+    @staticmethod
+    def __new__(cls, compressed: CompressedKV, which: int):
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, compressed.shape, dtype=compressed.tail_k.dtype, device=compressed.tail_k.device,
+            requires_grad=False)
+        t.compressed = compressed
+        t.which = which
+        return t
+
+    def materialize(self) -> torch.Tensor:
+        return self.compressed.materialize()[self.which]
+
+    def __repr__(self, *, tensor_contents=None):
+        c = self.compressed
+        return f"GAACLazyKV(shape={tuple(c.shape)}, {'KV'[self.which]}, blocks={c.n_blocks})"
+
+    @staticmethod
+    def _unwrap(x):
+        return x.materialize() if isinstance(x, GAACLazyKV) else x
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA_FUNCS:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        args, kwargs = tree_map(cls._unwrap, (args, kwargs))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        args, kwargs = tree_map(cls._unwrap, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+class GAACLayer(CacheLayerMixin):
+    """The GAAC-compressed cache of one full-attention layer (see the module docstring)."""
+
+    is_sliding = False
+    is_croppable = True
+    is_compileable = False
+
+    def __init__(self, calibration: GAACCalibration, layer_idx: int):
+        super().__init__()
+        cfg = calibration.config
+        self.layer_idx = layer_idx
+        self.num_kv_heads, self.head_dim = cfg.num_kv_heads, cfg.head_dim
+        self.tiles, self.channels = tile_split(cfg.head_dim)
+        self.layout = TileLayout(self.channels, cfg.escape_capacity)
+        base3, base4 = calibration.windows(layer_idx)  # [2, H, D] each
+        shape = (2, self.num_kv_heads, self.tiles, self.channels)
+        self._base3, self._base4 = base3.reshape(shape), base4.reshape(shape)
+        self.lazy = False  # set per forward by GAACCache: return GAACLazyKV for single-token updates
+        self.device = None
+        self._slot_pool = self._raw_pool = None
+        self._slot_modes = self._raw_modes = None
+        self._clear()
+
+    # --- state ----------------------------------------------------------------------------------------------------
+    def _clear(self) -> None:
+        self.is_initialized = False
+        self.batch = 0
+        self.n_blocks = 0
+        self._table = None
+        self._tail_k = self._tail_v = None
+        self._slot_high = self._raw_high = 0
+        self._free_slots = self._free_raws = None
+        self._dirty = False
+
+    # `keys`/`values` are read by some third-party tools: give them the expanded KV (read-only).
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._expand()[0] if self.is_initialized else None
+
+    @keys.setter
+    def keys(self, value):
+        if value is not None:
+            raise AttributeError("GAACLayer.keys is read-only (the layer stores compressed KV)")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._expand()[1] if self.is_initialized else None
+
+    @values.setter
+    def values(self, value):
+        if value is not None:
+            raise AttributeError("GAACLayer.values is read-only (the layer stores compressed KV)")
+
+    @property
+    def tail_length(self) -> int:
+        return 0 if self._tail_k is None else self._tail_k.shape[-2]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        _check_kv_dtype(key_states, value_states)
+        b, h, _, d = key_states.shape
+        vb, vh, _, vd = value_states.shape
+        if (h, d) != (self.num_kv_heads, self.head_dim) or (vb, vh, vd) != (b, h, d):
+            raise CalibrationMismatchError(
+                f"layer {self.layer_idx} gets KV of shape {tuple(key_states.shape)} / {tuple(value_states.shape)}; "
+                f"the GAAC calibration has "
+                f"{self.num_kv_heads} KV heads of dim {self.head_dim}")
+        device = key_states.device
+        if self._slot_pool is None or self._slot_pool.device != device:
+            self._slot_pool = torch.zeros(0, self.layout.slot_bytes, dtype=torch.uint8, device=device)
+            self._slot_modes = torch.zeros(0, 3, dtype=torch.int32, device=device)
+            self._raw_pool = torch.zeros(0, BLOCK_TOKENS, self.channels, dtype=torch.bfloat16, device=device)
+            self._raw_modes = torch.zeros(0, 3, dtype=torch.int32, device=device)
+        self.device = device
+        self._base3, self._base4 = self._base3.to(device), self._base4.to(device)
+        self.batch = b
+        self.n_blocks = 0
+        self._table = torch.zeros(b, 0, 2, h, self.tiles, dtype=torch.int32, device=device)
+        self._tail_k = key_states.new_zeros(b, h, 0, d)
+        self._tail_v = value_states.new_zeros(b, h, 0, d)
+        self._slot_high = self._raw_high = 0
+        self._free_slots = torch.zeros(0, dtype=torch.long, device=device)
+        self._free_raws = torch.zeros(0, dtype=torch.long, device=device)
+        self._dirty = False
+        self.is_initialized = True
+
+    # --- storage --------------------------------------------------------------------------------------------------
+    def _collect(self) -> None:
+        """Mark and sweep: every slot / raw tile below the high-water marks that no table entry references is free."""
+        live = self._table[:, :self.n_blocks].reshape(-1).long()
+        slot_live = torch.zeros(self._slot_high, dtype=torch.bool, device=self.device)
+        slot_live[live[live >= 0]] = True
+        raw_live = torch.zeros(self._raw_high, dtype=torch.bool, device=self.device)
+        raw_live[-1 - live[live < 0]] = True
+        self._free_slots = (~slot_live).nonzero().reshape(-1)
+        self._free_raws = (~raw_live).nonzero().reshape(-1)
+        self._dirty = False
+
+    def _take(self, kind: str, n: int) -> torch.Tensor:
+        """Indices of `n` free entries of the slot (`kind="slot"`) or raw pool, growing it if needed."""
+        if n == 0:
+            return torch.zeros(0, dtype=torch.long, device=self.device)
+        free = self._free_slots if kind == "slot" else self._free_raws
+        if free.numel() < n and self._dirty:
+            self._collect()
+            free = self._free_slots if kind == "slot" else self._free_raws
+        reused, free = free[:n], free[n:]
+        rest = n - reused.numel()
+        high = self._slot_high if kind == "slot" else self._raw_high
+        fresh = torch.arange(high, high + rest, dtype=torch.long, device=self.device)
+        if kind == "slot":
+            self._free_slots, self._slot_high = free, high + rest
+            self._slot_pool = _grow(self._slot_pool, self._slot_high)
+            self._slot_modes = _grow(self._slot_modes, self._slot_high)
+        else:
+            self._free_raws, self._raw_high = free, high + rest
+            self._raw_pool = _grow(self._raw_pool, self._raw_high)
+            self._raw_modes = _grow(self._raw_modes, self._raw_high)
+        return torch.cat([reused, fresh])
+
+    def _tiles(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """K, V `[B, H, nb * 16, D]` -> tiles `[B, nb, 2, H, tiles, 16, C]`."""
+        b, h, s, d = k.shape
+        x = torch.stack([k, v], 1).reshape(b, 2, h, s // BLOCK_TOKENS, BLOCK_TOKENS, d)
+        return split_head(x).permute(0, 3, 1, 2, 4, 5, 6)
+
+    def _append_blocks(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Encode the complete blocks `k`, `v` `[B, H, nb * 16, D]` and append them to the block table."""
+        nb = k.shape[-2] // BLOCK_TOKENS
+        per_block = self.batch * 2 * self.num_kv_heads * self.tiles
+        step = max(1, ENCODE_MAX_TILES // max(per_block, 1))
+        self._table = _grow(self._table, self.n_blocks + nb, dim=1)
+        for b0 in range(0, nb, step):
+            b1 = min(nb, b0 + step)
+            t0, t1 = b0 * BLOCK_TOKENS, b1 * BLOCK_TOKENS
+            tiles = self._tiles(k[:, :, t0:t1], v[:, :, t0:t1])
+            enc = encode_tiles(tiles, self._base3, self._base4, self.layout.escape_capacity)
+            counts = torch.stack([(enc.modes == m).sum(-1, dtype=torch.int32) for m in range(3)], -1)
+            fits = enc.fits
+            slots = self._take("slot", int(fits.sum()))
+            raws = self._take("raw", int(fits.numel() - slots.numel()))
+            self._slot_pool[slots] = enc.slots[fits]
+            self._slot_modes[slots] = counts[fits]
+            self._raw_pool[raws] = tiles[~fits]
+            self._raw_modes[raws] = counts[~fits]
+            entries = torch.empty(fits.shape, dtype=torch.int32, device=self.device)
+            entries[fits] = slots.to(torch.int32)
+            entries[~fits] = (-1 - raws).to(torch.int32)
+            self._table[:, self.n_blocks + b0:self.n_blocks + b1] = entries
+        self.n_blocks += nb
+
+    def _decode_table(self, table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor) -> torch.Tensor:
+        """Table entries `[B, n, 2, H, tiles]` -> BF16 KV `[B, 2, H, n * 16, D]`, bit-exact."""
+        b, n, _, h, t = table.shape
+        out = torch.empty(*table.shape, BLOCK_TOKENS, self.channels, dtype=torch.bfloat16, device=table.device)
+        if n:
+            in_slot = table >= 0
+            idx = table[in_slot].long()
+            if idx.numel():
+                lead = (*table.shape, self.channels)
+                out[in_slot] = decode_tiles(slot_pool[idx], self._base3.expand(lead)[in_slot],
+                                            self._base4.expand(lead)[in_slot], self.channels)
+            raw = -1 - table[~in_slot].long()
+            if raw.numel():
+                out[~in_slot] = raw_pool[raw]
+        # [B, n, 2, H, tiles, 16, C] -> [B, 2, H, n, 16, D] -> [B, 2, H, n * 16, D]
+        out = merge_head(out.permute(0, 2, 3, 1, 4, 5, 6))
+        return out.reshape(b, 2, h, n * BLOCK_TOKENS, self.head_dim)
+
+    def _decode_blocks(self, b0: int, b1: int) -> torch.Tensor:
+        return self._decode_table(self._table[:, b0:b1], self._slot_pool, self._raw_pool)
+
+    def _expand(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full K, V `[B, H, S, D]` (finalized blocks decoded, then the tail)."""
+        kv = self._decode_blocks(0, self.n_blocks)
+        return torch.cat([kv[:, 0], self._tail_k], -2), torch.cat([kv[:, 1], self._tail_v], -2)
+
+    def compressed(self) -> CompressedKV:
+        """A `CompressedKV` snapshot of the current state."""
+        return CompressedKV(self, self._table[:, :self.n_blocks].clone(), self._tail_k, self._tail_v)
+
+    # --- CacheLayerMixin ------------------------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        _check_kv_dtype(key_states, value_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[0] != self.batch or key_states.shape[1:2] != self._tail_k.shape[1:2]:
+            raise ValueError(
+                f"layer {self.layer_idx} holds {self.batch} rows of {self.num_kv_heads} KV heads; got key states of "
+                f"shape {tuple(key_states.shape)} (reset() the cache before reusing it for another batch)")
+        q_len = key_states.shape[-2]
+        old_blocks = self.n_blocks
+        tail_k = torch.cat([self._tail_k, key_states], -2)
+        tail_v = torch.cat([self._tail_v, value_states], -2)
+        nb = tail_k.shape[-2] // BLOCK_TOKENS
+        if nb:
+            self._append_blocks(tail_k[:, :, :nb * BLOCK_TOKENS], tail_v[:, :, :nb * BLOCK_TOKENS])
+        self._tail_k = tail_k[:, :, nb * BLOCK_TOKENS:].clone()
+        self._tail_v = tail_v[:, :, nb * BLOCK_TOKENS:].clone()
+        if self.lazy and q_len == 1:
+            view = self.compressed()
+            return GAACLazyKV(view, 0), GAACLazyKV(view, 1)
+        # Expanded K/V: earlier blocks decoded; this update's blocks are still at hand (encoding is lossless).
+        kv = self._decode_blocks(0, old_blocks)
+        keys = torch.cat([kv[:, 0], tail_k], -2)
+        values = torch.cat([kv[:, 1], tail_v], -2)
+        return keys.to(key_states.dtype), values.to(value_states.dtype)
+
+    def get_seq_length(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return self.n_blocks * BLOCK_TOKENS + self.tail_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last `-tokens_to_remove` tokens; finalized blocks cut into come back to the tail as BF16."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                "Please use a negative integer to remove that number of tokens from the cache instead.")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        new_len = max(self.get_seq_length() + tokens_to_remove, 0)
+        fin = self.n_blocks * BLOCK_TOKENS
+        if new_len >= fin:
+            self._tail_k = self._tail_k[:, :, :new_len - fin].clone()
+            self._tail_v = self._tail_v[:, :, :new_len - fin].clone()
+            return
+        keep, rest = divmod(new_len, BLOCK_TOKENS)
+        if rest:
+            kv = self._decode_blocks(keep, keep + 1)
+            self._tail_k = kv[:, 0, :, :rest].clone()
+            self._tail_v = kv[:, 1, :, :rest].clone()
+        else:
+            self._tail_k = self._tail_k[:, :, :0].clone()
+            self._tail_v = self._tail_v[:, :, :0].clone()
+        self.n_blocks = keep
+        self._dirty = True
+
+    def _select_rows(self, index: torch.Tensor) -> None:
+        index = index.to(self.device)
+        self._table = self._table[:, :self.n_blocks].index_select(0, index)
+        self._tail_k = self._tail_k.index_select(0, index)
+        self._tail_v = self._tail_v.index_select(0, index)
+        self.batch = self._table.shape[0]
+        self._dirty = True
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: permute the rows' table entries and tails (finalized tiles are shared, not re-encoded)."""
+        if self.is_initialized:
+            self._select_rows(beam_idx.long())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._select_rows(torch.arange(self.batch, device=self.device).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._select_rows(torch.arange(self.batch, device=self.device)[indices])
+
+    def reset(self) -> None:
+        """Forget every token; the pools keep their capacity for reuse."""
+        self._clear()
+
+    # --- devices --------------------------------------------------------------------------------------------------
+    def _move(self, device) -> None:
+        for name in ("_slot_pool", "_raw_pool", "_slot_modes", "_raw_modes", "_table", "_tail_k", "_tail_v",
+                     "_free_slots", "_free_raws", "_base3", "_base4"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(device, non_blocking=True))
+
+    def offload(self) -> None:
+        if self.is_initialized:
+            self._move("cpu")
+
+    def prefetch(self) -> None:
+        if self.is_initialized and self.device is not None and self._table.device != torch.device(self.device):
+            self._move(self.device)
+
+    def to(self, device) -> "GAACLayer":
+        self.device = torch.device(device)
+        self._move(self.device)
+        return self
+
+    # --- accounting -----------------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Resident bytes per storage class, BF16-equivalent bytes, ratio and group-mode counts of this layer."""
+        tokens = self.get_seq_length()
+        out = {"layer": self.layer_idx, "rows": self.batch, "tokens": tokens, "blocks": self.n_blocks,
+               "tail_tokens": self.tail_length}
+        if not self.is_initialized:
+            out.update(slots=0, raw_tiles=0, bytes={"slots": 0, "raw": 0, "tail": 0, "block_table": 0, "total": 0},
+                       bf16_bytes=0, ratio=float("nan"), modes={m: 0 for m in MODE_NAMES},
+                       mode_shares={m: float("nan") for m in MODE_NAMES}, allocated_bytes={})
+            return out
+        live = self._table[:, :self.n_blocks].reshape(-1).long()
+        slots = torch.unique(live[live >= 0])
+        raws = torch.unique(-1 - live[live < 0])
+        modes = self._slot_modes[slots].sum(0, dtype=torch.int64) + self._raw_modes[raws].sum(0, dtype=torch.int64)
+        n_groups = int(modes.sum())
+        bytes_ = {
+            "slots": slots.numel() * self.layout.slot_bytes,
+            "raw": raws.numel() * self.layout.raw_bytes,
+            "tail": 2 * self._tail_k.numel() * self._tail_k.element_size(),
+            "block_table": self.batch * self.n_blocks * 2 * self.num_kv_heads * self.tiles * BLOCK_TABLE_ENTRY_BYTES,
+        }
+        bytes_["total"] = sum(bytes_.values())
+        bf16 = self.batch * tokens * 2 * self.num_kv_heads * self.head_dim * 2
+        counts = modes.tolist()
+        out.update(
+            slots=slots.numel(), raw_tiles=raws.numel(), bytes=bytes_, bf16_bytes=bf16,
+            ratio=bf16 / bytes_["total"] if bytes_["total"] else float("nan"),
+            modes={m: int(c) for m, c in zip(MODE_NAMES, counts)},
+            mode_shares={m: (int(c) / n_groups if n_groups else float("nan")) for m, c in zip(MODE_NAMES, counts)},
+            allocated_bytes={
+                "slot_pool": self._slot_pool.numel(), "raw_pool": self._raw_pool.numel() * 2,
+                "block_table": self._table.numel() * BLOCK_TABLE_ENTRY_BYTES},
+        )
+        return out
+
+
+class GAACCache(Cache):
+    """Lossless GAAC-compressed KV cache for `model.generate(..., cache=GAACCache(model.config, calibration))`.
+
+    Full-attention layers are GAAC-compressed (`GAACLayer`); the other layers are the stock transformers layers
+    `DynamicCache(config=config)` would build. `lazy` chooses what `update` returns for single-token steps:
+    `"auto"` (default) returns `GAACLazyKV` when the model runs the `"gaac"` attention, else expanded K/V;
+    `True`/`False` force it.
+
+    The calibration is checked against `config` (`CalibrationMismatchError`) before anything runs; BF16 KV only
+    (`TypeError` otherwise). Under sdpa/eager every step decodes all finalized tiles of every GAAC layer (the
+    expanded K/V are transient, so memory is saved but decode costs O(context) codec work per step); the `"gaac"`
+    attention decodes them chunk by chunk instead. Pass the cache empty to `generate` (like DynamicCache, it is not
+    expanded for `num_beams`/`num_return_sequences`); `reset()` it before reusing it for an unrelated prompt.
+    """
+
+    def __init__(self, config, calibration: GAACCalibration | str, *, lazy: bool | str = "auto",
+                 offloading: bool = False, offload_only_non_sliding: bool = False):
+        if not isinstance(calibration, GAACCalibration):
+            calibration = GAACCalibration.from_pretrained(calibration)
+        calibration.check_model(config)
+        if lazy not in ("auto", True, False):
+            raise ValueError(f"lazy must be 'auto', True or False, not {lazy!r}")
+        self.config = config
+        self.calibration = calibration
+        self.lazy = lazy
+        types, _ = layer_types_and_kwargs(config)
+        # The non-full-attention layers are exactly the ones DynamicCache(config=...) builds (same classes, same
+        # sliding windows), so sliding and hybrid models return the same K/V lengths as with DynamicCache.
+        stock = DynamicCache(config=config).layers
+        if len(stock) != len(types):
+            raise ValueError(f"DynamicCache built {len(stock)} layers for a config with {len(types)} layer types")
+        layers = [GAACLayer(calibration, i) if t == "full_attention" else stock[i] for i, t in enumerate(types)]
+        super().__init__(layers=layers, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_calibration, config, *, lazy: bool | str = "auto", **hub_kwargs) -> "GAACCache":
+        """Load a `GAACCalibration` (Hub repo id or local folder) and build the cache for a model `config`."""
+        calibration = GAACCalibration.from_pretrained(pretrained_calibration, **hub_kwargs)
+        return cls(config, calibration, lazy=lazy)
+
+    @property
+    def gaac_layers(self) -> list[int]:
+        return [i for i, layer in enumerate(self.layers) if isinstance(layer, GAACLayer)]
+
+    def _lazy_wanted(self) -> bool:
+        if self.lazy != "auto":
+            return bool(self.lazy)
+        impl = getattr(text_config(self.config), "_attn_implementation", None)
+        if impl is None:
+            impl = getattr(self.config, "_attn_implementation", None)
+        return impl == GAAC_ATTENTION_NAME
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        if isinstance(layer, GAACLayer):
+            layer.lazy = self._lazy_wanted()
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def to(self, device) -> "GAACCache":
+        """Move every layer's storage (GAAC pools, tables and tails; stock layers' keys/values) to `device`."""
+        for layer in self.layers:
+            if isinstance(layer, GAACLayer):
+                layer.to(device)
+            elif getattr(layer, "keys", None) is not None and isinstance(layer.keys, torch.Tensor):
+                layer.keys, layer.values = layer.keys.to(device), layer.values.to(device)
+                layer.device = torch.device(device)
+        return self
+
+    def stats(self) -> dict:
+        """Resident bytes per storage class, totals vs BF16, ratio and mode shares, per GAAC layer and overall.
+
+        `uncompressed_bytes` counts the stock (sliding-window) layers' BF16 keys/values, which GAAC leaves alone.
+        """
+        layers = {i: self.layers[i].stats() for i in self.gaac_layers}
+        keys = ("slots", "raw", "tail", "block_table", "total")
+        total = {k: sum(s["bytes"][k] for s in layers.values()) for k in keys}
+        bf16 = sum(s["bf16_bytes"] for s in layers.values())
+        modes = {m: sum(s["modes"][m] for s in layers.values()) for m in MODE_NAMES}
+        n_groups = sum(modes.values())
+        other = 0
+        for i, layer in enumerate(self.layers):
+            if i not in layers and isinstance(getattr(layer, "keys", None), torch.Tensor):
+                for t in (layer.keys, layer.values):
+                    other += t.numel() * t.element_size()
+        return {
+            "bytes": total,
+            "bf16_bytes": bf16,
+            "ratio": bf16 / total["total"] if total["total"] else float("nan"),
+            "saving": 1 - total["total"] / bf16 if bf16 else float("nan"),
+            "modes": modes,
+            "mode_shares": {m: (c / n_groups if n_groups else float("nan")) for m, c in modes.items()},
+            "slots": sum(s["slots"] for s in layers.values()),
+            "raw_tiles": sum(s["raw_tiles"] for s in layers.values()),
+            "uncompressed_bytes": other,
+            "layers": layers,
+        }
