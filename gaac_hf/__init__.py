@@ -1,5 +1,10 @@
-"""gaac-hf: lossless GAAC KV-cache compression for Hugging Face transformers."""
+"""gaac-hf: lossless GAAC KV-cache compression for Hugging Face transformers.
 
+Importing the package registers the `"gaac"` attention (and its mask function) with transformers.
+"""
+
+from .attention import gaac_attention_forward, gaac_decode_attention
+from .cache import GAACCache, GAACLayer
 from .calibration import CalibrationConfig, CalibrationMismatchError, CorruptArtifactError, GAACCalibration
 from .format import FORMAT_VERSION
 
@@ -8,5 +13,9 @@ __all__ = [
     "CalibrationConfig",
     "CalibrationMismatchError",
     "CorruptArtifactError",
+    "GAACCache",
     "GAACCalibration",
+    "GAACLayer",
+    "gaac_attention_forward",
+    "gaac_decode_attention",
 ]

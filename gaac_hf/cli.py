@@ -151,7 +151,8 @@ def main(argv=None) -> None:
 
     d = sub.add_parser("demo", help="the main job on the embedded default model")
     d.add_argument("--calibration", default=None, help="calibration folder or Hub id (default: the shipped one)")
-    d.add_argument("--prompt-tokens", type=int, default=1024)
+    d.add_argument("--prompt-words", type=int, default=250, help="words of licence text in the prompt")
+    d.add_argument("--new-tokens", type=int, default=32)
     d.set_defaults(func=cmd_demo)
 
     args = p.parse_args(argv)

@@ -1,4 +1,5 @@
-"""The main job on the embedded default model: real KV through the GAAC codec, checked bit for bit."""
+"""The main job on the embedded default model: generate with GAACCache, check it against DynamicCache bit for bit,
+and show the memory saved."""
 
 from __future__ import annotations
 
@@ -7,47 +8,61 @@ import time
 import torch
 
 
-def run_demo(args) -> None:
-    from .calibrate import complete_blocks, tile_bases
-    from .calibration import GAACCalibration
-    from .capture import capture_kv
-    from .cli import shipped_calibration
-    from .codec import decode_tiles, encode_tiles
-    from .corpus import sample_text, token_prompts
-    from .default_model import load_default_model
-    from .format import BLOCK_TABLE_ENTRY_BYTES, TileLayout
+def cache_kwarg(model) -> str:
+    """`cache` on transformers >= 5.2x, `past_key_values` before."""
+    import inspect
 
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def run_demo(args) -> None:
+    from transformers import DynamicCache
+
+    from .cache import GAACCache
+    from .cli import shipped_calibration
+    from .corpus import sample_text
+    from .default_model import load_default_model
+
+    torch.manual_seed(0)
     t0 = time.time()
     model, tokenizer = load_default_model()
-    calibration = GAACCalibration.from_pretrained(str(args.calibration or shipped_calibration()))
-    calibration.check_model(model.config)
-    cfg = calibration.config
-    print(f"model {model.config.name_or_path}: {cfg.num_hidden_layers} layers, {cfg.num_kv_heads} KV heads, "
-          f"head_dim {cfg.head_dim}; calibration: {cfg.corpus_tokens} tokens of {cfg.corpus}")
+    calibration = str(args.calibration or shipped_calibration())
+    text = sample_text().text
+    words = " ".join(text.split()[: args.prompt_words])
+    messages = [{"role": "user", "content": f"Here is a licence text:\n\n{words}\n\nSummarize it in two sentences."}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True)
+    n_prompt = inputs["input_ids"].shape[1]
+    kw = dict(max_new_tokens=args.new_tokens, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    name = cache_kwarg(model)
 
-    text = sample_text()
-    prompt = token_prompts(tokenizer, text.text, args.prompt_tokens, 1)[0]
-    kv = capture_kv(model, prompt)  # [L, 2, H, T, D], as DynamicCache stores it
-    print(f"captured the KV cache of a {prompt.numel()}-token prompt ({text.description})")
+    t = time.time()
+    ref = model.generate(**inputs, **kw, **{name: DynamicCache(config=model.config)})
+    t_ref = time.time() - t
+    cache = GAACCache.from_pretrained(calibration, config=model.config)  # validates the calibration first
+    t = time.time()
+    out = model.generate(**inputs, **kw, **{name: cache})
+    t_gaac = time.time() - t
 
-    tiles = complete_blocks(kv)  # [L, 2, H, blocks, tiles, 16, C]
-    b3, b4 = tile_bases(calibration.base3).unsqueeze(3), tile_bases(calibration.base4).unsqueeze(3)
-    enc = encode_tiles(tiles, b3, b4, cfg.escape_capacity)
-    decoded = decode_tiles(enc.slots, b3, b4, cfg.tile_channels)
-    exact = torch.where(enc.fits[..., None, None], decoded.view(torch.int16), tiles.view(torch.int16))
-    assert torch.equal(exact, tiles.view(torch.int16)), "GAAC round trip is not bit-exact"
-    lossless = torch.equal(decoded.view(torch.int16)[enc.fits], tiles.view(torch.int16)[enc.fits])
-
-    layout = TileLayout(cfg.tile_channels, cfg.escape_capacity)
-    n_tiles = enc.fits.numel()
-    n_slot = int(enc.fits.sum())
-    bf16_bytes = n_tiles * layout.raw_bytes
-    gaac_bytes = n_slot * layout.slot_bytes + (n_tiles - n_slot) * layout.raw_bytes + n_tiles * BLOCK_TABLE_ENTRY_BYTES
-    modes = torch.bincount(enc.modes.reshape(-1).long(), minlength=3).double()
-    modes = modes / modes.sum()
-    print(f"lossless check: {n_slot} of {n_tiles} tiles in slots, every bit of every value identical: {lossless}")
-    print(f"groups: 3-bit {100 * modes[0]:.2f}%, 4-bit {100 * modes[1]:.2f}%, raw {100 * modes[2]:.2f}%")
-    print(f"KV of finalized blocks: BF16 {bf16_bytes / 2**20:.2f} MiB -> GAAC {gaac_bytes / 2**20:.2f} MiB "
-          f"({8 * gaac_bytes / (n_tiles * layout.elements):.3f} bit/element, "
-          f"{100 * (1 - gaac_bytes / bf16_bytes):.1f}% saved, ratio {bf16_bytes / gaac_bytes:.3f}x)")
+    same_tokens = torch.equal(out.sequences, ref.sequences)
+    same_scores = len(out.scores) == len(ref.scores) and all(
+        torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(out.scores, ref.scores))
+    reply = tokenizer.decode(out.sequences[0, n_prompt:], skip_special_tokens=True)
+    stats = cache.stats()
+    b = stats["bytes"]
+    print(f"model: {model.config.name_or_path} (BF16 from the 4-bit GGUF), calibration: {calibration}")
+    print(f"prompt: {n_prompt} tokens; generated {out.sequences.shape[1] - n_prompt} tokens "
+          f"(DynamicCache {t_ref:.1f} s, GAACCache {t_gaac:.1f} s on this CPU)")
+    print(f"reply: {reply.strip()}")
+    print(f"lossless check vs DynamicCache: tokens identical: {same_tokens}; "
+          f"every logit bit identical: {same_scores}")
+    print(f"KV cache at {stats['layers'][0]['tokens']} tokens: DynamicCache {stats['bf16_bytes'] / 2**20:.2f} MiB, "
+          f"GAACCache {b['total'] / 2**20:.2f} MiB (slots {b['slots'] / 2**20:.2f}, raw {b['raw'] / 2**20:.2f}, "
+          f"tail {b['tail'] / 2**20:.2f}, block table {b['block_table'] / 2**20:.3f}): "
+          f"{100 * stats['saving']:.1f}% saved, ratio {stats['ratio']:.3f}x")
+    shares = stats["mode_shares"]
+    print(f"groups: 3-bit {100 * shares['3-bit']:.2f}%, 4-bit {100 * shares['4-bit']:.2f}%, "
+          f"raw {100 * shares['raw']:.2f}%; {stats['raw_tiles']} raw tiles of {stats['raw_tiles'] + stats['slots']}")
     print(f"done in {time.time() - t0:.0f} s")
+    if not (same_tokens and same_scores):
+        raise SystemExit("GAACCache output differs from DynamicCache: lossless contract broken")
