@@ -49,3 +49,15 @@ def test_stored_kv_is_bit_identical_to_dynamic_cache(prefilled_4k, smollm2, samp
         got_v = cache.layers[layer].values[:, :, :1024]
         assert torch.equal(got_k.view(torch.int16), ref.layers[layer].keys.view(torch.int16))
         assert torch.equal(got_v.view(torch.int16), ref.layers[layer].values.view(torch.int16))
+
+
+def test_stats_plot(prefilled_4k, tmp_path):
+    from gaac_hf.plot import plot_stats
+
+    _, cache = prefilled_4k
+    fig = plot_stats(cache.stats(), tmp_path / "stats.png")
+    assert (tmp_path / "stats.png").stat().st_size > 10_000
+    bars = fig.axes[0].patches
+    assert len(bars) == 4 * len(cache.gaac_layers)  # one bar per storage class and layer
+    total = sum(b.get_height() for b in bars)
+    assert abs(total - cache.stats()["bytes"]["total"] / 2**20) < 1e-6
