@@ -119,12 +119,12 @@ def size_summary(escapes: torch.Tensor, channels: int, capacity: int) -> SizeSum
     return SizeSummary(codec, resident, (escapes > capacity).double().mean().item())
 
 
-def calibrate_from_captures(captures, escape_captures=None) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+def calibrate_from_captures(captures) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """Windows and escape capacity from captured KV.
 
     `captures` is a callable returning a fresh iterator of `[L, 2, H, T, D]` captures (it is walked twice: once
     for the exponent histograms, once for the escape bytes under the chosen windows).
-    Returns `(base3, base4, escape_capacity, hist)`.
+    Returns `(base3, base4, escape_capacity, escapes)`, `escapes` being every calibration tile's escape bytes.
     """
     hist = None
     for kv in captures():
@@ -135,7 +135,7 @@ def calibrate_from_captures(captures, escape_captures=None) -> tuple[torch.Tenso
     base3, base4 = windows_from_histogram(hist)
     escapes = torch.cat([tile_escape_bytes(kv, base3, base4).reshape(-1) for kv in captures()])
     channels = tile_split(base3.shape[-1])[1]
-    return base3, base4, choose_escape_capacity(escapes, channels), hist
+    return base3, base4, choose_escape_capacity(escapes, channels), escapes
 
 
 def calibrate(model, prompts: list[torch.Tensor], corpus: str, store: str | None = None,
@@ -158,8 +158,7 @@ def calibrate(model, prompts: list[torch.Tensor], corpus: str, store: str | None
         def captures():
             return capture_corpus(model, prompts, chunk_tokens=chunk_tokens, store=folder, desc="read KV")
 
-        base3, base4, capacity, _ = calibrate_from_captures(captures)
-        escapes = torch.cat([tile_escape_bytes(kv, base3, base4).reshape(-1) for kv in captures()])
+        base3, base4, capacity, escapes = calibrate_from_captures(captures)
     summary = size_summary(escapes, tile_split(geometry.head_dim)[1], capacity)
     cfg = text_config(model.config)
     config = CalibrationConfig(
