@@ -133,7 +133,7 @@ def encode_tiles(x: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, esca
     code = (to_groups(exponent) - _bases(mode, base3, base4, exponent.shape)) & 0xFF  # [..., G, 8]
     planes = torch.stack([_pack_bits((code >> p) & 1) for p in range(8)], -2)  # [..., 8, G]
     tags = torch.stack([(mode >= MODE_4BIT), (mode == MODE_RAW)], -2)  # [..., 2, G]
-    tags = _pack_bits(tags.reshape(*lead, 2, layout.tag_plane_bytes, 8)).reshape(*lead, -1)
+    tags = _pack_bits(tags.reshape(*lead, 2, layout.tag_plane_bytes, 8)).reshape(*lead, 2 * layout.tag_plane_bytes)
 
     offsets, weights = _escape_offsets(mode)
     total = weights.sum(-1)
@@ -142,9 +142,10 @@ def encode_tiles(x: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, esca
     dump = max(5 * layout.groups, escape_capacity)  # every escape byte of a tile lies below this index
     index = torch.where(k < weights.unsqueeze(-1), offsets.unsqueeze(-1) + k, dump)
     area = torch.zeros(*lead, dump + 1, dtype=torch.int32, device=x.device)
-    area.scatter_(-1, index.reshape(*lead, -1).long(), values.reshape(*lead, -1))
+    area.scatter_(-1, index.reshape(*lead, 5 * layout.groups).long(), values.reshape(*lead, 5 * layout.groups))
     slots = torch.cat(
-        [signmant.reshape(*lead, -1), planes[..., :CODE_PLANES_IN_STREAM, :].reshape(*lead, -1), tags,
+        [signmant.reshape(*lead, layout.elements),
+         planes[..., :CODE_PLANES_IN_STREAM, :].reshape(*lead, CODE_PLANES_IN_STREAM * layout.groups), tags,
          area[..., :escape_capacity]], -1).to(torch.uint8)
     return EncodedTiles(slots, total <= escape_capacity, total, mode)
 
@@ -159,7 +160,7 @@ def decode_tiles(slots: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, 
     s = slots.to(torch.int32)
     signmant = s[..., :layout.planes_offset].reshape(*lead, BLOCK_TOKENS, channels)
     planes = s[..., layout.planes_offset:layout.tags_offset].reshape(*lead, CODE_PLANES_IN_STREAM, layout.groups)
-    tags = _unpack_bits(s[..., layout.tags_offset:layout.escape_offset].reshape(*lead, 2, -1)).reshape(
+    tags = _unpack_bits(s[..., layout.tags_offset:layout.escape_offset].reshape(*lead, 2, layout.tag_plane_bytes)).reshape(
         *lead, 2, layout.groups)
     wide, raw = tags[..., 0, :], tags[..., 1, :]
     if bool((raw > wide).any()):
@@ -172,7 +173,7 @@ def decode_tiles(slots: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, 
     code = sum(_unpack_bits(planes[..., p, :]) << p for p in range(CODE_PLANES_IN_STREAM))  # [..., G, 8]
     area = torch.nn.functional.pad(s[..., layout.escape_offset:], (0, 5))
     k = torch.arange(5, device=slots.device, dtype=torch.int32)
-    index = (offsets.unsqueeze(-1) + k).clamp(max=escape_capacity + 4).reshape(*lead, -1).long()
+    index = (offsets.unsqueeze(-1) + k).clamp(max=escape_capacity + 4).reshape(*lead, 5 * layout.groups).long()
     values = torch.gather(area, -1, index).reshape(*lead, layout.groups, 5)
     values = torch.where(k < weights.unsqueeze(-1), values, 0)
     for j in range(5):

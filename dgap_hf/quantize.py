@@ -1,0 +1,222 @@
+"""Packed low-bit group quantizers for KV caches (the low-bit side that DGAP repairs).
+
+Grouping (KIVI-style):
+
+* **keys per channel**: for every (row, kv-head, channel), groups of `G` consecutive *tokens* share one scale and
+  zero-point. `quantize_keys` takes `[B, H, S, D]` with `S % G == 0` and stores codes `[B, H, S/G, D, G*bits/8]`
+  and statistics `[B, H, S/G, D]`.
+* **values per token**: for every (row, kv-head, token), groups of `G` consecutive *channels*. `quantize_values`
+  takes `[B, H, S, D]` with `D % G == 0` and stores codes `[B, H, S, D/G, G*bits/8]` and statistics `[B, H, S, D/G]`.
+
+Both append along dim 2, so a cache grows by concatenation and never requantizes what it stored.
+
+Codes are packed little-end first into uint8 (8, 4, 2 or 1 codes per byte for 1, 2, 4 or 8 bits). The two per-group
+statistics are stored in BF16. Modes:
+
+* `"minmax"` (any bit width): asymmetric, `x ~ zero + q * scale`, `q` in `[0, 2^b - 1]`. The BF16 statistics are
+  rounded *outward* (zero-point down, scale up), so the quantization grid always covers `[min, max]` of the group
+  and the round trip is bounded by
+
+      |x - x_hat| <= scale / 2,     scale <= (max - min + 2^-7 |min|) * (1 + 2^-7) / (2^b - 1)
+
+  (plus the rounding of the output dtype: 2^-9 |x| relative for BF16, about 1e-7 relative for float32).
+  `minmax_error_bound` returns `scale / 2` per stored group, `minmax_error_bound_from_range` the a priori bound
+  from the group's min and max; as a fraction of the range, when `|min| << max - min`, that is
+  `relative_error_bound(bits)` = 0.504, 0.168, 0.0336, 0.00198 for 1, 2, 4, 8 bits.
+* `"sign"` (1 bit only): the bit is `x >= mean`, the statistics are the group mean `mu` and mean absolute deviation
+  `a = mean|x - mu|`, and `x_hat = mu +/- a`. With exact statistics the group's mean squared error is exactly
+  `var - a^2` (so never worse than replacing the group by its mean, and `(1 - 2/pi) var ~ 0.363 var` for Gaussian
+  data), whereas 1-bit min/max puts the two levels at the extremes of the group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+BITS = (1, 2, 4, 8)
+ONE_BIT_MODES = ("sign", "minmax")
+STAT_DTYPE = torch.bfloat16
+_BF16_EPS = 2.0 ** -7  # spacing of BF16 values in [1, 2)
+
+
+def check_bits(bits: int, what: str = "bits") -> int:
+    if bits not in BITS:
+        raise ValueError(f"{what} must be one of {BITS}, not {bits!r}")
+    return int(bits)
+
+
+def minmax_error_bound_from_range(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> torch.Tensor:
+    """A priori bound on `|x - x_hat|` of `"minmax"` mode for a group with minimum `lo` and maximum `hi`:
+    `(hi - lo + 2^-7 |lo|) * (1 + 2^-7) / (2 (2^b - 1))` (before output-dtype rounding)."""
+    levels = 2 ** check_bits(bits) - 1
+    lo, hi = lo.float(), hi.float()
+    return (hi - lo + _BF16_EPS * lo.abs()) * (1 + _BF16_EPS) / (2 * levels) * (1 + 1e-6) + 1e-30
+
+
+def relative_error_bound(bits: int) -> float:
+    """`minmax_error_bound_from_range / (hi - lo)` for groups with `|lo| << hi - lo`."""
+    return 0.5 / (2 ** check_bits(bits) - 1) * (1 + _BF16_EPS)
+
+
+# --- packing ---------------------------------------------------------------------------------------------------------
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes `[..., n]` (each < 2^bits) -> packed uint8 `[..., n * bits / 8]`; code `i` of a byte sits at bit
+    `i * bits`."""
+    check_bits(bits)
+    if bits == 8:
+        return codes.to(torch.uint8).contiguous()
+    per = 8 // bits
+    n = codes.shape[-1]
+    if n % per:
+        raise ValueError(f"cannot pack {n} codes of {bits} bits into whole bytes")
+    c = codes.to(torch.int32).reshape(*codes.shape[:-1], n // per, per)
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=codes.device)
+    return (c << shifts).sum(-1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `pack_bits`: uint8 `[..., m]` -> uint8 codes `[..., m * 8 / bits]`."""
+    check_bits(bits)
+    if bits == 8:
+        return packed
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device)
+    c = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & (2 ** bits - 1)
+    return c.reshape(*packed.shape[:-1], -1).to(torch.uint8)
+
+
+# --- BF16 outward rounding ------------------------------------------------------------------------------------------
+def _bf16_down(x: torch.Tensor) -> torch.Tensor:
+    b = x.to(STAT_DTYPE)
+    return torch.where(b.float() > x, torch.nextafter(b, torch.full_like(b, -float("inf"))), b)
+
+
+def _bf16_up(x: torch.Tensor) -> torch.Tensor:
+    b = x.to(STAT_DTYPE)
+    return torch.where(b.float() < x, torch.nextafter(b, torch.full_like(b, float("inf"))), b)
+
+
+# --- groups ----------------------------------------------------------------------------------------------------------
+@dataclass
+class QuantizedGroups:
+    """Packed codes plus BF16 statistics of groups of `group_size` elements.
+
+    `packed` is uint8 `[*lead, group_size * bits / 8]`; `scale` and `zero` are BF16 `[*lead]`. In `"sign"` mode
+    `scale` holds the mean absolute deviation and `zero` the mean.
+    """
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+    mode: str
+    group_size: int
+
+    _TENSORS = ("packed", "scale", "zero")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self._TENSORS)
+
+    @property
+    def packed_bytes(self) -> int:
+        return self.packed.numel()
+
+    @property
+    def stat_bytes(self) -> int:
+        return self.scale.numel() * self.scale.element_size() + self.zero.numel() * self.zero.element_size()
+
+    def map(self, fn) -> "QuantizedGroups":
+        """Apply `fn` to each tensor (they share their leading dims)."""
+        return replace(self, **{n: fn(getattr(self, n)) for n in self._TENSORS})
+
+    def cat(self, other: "QuantizedGroups", dim: int) -> "QuantizedGroups":
+        if (other.bits, other.mode, other.group_size) != (self.bits, self.mode, self.group_size):
+            raise ValueError("cannot concatenate groups of different formats")
+        return replace(self, **{n: torch.cat([getattr(self, n), getattr(other, n)], dim) for n in self._TENSORS})
+
+    def to(self, device) -> "QuantizedGroups":
+        return self.map(lambda t: t.to(device, non_blocking=True))
+
+
+def quantize_groups(x: torch.Tensor, bits: int, mode: str = "minmax") -> QuantizedGroups:
+    """Quantize the last dim of `x` (one group) to `bits` bits. `mode="sign"` needs `bits == 1`."""
+    check_bits(bits)
+    if mode not in ONE_BIT_MODES:
+        raise ValueError(f"mode must be one of {ONE_BIT_MODES}, not {mode!r}")
+    if mode == "sign" and bits != 1:
+        raise ValueError("sign mode is a 1-bit quantizer")
+    g = x.shape[-1]
+    xf = x.float()
+    if mode == "sign":
+        mu = xf.mean(-1, keepdim=True).to(STAT_DTYPE)
+        mad = (xf - mu.float()).abs().mean(-1, keepdim=True).to(STAT_DTYPE)
+        codes = (xf >= mu.float()).to(torch.uint8)
+        return QuantizedGroups(pack_bits(codes, 1), mad.squeeze(-1), mu.squeeze(-1), 1, mode, g)
+    levels = 2 ** bits - 1
+    lo = xf.amin(-1, keepdim=True)
+    hi = xf.amax(-1, keepdim=True)
+    zero = _bf16_down(lo)
+    scale = _bf16_up((hi - zero.float()) / levels)
+    s = scale.float()
+    codes = torch.round((xf - zero.float()) / torch.where(s > 0, s, torch.ones_like(s))).clamp_(0, levels)
+    return QuantizedGroups(pack_bits(codes.to(torch.uint8), bits), scale.squeeze(-1), zero.squeeze(-1), bits, mode, g)
+
+
+def dequantize_groups(q: QuantizedGroups, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`QuantizedGroups` -> values `[*lead, group_size]` in `dtype` (computed in float32)."""
+    codes = unpack_bits(q.packed, q.bits).float()
+    s = q.scale.float().unsqueeze(-1)
+    z = q.zero.float().unsqueeze(-1)
+    if q.mode == "sign":
+        out = z + (2 * codes - 1) * s
+    else:
+        out = z + codes * s
+    return out.to(dtype)
+
+
+def minmax_error_bound(q: QuantizedGroups) -> torch.Tensor:
+    """Per-group bound on `|x - x_hat|` for `"minmax"` groups (float32 `[*lead]`, before output-dtype rounding)."""
+    if q.mode != "minmax":
+        raise ValueError("the worst-case bound is for minmax groups; sign mode has the MSE identity var - MAD^2")
+    return q.scale.float() / 2
+
+
+# --- KV layouts ------------------------------------------------------------------------------------------------------
+def quantize_keys(k: torch.Tensor, bits: int, group_size: int, one_bit_mode: str = "sign") -> QuantizedGroups:
+    """Keys `[B, H, S, D]` (`S % group_size == 0`), per channel over groups of `group_size` tokens.
+
+    Codes `[B, H, S/G, D, G*bits/8]`, statistics `[B, H, S/G, D]`."""
+    b, h, s, d = k.shape
+    if s % group_size:
+        raise ValueError(f"keys are quantized in whole groups of {group_size} tokens, got {s} tokens")
+    x = k.reshape(b, h, s // group_size, group_size, d).transpose(-1, -2)
+    return quantize_groups(x, bits, one_bit_mode if bits == 1 else "minmax")
+
+
+def dequantize_keys(q: QuantizedGroups, dtype: torch.dtype) -> torch.Tensor:
+    x = dequantize_groups(q, dtype)  # [B, H, n, D, G]
+    b, h, n, d, g = x.shape
+    return x.transpose(-1, -2).reshape(b, h, n * g, d)
+
+
+def quantize_values(v: torch.Tensor, bits: int, group_size: int, one_bit_mode: str = "sign") -> QuantizedGroups:
+    """Values `[B, H, S, D]` (`D % group_size == 0`), per token over groups of `group_size` channels.
+
+    Codes `[B, H, S, D/G, G*bits/8]`, statistics `[B, H, S, D/G]`."""
+    b, h, s, d = v.shape
+    if d % group_size:
+        raise ValueError(f"values are quantized in groups of {group_size} channels; head_dim {d} is not a multiple")
+    x = v.reshape(b, h, s, d // group_size, group_size)
+    return quantize_groups(x, bits, one_bit_mode if bits == 1 else "minmax")
+
+
+def dequantize_values(q: QuantizedGroups, dtype: torch.dtype) -> torch.Tensor:
+    x = dequantize_groups(q, dtype)  # [B, H, S, D/G, G]
+    b, h, s, n, g = x.shape
+    return x.reshape(b, h, s, n * g)
+
+
+def packed_bytes_per_group(bits: int, group_size: int) -> int:
+    return group_size * check_bits(bits) // 8

@@ -1,0 +1,108 @@
+"""Triton kernels against the torch reference codec, on the CPU under TRITON_INTERPRET=1 (small shapes) and on
+CUDA (large shapes, marked gpu)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton_ops is imported
+triton = pytest.importorskip("triton")
+
+from triton_cases import compress_kv, realistic_kv  # noqa: E402
+
+from gaac_hf.codec import decode_tiles  # noqa: E402
+from triton_ops.gaac_attention import gaac_decode_attention, plain_decode_attention  # noqa: E402
+from triton_ops.gaac_decode import gaac_decode  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def bits(x):
+    return x.view(torch.int16)
+
+
+@pytest.mark.parametrize("d, kind, capacity", [(64, "mixed", 32), (128, "mixed", 16), (256, "mixed", 48),
+                                               (64, "raw", 1280), (64, "4bit", 256), (128, "mixed", 0)])
+def test_decode_kernel_is_bit_exact(d, kind, capacity):
+    gen = torch.Generator().manual_seed(d + capacity)
+    k, v, b3, b4 = realistic_kv(2, 2, 48, d, gen, kind)
+    slot_pool, raw_pool, table, _, _, fits = compress_kv(k, v, b3, b4, capacity)
+    c = min(d, 128)
+    period = table.shape[2] * table.shape[3] * table.shape[4]
+    out = gaac_decode(table.reshape(*table.shape[:2], period).to(DEVICE), slot_pool.to(DEVICE), raw_pool.to(DEVICE),
+                      b3.reshape(period, c).to(DEVICE), b4.reshape(period, c).to(DEVICE)).cpu()
+    # the reference: decode every slot tile with the torch codec, raw tiles as they are
+    ref = torch.empty_like(out.reshape(-1, 16, c))
+    flat = table.reshape(-1)
+    bb3 = b3.reshape(1, period, c).expand(flat.numel() // period, period, c).reshape(-1, c)
+    bb4 = b4.reshape(1, period, c).expand(flat.numel() // period, period, c).reshape(-1, c)
+    s = flat >= 0
+    if s.any():
+        ref[s] = decode_tiles(slot_pool[flat[s].long()], bb3[s], bb4[s], c)
+    ref[~s] = raw_pool[(-1 - flat[~s]).long()]
+    assert torch.equal(bits(out.reshape(-1, 16, c)), bits(ref))
+    if kind == "raw":
+        assert fits.all()  # raw groups, but the slot holds their escapes
+
+
+def attention_case(b, h, nrep, s, d, kind, capacity, seed, pad=0):
+    gen = torch.Generator().manual_seed(seed)
+    k, v, b3, b4 = realistic_kv(b, h, s, d, gen, kind)
+    slot_pool, raw_pool, table, tk, tv, fits = compress_kv(k, v, b3, b4, capacity)
+    q = torch.randn(b, h * nrep, d, generator=gen).to(torch.bfloat16)
+    mask = None
+    if pad:
+        mask = torch.ones(b, s, dtype=torch.bool)
+        mask[0, :pad] = False
+    to = lambda x: None if x is None else x.to(DEVICE)  # noqa: E731
+    return [to(x) for x in (q, k, v, slot_pool, raw_pool, table, tk, tv, b3, b4, mask)], fits
+
+
+def reference_attention(q, k, v, mask, scale):
+    nrep = q.shape[1] // k.shape[1]
+    kk = k.double().repeat_interleave(nrep, 1)
+    vv = v.double().repeat_interleave(nrep, 1)
+    sc = torch.einsum("bhd,bhsd->bhs", q.double(), kk) * scale
+    if mask is not None:
+        sc = sc.masked_fill(~mask[:, None, :], float("-inf"))
+    return torch.einsum("bhs,bhsd->bhd", sc.softmax(-1), vv)
+
+
+CPU_CASES = [  # (batch, kv heads, query heads per kv head, tokens, head_dim, mode mix, capacity, left pad)
+    (1, 1, 1, 1, 64, "mixed", 32, 0),
+    (2, 2, 3, 15, 64, "mixed", 32, 3),
+    (1, 2, 4, 17, 128, "mixed", 16, 0),
+    (2, 1, 2, 67, 64, "raw", 1280, 5),
+    (1, 1, 9, 50, 64, "4bit", 256, 0),
+    (1, 1, 2, 40, 256, "mixed", 48, 0),
+    (2, 3, 3, 100, 64, "mixed", 0, 7),
+]
+
+
+@pytest.mark.parametrize("case", CPU_CASES)
+def test_fused_attention_compressed_equals_plain(case):
+    b, h, nrep, s, d, kind, cap, pad = case
+    (q, k, v, sp, rp, tab, tk, tv, b3, b4, mask), _ = attention_case(b, h, nrep, s, d, kind, cap, sum(case[:5]), pad)
+    scale = d ** -0.5
+    for splits in (1, 3):
+        got = gaac_decode_attention(q, sp, rp, tab, tk, tv, b3, b4, scale, mask, num_splits=splits,
+                                    blocks_per_iter=2)
+        plain = plain_decode_attention(q, k, v, scale, mask, num_splits=splits, blocks_per_iter=2)
+        assert torch.equal(bits(got), bits(plain)), "reconstruction changed the attention output"
+    ref = reference_attention(q.cpu(), k.cpu(), v.cpu(), None if mask is None else mask.cpu(), scale)
+    err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
+    assert err < 1e-2, err
+
+
+@gpu
+@pytest.mark.parametrize("s", [1, 15, 17, 1000, 65537])
+def test_fused_attention_large_on_gpu(s):
+    (q, k, v, sp, rp, tab, tk, tv, b3, b4, mask), _ = attention_case(2, 8, 4, s, 128, "mixed", 32, s, pad=1)
+    got = gaac_decode_attention(q, sp, rp, tab, tk, tv, b3, b4, 128 ** -0.5, mask)
+    plain = plain_decode_attention(q, k, v, 128 ** -0.5, mask)
+    assert torch.equal(bits(got), bits(plain))
+    ref = reference_attention(q.cpu(), k.cpu(), v.cpu(), mask.cpu(), 128 ** -0.5)
+    assert ((got.cpu().double() - ref).norm() / ref.norm()).item() < 1e-2

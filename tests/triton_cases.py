@@ -1,0 +1,44 @@
+"""Builders shared by the Triton op tests: GAAC-compressed KV in the cache's storage classes."""
+
+import torch
+
+from gaac_hf.codec import encode_tiles, split_head
+
+
+def compress_kv(k: torch.Tensor, v: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, capacity: int):
+    """Plain K/V `[B, H, S, D]` -> (slot_pool, raw_pool, table `[B, n, 2, H, tiles]`, tail_k, tail_v, fits)."""
+    b, h, s, d = k.shape
+    c = min(d, 128)
+    n = s // 16
+    kv = torch.stack([k, v], 2)[:, :, :, : n * 16]  # [B, H, 2, n*16, D]
+    tiles = split_head(kv.reshape(b, h, 2, n, 16, d).permute(0, 3, 2, 1, 4, 5))  # [B, n, 2, H, tiles, 16, C]
+    shape = (2, h, d // c, c)
+    enc = encode_tiles(tiles, base3.reshape(shape), base4.reshape(shape), capacity)
+    fits = enc.fits
+    slot_pool = enc.slots[fits]
+    raw_pool = tiles[~fits]
+    if slot_pool.shape[0] == 0:
+        slot_pool = torch.zeros(1, enc.slots.shape[-1], dtype=torch.uint8)
+    if raw_pool.shape[0] == 0:
+        raw_pool = torch.zeros(1, 16, c, dtype=torch.bfloat16)
+    table = torch.empty(fits.shape, dtype=torch.int32)
+    table[fits] = torch.arange(int(fits.sum()), dtype=torch.int32)
+    table[~fits] = -1 - torch.arange(int((~fits).sum()), dtype=torch.int32)
+    return slot_pool, raw_pool, table, k[:, :, n * 16:], v[:, :, n * 16:], fits
+
+
+def realistic_kv(b, h, s, d, gen, kind="mixed"):
+    """K/V with per-channel magnitudes (like real keys), and bases that give the requested mode mix."""
+    scale = torch.exp2(torch.randint(-3, 4, (1, h, 1, d), generator=gen).float())
+    k = (torch.randn(b, h, s, d, generator=gen) * scale).to(torch.bfloat16)
+    v = torch.randn(b, h, s, d, generator=gen).to(torch.bfloat16)
+    from gaac_hf.calibrate import exponent_histogram, windows_from_histogram
+
+    hist = exponent_histogram(torch.stack([k, v], 1).transpose(0, 1).reshape(1, 2, h, b * s, d))
+    base3, base4 = windows_from_histogram(hist[0])  # [2, H, D]
+    if kind == "raw":  # windows far from the data: every group raw
+        base3 = torch.full_like(base3, 10)
+        base4 = torch.full_like(base4, 10)
+    elif kind == "4bit":  # 3-bit window useless, 4-bit window centred: 4-bit (or raw) groups
+        base3 = torch.full_like(base3, 10)
+    return k, v, base3, base4

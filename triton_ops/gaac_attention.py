@@ -1,0 +1,257 @@
+"""Fused split-K decode attention over GAAC-compressed KV (slots + raw tiles + BF16 tail), and the same kernel over
+plain BF16 KV (the lossless reference: identical math after the tile load, so identical bits).
+
+Grid: (batch x kv-head, split). A program reads each KV tile once for all query heads of its GQA group, reconstructs
+BF16 in registers (`tile.load_kv_rows`), and keeps an fp32 online softmax; a second kernel combines the splits.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .tile import load_kv_rows
+
+BLOCK = 16
+# Triton's CPU interpreter multiplies BF16 operands of tl.dot as raw integers (seen with triton 3.9), so under
+# TRITON_INTERPRET=1 the products run in fp32 instead; on a GPU they are BF16 tensor-core products.
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _tile_rows(slot_ptr, raw_ptr, table_ptr, kv_ptr, tail_ptr, b3_ptr, b4_ptr,
+               b, hk, blk, t, valid, IN_TAIL: tl.constexpr, c, KV: tl.constexpr, TILE: tl.constexpr,
+               s_tb, s_tn, s_tkv, s_th, s_kb, s_kh, s_kt, s_ab, s_ah, s_at, H_KV,
+               C: tl.constexpr, TILES: tl.constexpr, SLOT_BYTES: tl.constexpr, PLAIN: tl.constexpr):
+    """BF16 rows `[R, C]` of tile TILE of K (KV=0) or V (KV=1) for token rows (block `blk`, token `t`)."""
+    D: tl.constexpr = C * TILES
+    if PLAIN:
+        pos = blk * 16 + t
+        ptrs = kv_ptr + b.to(tl.int64) * s_kb + hk * s_kh + pos.to(tl.int64)[:, None] * s_kt + TILE * C + c[None, :]
+        rows = tl.load(ptrs, mask=valid[:, None], other=0.0)
+    else:
+        if IN_TAIL:
+            ptrs = tail_ptr + b.to(tl.int64) * s_ab + hk * s_ah + t.to(tl.int64)[:, None] * s_at + TILE * C + c[None, :]
+            rows = tl.load(ptrs, mask=valid[:, None], other=0.0)
+        else:
+            entry = tl.load(table_ptr + b.to(tl.int64) * s_tb + blk.to(tl.int64) * s_tn + KV * s_tkv + hk * s_th + TILE,
+                            mask=valid, other=0)
+            kind = (KV * H_KV + hk) * TILES + TILE
+            b3 = tl.load(b3_ptr + kind * C + c).to(tl.int32)
+            b4 = tl.load(b4_ptr + kind * C + c).to(tl.int32)
+            rows = load_kv_rows(slot_ptr, raw_ptr, entry, t, c, b3, b4, valid, C, SLOT_BYTES)
+    return rows
+
+
+@triton.jit
+def _dot(a, b, F32: tl.constexpr):
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _attend(q0, q1, m_i, l_i, acc0, acc1, slot_ptr, raw_ptr, table_ptr, k_ptr, v_ptr, tailk_ptr, tailv_ptr,
+            b3_ptr, b4_ptr, mask_ptr, b, hk, blk, t, valid, IN_TAIL: tl.constexpr, c, scale,
+            s_tb, s_tn, s_tkv, s_th, s_kb, s_kh, s_kt, s_ab, s_ah, s_at, s_mb, H_KV,
+            C: tl.constexpr, TILES: tl.constexpr, SLOT_BYTES: tl.constexpr, PLAIN: tl.constexpr,
+            HAS_MASK: tl.constexpr, F32: tl.constexpr):
+    """One online-softmax step over the token rows (`blk`, `t`)."""
+    if HAS_MASK:
+        pos = blk * 16 + t
+        valid = valid & (tl.load(mask_ptr + b.to(tl.int64) * s_mb + pos, mask=valid, other=0) != 0)
+    k0 = _tile_rows(slot_ptr, raw_ptr, table_ptr, k_ptr, tailk_ptr, b3_ptr, b4_ptr, b, hk, blk, t, valid, IN_TAIL,
+                    c, 0, 0, s_tb, s_tn, s_tkv, s_th, s_kb, s_kh, s_kt, s_ab, s_ah, s_at, H_KV, C, TILES,
+                    SLOT_BYTES, PLAIN)
+    s = _dot(q0, tl.trans(k0), F32)
+    if TILES == 2:
+        k1 = _tile_rows(slot_ptr, raw_ptr, table_ptr, k_ptr, tailk_ptr, b3_ptr, b4_ptr, b, hk, blk, t, valid,
+                        IN_TAIL, c, 0, 1, s_tb, s_tn, s_tkv, s_th, s_kb, s_kh, s_kt, s_ab, s_ah, s_at, H_KV, C, TILES,
+                        SLOT_BYTES, PLAIN)
+        s += _dot(q1, tl.trans(k1), F32)
+    s = tl.where(valid[None, :], s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    pb = p.to(tl.bfloat16)
+    v0 = _tile_rows(slot_ptr, raw_ptr, table_ptr, v_ptr, tailv_ptr, b3_ptr, b4_ptr, b, hk, blk, t, valid, IN_TAIL,
+                    c, 1, 0, s_tb, s_tn, s_tkv, s_th, s_kb, s_kh, s_kt, s_ab, s_ah, s_at, H_KV, C, TILES,
+                    SLOT_BYTES, PLAIN)
+    acc0 = acc0 * alpha[:, None] + _dot(pb, v0, F32)
+    if TILES == 2:
+        v1 = _tile_rows(slot_ptr, raw_ptr, table_ptr, v_ptr, tailv_ptr, b3_ptr, b4_ptr, b, hk, blk, t, valid,
+                        IN_TAIL, c, 1, 1, s_tb, s_tn, s_tkv, s_th, s_kb, s_kh, s_kt, s_ab, s_ah, s_at, H_KV, C, TILES,
+                        SLOT_BYTES, PLAIN)
+        acc1 = acc1 * alpha[:, None] + _dot(pb, v1, F32)
+    return m_new, l_i, acc0, acc1
+
+
+@triton.jit
+def _split_kernel(q_ptr, slot_ptr, raw_ptr, table_ptr, k_ptr, v_ptr, tailk_ptr, tailv_ptr, b3_ptr, b4_ptr, mask_ptr,
+                  m_out, l_out, acc_out, scale, n_blocks, tail_len, blocks_per_split,
+                  s_qb, s_qh, s_tb, s_tn, s_tkv, s_th, s_kb, s_kh, s_kt, s_ab, s_ah, s_at, s_mb, H_KV, SPLITS,
+                  NREP: tl.constexpr, NREP_PAD: tl.constexpr, C: tl.constexpr, TILES: tl.constexpr,
+                  NB: tl.constexpr, SLOT_BYTES: tl.constexpr, PLAIN: tl.constexpr, HAS_MASK: tl.constexpr,
+                  F32: tl.constexpr):
+    D: tl.constexpr = C * TILES
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // H_KV
+    hk = pid % H_KV
+    r = tl.arange(0, NREP_PAD)
+    c = tl.arange(0, C)
+    heads = hk * NREP + r
+    q_rows = q_ptr + b.to(tl.int64) * s_qb + heads[:, None] * s_qh + c[None, :]
+    q0 = tl.load(q_rows, mask=(r < NREP)[:, None], other=0.0)
+    q1 = q0
+    if TILES == 2:
+        q1 = tl.load(q_rows + C, mask=(r < NREP)[:, None], other=0.0)
+    m_i = tl.full([NREP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([NREP_PAD], tl.float32)
+    acc0 = tl.zeros([NREP_PAD, C], tl.float32)
+    acc1 = tl.zeros([NREP_PAD, C], tl.float32)
+
+    rows = tl.arange(0, NB * 16)
+    t = rows % 16
+    start = split * blocks_per_split
+    end = tl.minimum(start + blocks_per_split, n_blocks)
+    for j0 in range(start, end, NB):
+        blk = j0 + rows // 16
+        m_i, l_i, acc0, acc1 = _attend(
+            q0, q1, m_i, l_i, acc0, acc1, slot_ptr, raw_ptr, table_ptr, k_ptr, v_ptr, tailk_ptr, tailv_ptr,
+            b3_ptr, b4_ptr, mask_ptr, b, hk, blk, t, blk < end, False, c, scale,
+            s_tb, s_tn, s_tkv, s_th, s_kb, s_kh, s_kt, s_ab, s_ah, s_at, s_mb, H_KV, C, TILES, SLOT_BYTES, PLAIN,
+            HAS_MASK, F32)
+    if (split == SPLITS - 1) & (tail_len > 0):
+        tt = tl.arange(0, 16)
+        blk = n_blocks + tt * 0
+        m_i, l_i, acc0, acc1 = _attend(
+            q0, q1, m_i, l_i, acc0, acc1, slot_ptr, raw_ptr, table_ptr, k_ptr, v_ptr, tailk_ptr, tailv_ptr,
+            b3_ptr, b4_ptr, mask_ptr, b, hk, blk, tt, tt < tail_len, True, c, scale,
+            s_tb, s_tn, s_tkv, s_th, s_kb, s_kh, s_kt, s_ab, s_ah, s_at, s_mb, H_KV, C, TILES, SLOT_BYTES, PLAIN,
+            HAS_MASK, F32)
+    out = (b * H_KV * NREP + heads).to(tl.int64) * SPLITS + split
+    ok = r < NREP
+    tl.store(m_out + out, m_i, mask=ok)
+    tl.store(l_out + out, l_i, mask=ok)
+    tl.store(acc_out + out[:, None] * D + c[None, :], acc0, mask=ok[:, None])
+    if TILES == 2:
+        tl.store(acc_out + out[:, None] * D + C + c[None, :], acc1, mask=ok[:, None])
+
+
+@triton.jit
+def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, S_PAD: tl.constexpr, D: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D)
+    ok = s < SPLITS
+    m = tl.load(m_ptr + pid * SPLITS + s, mask=ok, other=float("-inf"))
+    l = tl.load(l_ptr + pid * SPLITS + s, mask=ok, other=0.0)
+    big = tl.max(m, axis=0)
+    big = tl.where(big == float("-inf"), 0.0, big)
+    w = tl.exp(m - big)
+    total = tl.sum(l * w, axis=0)
+    acc = tl.load(acc_ptr + (pid * SPLITS + s)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], axis=0)
+    o = tl.where(total > 0, o / total, 0.0)
+    tl.store(out_ptr + pid * D + d, o.to(tl.bfloat16))
+
+
+def _num_splits(batch_heads: int, n_blocks: int, nb: int, device: torch.device) -> int:
+    if device.type != "cuda":
+        return max(1, min(4, triton.cdiv(n_blocks, nb)))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = triton.cdiv(2 * sms, max(batch_heads, 1))
+    return max(1, min(want, triton.cdiv(n_blocks, nb)))
+
+
+def _launch(query, n_blocks, tail_len, channels, tiles, scale, mask, plain, slot_pool, raw_pool, table, k, v,
+            tail_k, tail_v, base3, base4, num_splits, blocks_per_iter):
+    b, hq, d = query.shape
+    h_kv = (k if plain else tail_k).shape[1]
+    if hq % h_kv:
+        raise ValueError(f"{hq} query heads do not group over {h_kv} KV heads")
+    nrep = hq // h_kv
+    nb = blocks_per_iter
+    splits = num_splits or _num_splits(b * h_kv, n_blocks, nb, query.device)
+    per_split = triton.cdiv(max(n_blocks, 1), splits)
+    per_split = triton.cdiv(per_split, nb) * nb
+    splits = max(1, triton.cdiv(max(n_blocks, 1), per_split))
+    f32 = dict(dtype=torch.float32, device=query.device)
+    m_out = torch.empty(b * hq * splits, **f32)
+    l_out = torch.empty(b * hq * splits, **f32)
+    acc_out = torch.empty(b * hq * splits, d, **f32)
+    dummy = query  # stands in for pointers a variant does not read
+    if mask is not None:
+        mask = mask.to(torch.int8)
+    if plain:
+        t_strides = (0, 0, 0, 0)
+        k_strides = (k.stride(0), k.stride(1), k.stride(2))
+        a_strides = (0, 0, 0)
+    else:
+        t_strides = (table.stride(0), table.stride(1), table.stride(2), table.stride(3))
+        k_strides = (0, 0, 0)
+        a_strides = (tail_k.stride(0), tail_k.stride(1), tail_k.stride(2))
+        if tail_v.stride() != tail_k.stride():
+            tail_v = tail_v.contiguous()
+            tail_k = tail_k.contiguous()
+            a_strides = (tail_k.stride(0), tail_k.stride(1), tail_k.stride(2))
+    _split_kernel[(b * h_kv, splits)](
+        query, dummy if plain else slot_pool, dummy if plain else raw_pool, dummy if plain else table,
+        k if plain else dummy, v if plain else dummy, dummy if plain else tail_k, dummy if plain else tail_v,
+        dummy if plain else base3, dummy if plain else base4, mask if mask is not None else dummy,
+        m_out, l_out, acc_out, scale, n_blocks, tail_len, per_split,
+        query.stride(0), query.stride(1), *t_strides, *k_strides, *a_strides,
+        mask.stride(0) if mask is not None else 0, h_kv, splits,
+        NREP=nrep, NREP_PAD=max(16, triton.next_power_of_2(nrep)), C=channels, TILES=tiles, NB=nb,
+        SLOT_BYTES=0 if plain else slot_pool.shape[-1], PLAIN=plain, HAS_MASK=mask is not None, F32=_interpreted(),
+    )
+    out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=query.device)
+    _combine_kernel[(b * hq,)](m_out, l_out, acc_out, out, splits, S_PAD=triton.next_power_of_2(splits), D=d)
+    return out
+
+
+def _check(query):
+    if query.dtype != torch.bfloat16 or query.dim() != 3 or query.stride(-1) != 1:
+        raise ValueError("query must be BF16 [B, H_q, D] with a contiguous last dim")
+
+
+def gaac_decode_attention(query: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor,
+                          table: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor, base3: torch.Tensor,
+                          base4: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
+                          num_splits: int | None = None, blocks_per_iter: int = 4) -> torch.Tensor:
+    """Single-token attention over GAAC-compressed KV.
+
+    query `[B, H_q, D]` BF16; slot_pool uint8 `[N, slot_bytes]`; raw_pool BF16 `[R, 16, C]`; table int32
+    `[B, n_blocks, 2, H_kv, tiles]` (last dim contiguous); tail_k/v BF16 `[B, H_kv, T < 16, D]`; base3/base4 uint8
+    `[2, H_kv, D]`; mask `[B, n_blocks * 16 + T]` (True = attend) or None. Returns `[B, H_q, D]` BF16.
+    """
+    _check(query)
+    n_blocks, tail_len = table.shape[1], tail_k.shape[2]
+    channels = raw_pool.shape[-1]
+    tiles = query.shape[-1] // channels
+    if table.stride(-1) != 1:
+        table = table.contiguous()
+    return _launch(query, n_blocks, tail_len, channels, tiles, scale, mask, False, slot_pool, raw_pool, table,
+                   None, None, tail_k, tail_v, base3.contiguous(), base4.contiguous(), num_splits, blocks_per_iter)
+
+
+def plain_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                           mask: torch.Tensor | None = None, num_splits: int | None = None,
+                           blocks_per_iter: int = 4) -> torch.Tensor:
+    """The same kernel over plain BF16 KV `[B, H_kv, S, D]` (last dim contiguous): bit-identical to
+    `gaac_decode_attention` on the compressed form of the same KV with the same split count."""
+    _check(query)
+    if key.stride(-1) != 1 or value.stride(-1) != 1 or key.stride() != value.stride():
+        key, value = key.contiguous(), value.contiguous()
+    s = key.shape[2]
+    d = key.shape[3]
+    channels = min(d, 128)
+    return _launch(query, s // BLOCK, s % BLOCK, channels, d // channels, scale, mask, True, None, None, None,
+                   key, value, None, None, None, None, num_splits, blocks_per_iter)

@@ -1,0 +1,39 @@
+"""Decode kernel: GAAC block-table entries -> BF16 tiles (for prefill over cached history and other attentions)."""
+
+import torch
+import triton
+import triton.language as tl
+
+from .tile import load_kv_rows
+
+
+@triton.jit
+def _decode_kernel(entry_ptr, slot_ptr, raw_ptr, b3_ptr, b4_ptr, out_ptr, PERIOD,
+                   C: tl.constexpr, SLOT_BYTES: tl.constexpr):
+    pid = tl.program_id(0)
+    t = tl.arange(0, 16)
+    c = tl.arange(0, C)
+    entry = tl.load(entry_ptr + pid + 0 * t)
+    kind = pid % PERIOD  # which (K|V, head, tile) this entry belongs to: selects the bases
+    b3 = tl.load(b3_ptr + kind * C + c).to(tl.int32)
+    b4 = tl.load(b4_ptr + kind * C + c).to(tl.int32)
+    rows = load_kv_rows(slot_ptr, raw_ptr, entry, t, c, b3, b4, t < 16, C, SLOT_BYTES)
+    tl.store(out_ptr + pid.to(tl.int64) * 16 * C + t[:, None] * C + c[None, :], rows)
+
+
+def gaac_decode(table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor, base3: torch.Tensor,
+                base4: torch.Tensor) -> torch.Tensor:
+    """Decode tiles named by `table` `[..., P]` int32 (slot index >= 0, else -1 - raw index) to BF16 `[..., P, 16, C]`.
+
+    `base3`/`base4` uint8 `[P, C]`: the bases of each of the last axis' P positions (e.g. P = 2 * H * tiles).
+    """
+    channels = raw_pool.shape[-1]
+    period = base3.shape[0]
+    if table.shape[-1] != period or base3.shape != (period, channels):
+        raise ValueError(f"table {tuple(table.shape)} and bases {tuple(base3.shape)} do not line up")
+    entries = table.reshape(-1).contiguous()
+    out = torch.empty(*table.shape, 16, channels, dtype=torch.bfloat16, device=table.device)
+    if entries.numel():
+        _decode_kernel[(entries.numel(),)](entries, slot_pool, raw_pool, base3.contiguous(), base4.contiguous(), out,
+                                           period, C=channels, SLOT_BYTES=slot_pool.shape[-1])
+    return out
