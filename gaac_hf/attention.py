@@ -5,7 +5,9 @@ Importing this module registers `"gaac"` with `transformers.AttentionInterface` 
 `AutoModelForCausalLM.from_pretrained(..., attn_implementation="gaac")` or `model.set_attn_implementation("gaac")`
 after importing `gaac_hf`.
 
-* Decode (one query token, no unusual kwargs): `gaac_decode_attention`, a torch reference that walks the KV block by
+* Decode (one query token, no unusual kwargs): on CUDA the fused Triton kernel (`triton_ops.gaac_attention`),
+  reading slots, raw tiles and the tail in place, or the same kernel over plain KV. On the CPU
+  `gaac_decode_attention`, a torch reference that walks the KV block by
   block, `DECODE_CHUNK_BLOCKS` 16-token blocks at a time, with an fp32 online softmax, GQA without `repeat_kv`, and
   the bool mask (left padding) honoured. Fed `GAACLazyKV` from a `GAACCache`, it decodes one chunk of compressed
   blocks at a time and never materializes the whole decompressed cache; fed plain BF16 K/V (e.g. from a
@@ -66,6 +68,35 @@ def _mask_chunk(mask: torch.Tensor, start: int, end: int, batch: int, kv_heads: 
     return m.reshape(m.shape[0], kv_heads, n_rep, -1)
 
 
+def _mask_rows(mask: torch.Tensor | None, batch: int) -> tuple[bool, torch.Tensor | None]:
+    """A `[B|1, 1, 1, S]` bool mask as `[B, S]` for the fused kernel; `(False, None)` if it has another form."""
+    if mask is None:
+        return True, None
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1:
+        return False, None
+    return True, mask[:, 0, 0, :].expand(batch, -1)
+
+
+def _fused_decode(query, source, attention_mask, scale):
+    """The Triton kernel on CUDA: compressed blocks read in place, or the same kernel over plain KV."""
+    from triton_ops.gaac_attention import gaac_decode_attention as fused
+    from triton_ops.gaac_attention import plain_decode_attention
+
+    b, hq, _, d = query.shape
+    ok, mask = _mask_rows(attention_mask, b)
+    if not ok:
+        return None
+    q = query.reshape(b, hq, d).contiguous()
+    if isinstance(source, CompressedKV):
+        layer = source.layer
+        h = source.heads
+        out = fused(q, source.slot_pool, source.raw_pool, source.table, source.tail_k, source.tail_v,
+                    layer._base3.reshape(2, h, d), layer._base4.reshape(2, h, d), scale, mask)
+    else:
+        out = plain_decode_attention(q, source.key, source.value, scale, mask)
+    return out.unsqueeze(1)
+
+
 def gaac_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: torch.Tensor | None = None, scaling: float | None = None,
                           chunk_blocks: int | None = None) -> torch.Tensor:
@@ -84,6 +115,10 @@ def gaac_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
         raise ValueError(f"{hq} query heads do not group over {hkv} KV heads")
     n_rep = hq // hkv
     scale = d ** -0.5 if scaling is None else scaling
+    if query.is_cuda and query.dtype == torch.bfloat16:
+        fused = _fused_decode(query, source, attention_mask, scale)
+        if fused is not None:
+            return fused
     step = BLOCK_TOKENS * (chunk_blocks or DECODE_CHUNK_BLOCKS)
 
     q = query.float().reshape(b, hkv, n_rep, d)

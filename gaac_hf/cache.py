@@ -320,6 +320,15 @@ class GAACLayer(CacheLayerMixin):
     def _decode_table(self, table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor) -> torch.Tensor:
         """Table entries `[B, n, 2, H, tiles]` -> BF16 KV `[B, 2, H, n * 16, D]`, bit-exact."""
         b, n, _, h, t = table.shape
+        if table.is_cuda:
+            from triton_ops.gaac_decode import gaac_decode
+
+            period = 2 * h * t
+            out = gaac_decode(table.reshape(b, n, period), slot_pool, raw_pool,
+                              self._base3.reshape(period, self.channels), self._base4.reshape(period, self.channels))
+            out = out.reshape(*table.shape, BLOCK_TOKENS, self.channels)
+            out = merge_head(out.permute(0, 2, 3, 1, 4, 5, 6))
+            return out.reshape(b, 2, h, n * BLOCK_TOKENS, self.head_dim)
         out = torch.empty(*table.shape, BLOCK_TOKENS, self.channels, dtype=torch.bfloat16, device=table.device)
         if n:
             in_slot = table >= 0
