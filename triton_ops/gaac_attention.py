@@ -172,7 +172,7 @@ def _num_splits(batch_heads: int, n_blocks: int, nb: int, device: torch.device) 
 
 
 def _launch(query, n_blocks, tail_len, channels, tiles, scale, mask, plain, slot_pool, raw_pool, table, k, v,
-            tail_k, tail_v, base3, base4, num_splits, blocks_per_iter):
+            tail_k, tail_v, base3, base4, num_splits, blocks_per_iter, num_warps=4, num_stages=1):
     b, hq, d = query.shape
     h_kv = (k if plain else tail_k).shape[1]
     if hq % h_kv:
@@ -211,6 +211,7 @@ def _launch(query, n_blocks, tail_len, channels, tiles, scale, mask, plain, slot
         mask.stride(0) if mask is not None else 0, h_kv, splits,
         NREP=nrep, NREP_PAD=max(16, triton.next_power_of_2(nrep)), C=channels, TILES=tiles, NB=nb,
         SLOT_BYTES=0 if plain else slot_pool.shape[-1], PLAIN=plain, HAS_MASK=mask is not None, F32=_interpreted(),
+        num_warps=num_warps, num_stages=num_stages,
     )
     out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=query.device)
     _combine_kernel[(b * hq,)](m_out, l_out, acc_out, out, splits, S_PAD=triton.next_power_of_2(splits), D=d)
