@@ -42,6 +42,17 @@ class DGAPMismatchError(ValueError):
     """A DGAP artifact was trained for another base model or vocabulary."""
 
 
+def base_model_info(config) -> dict:
+    """What a DGAP artifact records about its base model (checked by `DGAPLogitsProcessor.check_model`)."""
+    get = getattr(config, "get_text_config", None)
+    text = get(decoder=True) if get is not None else config
+    info = {"name": getattr(config, "name_or_path", "") or getattr(config, "_name_or_path", ""),
+            "vocab_size": int(text.vocab_size), "model_type": getattr(config, "model_type", None),
+            "architectures": list(getattr(config, "architectures", None) or []) or None,
+            "hidden_size": getattr(text, "hidden_size", None), "num_hidden_layers": getattr(text, "num_hidden_layers", None)}
+    return {k: v for k, v in info.items() if v not in (None, "")}
+
+
 def _check_arch(arch: str) -> str:
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, not {arch!r}")
@@ -225,7 +236,7 @@ class DGAPModel(nn.Module, PyTorchModelHubMixin, library_name=LIBRARY, tags=TAGS
         self.base_model = dict(base_model)
         self.feature_spec = feature_spec
         self.quantizer = dict(quantizer or {})
-        self.training = dict(training or {})
+        self.training_info = dict(training or {})  # not `self.training`: that is nn.Module's train/eval flag
         self.results = dict(results or {})
         self.label_params = dict(label_params or {})
         self.detectors = nn.ModuleDict()
@@ -262,7 +273,7 @@ class DGAPModel(nn.Module, PyTorchModelHubMixin, library_name=LIBRARY, tags=TAGS
 
     def config_dict(self) -> dict:
         return {"format_version": FORMAT_VERSION, "precisions": self.precisions, "base_model": self.base_model,
-                "feature_spec": self.feature_spec, "quantizer": self.quantizer, "training": self.training,
+                "feature_spec": self.feature_spec, "quantizer": self.quantizer, "training": self.training_info,
                 "results": self.results, "label_params": self.label_params}
 
     # --- Hub I/O -----------------------------------------------------------------------------------------------
@@ -316,5 +327,5 @@ class DGAPModel(nn.Module, PyTorchModelHubMixin, library_name=LIBRARY, tags=TAGS
             precision_rows="\n".join(rows), feature_version=self.feature_spec["version"],
             n_phi=len(self.feature_spec["phi"]), n_xi=len(self.feature_spec["xi"]),
             quantizer=json.dumps(self.quantizer, sort_keys=True) if self.quantizer else "(not recorded)",
-            training=block(self.training), results=block(self.results),
+            training=block(self.training_info), results=block(self.results),
             repo_id=kwargs.get("repo_id", "<repo>"))

@@ -133,6 +133,7 @@ def collect_traces(model, input_ids: torch.Tensor, precisions=("K1V1", "K2V2", "
     from transformers import DynamicCache
 
     from .cache import LowBitCache
+    from .models import base_model_info
     from .precision import normalize_precision
 
     precisions = [normalize_precision(p) for p in precisions]
@@ -156,7 +157,8 @@ def collect_traces(model, input_ids: torch.Tensor, precisions=("K1V1", "K2V2", "
         tok = ids[:, prefix_len + t:prefix_len + t + 1]
         for name, cache in caches.items():
             logits[name] = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1].float()
-    base = {"base_model": getattr(config, "name_or_path", "") or getattr(config, "_name_or_path", ""),
+    info = base_model_info(config)
+    base = {"base_model": info.get("name", ""), "base_model_info": info,
             "prefix_len": prefix_len, "steps": steps, "rows_per_step": int(ids.shape[0])}
     base.update(meta or {})
     result = {}

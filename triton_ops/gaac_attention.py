@@ -1,8 +1,10 @@
-"""Fused split-K decode attention over GAAC-compressed KV (slots + raw tiles + BF16 tail), and the same kernel over
-plain BF16 KV (the lossless reference: identical math after the tile load, so identical bits).
+"""Fused split-K decode attention over GAAC-compressed KV (slots + raw tiles + BF16 tail).
 
 Grid: (batch x kv-head, split). A program reads each KV tile once for all query heads of its GQA group, reconstructs
 BF16 in registers (`tile.load_kv_rows`), and keeps an fp32 online softmax; a second kernel combines the splits.
+
+`plain_decode_attention` runs the very same compiled kernel over plain BF16 KV, presented as raw tiles: the lossless
+reference. Reconstruction only changes where the BF16 bits come from, so both give identical output bits.
 """
 
 import os
@@ -14,37 +16,12 @@ import triton.language as tl
 from .tile import load_kv_rows
 
 BLOCK = 16
-# Triton's CPU interpreter multiplies BF16 operands of tl.dot as raw integers (seen with triton 3.9), so under
-# TRITON_INTERPRET=1 the products run in fp32 instead; on a GPU they are BF16 tensor-core products.
 
 
 def _interpreted() -> bool:
+    # Triton's CPU interpreter multiplies BF16 operands of tl.dot as raw integers (seen with triton 3.9), so under
+    # TRITON_INTERPRET=1 the products run in fp32 instead; on a GPU they are BF16 tensor-core products.
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@triton.jit
-def _tile_rows(slot_ptr, raw_ptr, table_ptr, kv_ptr, tail_ptr, b3_ptr, b4_ptr,
-               b, hk, blk, t, valid, IN_TAIL: tl.constexpr, c, KV: tl.constexpr, TILE: tl.constexpr,
-               s_tb, s_tn, s_tkv, s_th, s_kb, s_kh, s_kt, s_ab, s_ah, s_at, H_KV,
-               C: tl.constexpr, TILES: tl.constexpr, SLOT_BYTES: tl.constexpr, PLAIN: tl.constexpr):
-    """BF16 rows `[R, C]` of tile TILE of K (KV=0) or V (KV=1) for token rows (block `blk`, token `t`)."""
-    D: tl.constexpr = C * TILES
-    if PLAIN:
-        pos = blk * 16 + t
-        ptrs = kv_ptr + b.to(tl.int64) * s_kb + hk * s_kh + pos.to(tl.int64)[:, None] * s_kt + TILE * C + c[None, :]
-        rows = tl.load(ptrs, mask=valid[:, None], other=0.0)
-    else:
-        if IN_TAIL:
-            ptrs = tail_ptr + b.to(tl.int64) * s_ab + hk * s_ah + t.to(tl.int64)[:, None] * s_at + TILE * C + c[None, :]
-            rows = tl.load(ptrs, mask=valid[:, None], other=0.0)
-        else:
-            entry = tl.load(table_ptr + b.to(tl.int64) * s_tb + blk.to(tl.int64) * s_tn + KV * s_tkv + hk * s_th + TILE,
-                            mask=valid, other=0)
-            kind = (KV * H_KV + hk) * TILES + TILE
-            b3 = tl.load(b3_ptr + kind * C + c).to(tl.int32)
-            b4 = tl.load(b4_ptr + kind * C + c).to(tl.int32)
-            rows = load_kv_rows(slot_ptr, raw_ptr, entry, t, c, b3, b4, valid, C, SLOT_BYTES)
-    return rows
 
 
 @triton.jit
@@ -55,23 +32,40 @@ def _dot(a, b, F32: tl.constexpr):
 
 
 @triton.jit
-def _attend(q0, q1, m_i, l_i, acc0, acc1, slot_ptr, raw_ptr, table_ptr, k_ptr, v_ptr, tailk_ptr, tailv_ptr,
-            b3_ptr, b4_ptr, mask_ptr, b, hk, blk, t, valid, IN_TAIL: tl.constexpr, c, scale,
-            s_tb, s_tn, s_tkv, s_th, s_kb, s_kh, s_kt, s_ab, s_ah, s_at, s_mb, H_KV,
-            C: tl.constexpr, TILES: tl.constexpr, SLOT_BYTES: tl.constexpr, PLAIN: tl.constexpr,
+def _tile_rows(slot_ptr, raw_ptr, table_ptr, tail_ptr, b3_ptr, b4_ptr, b, hk, blk, t, valid, c,
+               s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, H_KV, SLOT_BYTES, RAW_TILE, RAW_ROW,
+               KV: tl.constexpr, TILE: tl.constexpr, IN_TAIL: tl.constexpr, C: tl.constexpr, TILES: tl.constexpr):
+    """BF16 rows `[R, C]` of tile TILE of K (KV=0) or V (KV=1) for token rows (block `blk`, token `t`)."""
+    if IN_TAIL:
+        ptrs = tail_ptr + b.to(tl.int64) * s_ab + hk * s_ah + t.to(tl.int64)[:, None] * s_at + TILE * C + c[None, :]
+        rows = tl.load(ptrs, mask=valid[:, None], other=0.0)
+    else:
+        entry = tl.load(table_ptr + b.to(tl.int64) * s_tb + blk.to(tl.int64) * s_tn + KV * s_tkv + hk * s_th + TILE,
+                        mask=valid, other=0)
+        kind = (KV * H_KV + hk) * TILES + TILE
+        b3 = tl.load(b3_ptr + kind * C + c).to(tl.int32)
+        b4 = tl.load(b4_ptr + kind * C + c).to(tl.int32)
+        rows = load_kv_rows(slot_ptr, raw_ptr, entry, t, c, b3, b4, valid, SLOT_BYTES, RAW_TILE, RAW_ROW, C)
+    return rows
+
+
+@triton.jit
+def _attend(q0, q1, m_i, l_i, acc0, acc1, slot_ptr, raw_ptr, table_ptr, tailk_ptr, tailv_ptr, b3_ptr, b4_ptr,
+            mask_ptr, b, hk, blk, t, valid, c, scale, s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, s_mb, H_KV,
+            SLOT_BYTES, RAW_TILE, RAW_ROW, IN_TAIL: tl.constexpr, C: tl.constexpr, TILES: tl.constexpr,
             HAS_MASK: tl.constexpr, F32: tl.constexpr):
     """One online-softmax step over the token rows (`blk`, `t`)."""
     if HAS_MASK:
         pos = blk * 16 + t
         valid = valid & (tl.load(mask_ptr + b.to(tl.int64) * s_mb + pos, mask=valid, other=0) != 0)
-    k0 = _tile_rows(slot_ptr, raw_ptr, table_ptr, k_ptr, tailk_ptr, b3_ptr, b4_ptr, b, hk, blk, t, valid, IN_TAIL,
-                    c, 0, 0, s_tb, s_tn, s_tkv, s_th, s_kb, s_kh, s_kt, s_ab, s_ah, s_at, H_KV, C, TILES,
-                    SLOT_BYTES, PLAIN)
+    k0 = _tile_rows(slot_ptr, raw_ptr, table_ptr, tailk_ptr, b3_ptr, b4_ptr, b, hk, blk, t, valid, c,
+                    s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, H_KV, SLOT_BYTES, RAW_TILE, RAW_ROW,
+                    0, 0, IN_TAIL, C, TILES)
     s = _dot(q0, tl.trans(k0), F32)
     if TILES == 2:
-        k1 = _tile_rows(slot_ptr, raw_ptr, table_ptr, k_ptr, tailk_ptr, b3_ptr, b4_ptr, b, hk, blk, t, valid,
-                        IN_TAIL, c, 0, 1, s_tb, s_tn, s_tkv, s_th, s_kb, s_kh, s_kt, s_ab, s_ah, s_at, H_KV, C, TILES,
-                        SLOT_BYTES, PLAIN)
+        k1 = _tile_rows(slot_ptr, raw_ptr, table_ptr, tailk_ptr, b3_ptr, b4_ptr, b, hk, blk, t, valid, c,
+                        s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, H_KV, SLOT_BYTES, RAW_TILE, RAW_ROW,
+                        0, 1, IN_TAIL, C, TILES)
         s += _dot(q1, tl.trans(k1), F32)
     s = tl.where(valid[None, :], s * scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -80,25 +74,25 @@ def _attend(q0, q1, m_i, l_i, acc0, acc1, slot_ptr, raw_ptr, table_ptr, k_ptr, v
     alpha = tl.exp(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     pb = p.to(tl.bfloat16)
-    v0 = _tile_rows(slot_ptr, raw_ptr, table_ptr, v_ptr, tailv_ptr, b3_ptr, b4_ptr, b, hk, blk, t, valid, IN_TAIL,
-                    c, 1, 0, s_tb, s_tn, s_tkv, s_th, s_kb, s_kh, s_kt, s_ab, s_ah, s_at, H_KV, C, TILES,
-                    SLOT_BYTES, PLAIN)
+    v0 = _tile_rows(slot_ptr, raw_ptr, table_ptr, tailv_ptr, b3_ptr, b4_ptr, b, hk, blk, t, valid, c,
+                    s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, H_KV, SLOT_BYTES, RAW_TILE, RAW_ROW,
+                    1, 0, IN_TAIL, C, TILES)
     acc0 = acc0 * alpha[:, None] + _dot(pb, v0, F32)
     if TILES == 2:
-        v1 = _tile_rows(slot_ptr, raw_ptr, table_ptr, v_ptr, tailv_ptr, b3_ptr, b4_ptr, b, hk, blk, t, valid,
-                        IN_TAIL, c, 1, 1, s_tb, s_tn, s_tkv, s_th, s_kb, s_kh, s_kt, s_ab, s_ah, s_at, H_KV, C, TILES,
-                        SLOT_BYTES, PLAIN)
+        v1 = _tile_rows(slot_ptr, raw_ptr, table_ptr, tailv_ptr, b3_ptr, b4_ptr, b, hk, blk, t, valid, c,
+                        s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, H_KV, SLOT_BYTES, RAW_TILE, RAW_ROW,
+                        1, 1, IN_TAIL, C, TILES)
         acc1 = acc1 * alpha[:, None] + _dot(pb, v1, F32)
     return m_new, l_i, acc0, acc1
 
 
 @triton.jit
-def _split_kernel(q_ptr, slot_ptr, raw_ptr, table_ptr, k_ptr, v_ptr, tailk_ptr, tailv_ptr, b3_ptr, b4_ptr, mask_ptr,
+def _split_kernel(q_ptr, slot_ptr, raw_ptr, table_ptr, tailk_ptr, tailv_ptr, b3_ptr, b4_ptr, mask_ptr,
                   m_out, l_out, acc_out, scale, n_blocks, tail_len, blocks_per_split,
-                  s_qb, s_qh, s_tb, s_tn, s_tkv, s_th, s_kb, s_kh, s_kt, s_ab, s_ah, s_at, s_mb, H_KV, SPLITS,
+                  s_qb, s_qh, s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, s_mb, H_KV, SPLITS,
+                  SLOT_BYTES, RAW_TILE, RAW_ROW,
                   NREP: tl.constexpr, NREP_PAD: tl.constexpr, C: tl.constexpr, TILES: tl.constexpr,
-                  NB: tl.constexpr, SLOT_BYTES: tl.constexpr, PLAIN: tl.constexpr, HAS_MASK: tl.constexpr,
-                  F32: tl.constexpr):
+                  NB: tl.constexpr, HAS_MASK: tl.constexpr, F32: tl.constexpr):
     D: tl.constexpr = C * TILES
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -124,18 +118,16 @@ def _split_kernel(q_ptr, slot_ptr, raw_ptr, table_ptr, k_ptr, v_ptr, tailk_ptr, 
     for j0 in range(start, end, NB):
         blk = j0 + rows // 16
         m_i, l_i, acc0, acc1 = _attend(
-            q0, q1, m_i, l_i, acc0, acc1, slot_ptr, raw_ptr, table_ptr, k_ptr, v_ptr, tailk_ptr, tailv_ptr,
-            b3_ptr, b4_ptr, mask_ptr, b, hk, blk, t, blk < end, False, c, scale,
-            s_tb, s_tn, s_tkv, s_th, s_kb, s_kh, s_kt, s_ab, s_ah, s_at, s_mb, H_KV, C, TILES, SLOT_BYTES, PLAIN,
-            HAS_MASK, F32)
+            q0, q1, m_i, l_i, acc0, acc1, slot_ptr, raw_ptr, table_ptr, tailk_ptr, tailv_ptr, b3_ptr, b4_ptr,
+            mask_ptr, b, hk, blk, t, blk < end, c, scale, s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, s_mb, H_KV,
+            SLOT_BYTES, RAW_TILE, RAW_ROW, False, C, TILES, HAS_MASK, F32)
     if (split == SPLITS - 1) & (tail_len > 0):
         tt = tl.arange(0, 16)
         blk = n_blocks + tt * 0
         m_i, l_i, acc0, acc1 = _attend(
-            q0, q1, m_i, l_i, acc0, acc1, slot_ptr, raw_ptr, table_ptr, k_ptr, v_ptr, tailk_ptr, tailv_ptr,
-            b3_ptr, b4_ptr, mask_ptr, b, hk, blk, tt, tt < tail_len, True, c, scale,
-            s_tb, s_tn, s_tkv, s_th, s_kb, s_kh, s_kt, s_ab, s_ah, s_at, s_mb, H_KV, C, TILES, SLOT_BYTES, PLAIN,
-            HAS_MASK, F32)
+            q0, q1, m_i, l_i, acc0, acc1, slot_ptr, raw_ptr, table_ptr, tailk_ptr, tailv_ptr, b3_ptr, b4_ptr,
+            mask_ptr, b, hk, blk, tt, tt < tail_len, c, scale, s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, s_mb,
+            H_KV, SLOT_BYTES, RAW_TILE, RAW_ROW, True, C, TILES, HAS_MASK, F32)
     out = (b * H_KV * NREP + heads).to(tl.int64) * SPLITS + split
     ok = r < NREP
     tl.store(m_out + out, m_i, mask=ok)
@@ -171,56 +163,42 @@ def _num_splits(batch_heads: int, n_blocks: int, nb: int, device: torch.device) 
     return max(1, min(want, triton.cdiv(n_blocks, nb)))
 
 
-def _launch(query, n_blocks, tail_len, channels, tiles, scale, mask, plain, slot_pool, raw_pool, table, k, v,
-            tail_k, tail_v, base3, base4, num_splits, blocks_per_iter, num_warps=4, num_stages=1):
+def _launch(query, slot_pool, raw_pool, raw_tile, raw_row, table, tail_k, tail_v, base3, base4, scale, mask,
+            num_splits, blocks_per_iter, num_warps=4, num_stages=1):
+    if query.dtype != torch.bfloat16 or query.dim() != 3 or query.stride(-1) != 1:
+        raise ValueError("query must be BF16 [B, H_q, D] with a contiguous last dim")
     b, hq, d = query.shape
-    h_kv = (k if plain else tail_k).shape[1]
+    n_blocks, h_kv, tiles = table.shape[1], table.shape[3], table.shape[4]
+    channels = d // tiles
     if hq % h_kv:
         raise ValueError(f"{hq} query heads do not group over {h_kv} KV heads")
+    if table.stride(-1) != 1:
+        table = table.contiguous()
+    if tail_v.stride() != tail_k.stride():
+        tail_k, tail_v = tail_k.contiguous(), tail_v.contiguous()
     nrep = hq // h_kv
     nb = blocks_per_iter
     splits = num_splits or _num_splits(b * h_kv, n_blocks, nb, query.device)
-    per_split = triton.cdiv(max(n_blocks, 1), splits)
-    per_split = triton.cdiv(per_split, nb) * nb
+    per_split = triton.cdiv(triton.cdiv(max(n_blocks, 1), splits), nb) * nb
     splits = max(1, triton.cdiv(max(n_blocks, 1), per_split))
     f32 = dict(dtype=torch.float32, device=query.device)
     m_out = torch.empty(b * hq * splits, **f32)
     l_out = torch.empty(b * hq * splits, **f32)
     acc_out = torch.empty(b * hq * splits, d, **f32)
-    dummy = query  # stands in for pointers a variant does not read
     if mask is not None:
         mask = mask.to(torch.int8)
-    if plain:
-        t_strides = (0, 0, 0, 0)
-        k_strides = (k.stride(0), k.stride(1), k.stride(2))
-        a_strides = (0, 0, 0)
-    else:
-        t_strides = (table.stride(0), table.stride(1), table.stride(2), table.stride(3))
-        k_strides = (0, 0, 0)
-        a_strides = (tail_k.stride(0), tail_k.stride(1), tail_k.stride(2))
-        if tail_v.stride() != tail_k.stride():
-            tail_v = tail_v.contiguous()
-            tail_k = tail_k.contiguous()
-            a_strides = (tail_k.stride(0), tail_k.stride(1), tail_k.stride(2))
     _split_kernel[(b * h_kv, splits)](
-        query, dummy if plain else slot_pool, dummy if plain else raw_pool, dummy if plain else table,
-        k if plain else dummy, v if plain else dummy, dummy if plain else tail_k, dummy if plain else tail_v,
-        dummy if plain else base3, dummy if plain else base4, mask if mask is not None else dummy,
-        m_out, l_out, acc_out, scale, n_blocks, tail_len, per_split,
-        query.stride(0), query.stride(1), *t_strides, *k_strides, *a_strides,
-        mask.stride(0) if mask is not None else 0, h_kv, splits,
+        query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, mask if mask is not None else query,
+        m_out, l_out, acc_out, scale, n_blocks, tail_k.shape[2], per_split,
+        query.stride(0), query.stride(1), table.stride(0), table.stride(1), table.stride(2), table.stride(3),
+        tail_k.stride(0), tail_k.stride(1), tail_k.stride(2), mask.stride(0) if mask is not None else 0,
+        h_kv, splits, slot_pool.shape[-1], raw_tile, raw_row,
         NREP=nrep, NREP_PAD=max(16, triton.next_power_of_2(nrep)), C=channels, TILES=tiles, NB=nb,
-        SLOT_BYTES=0 if plain else slot_pool.shape[-1], PLAIN=plain, HAS_MASK=mask is not None, F32=_interpreted(),
-        num_warps=num_warps, num_stages=num_stages,
+        HAS_MASK=mask is not None, F32=_interpreted(), num_warps=num_warps, num_stages=num_stages,
     )
     out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=query.device)
     _combine_kernel[(b * hq,)](m_out, l_out, acc_out, out, splits, S_PAD=triton.next_power_of_2(splits), D=d)
     return out
-
-
-def _check(query):
-    if query.dtype != torch.bfloat16 or query.dim() != 3 or query.stride(-1) != 1:
-        raise ValueError("query must be BF16 [B, H_q, D] with a contiguous last dim")
 
 
 def gaac_decode_attention(query: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor,
@@ -230,29 +208,42 @@ def gaac_decode_attention(query: torch.Tensor, slot_pool: torch.Tensor, raw_pool
     """Single-token attention over GAAC-compressed KV.
 
     query `[B, H_q, D]` BF16; slot_pool uint8 `[N, slot_bytes]`; raw_pool BF16 `[R, 16, C]`; table int32
-    `[B, n_blocks, 2, H_kv, tiles]` (last dim contiguous); tail_k/v BF16 `[B, H_kv, T < 16, D]`; base3/base4 uint8
-    `[2, H_kv, D]`; mask `[B, n_blocks * 16 + T]` (True = attend) or None. Returns `[B, H_q, D]` BF16.
+    `[B, n_blocks, 2, H_kv, tiles]`; tail_k/v BF16 `[B, H_kv, T < 16, D]`; base3/base4 uint8 `[2, H_kv, D]`;
+    mask `[B, n_blocks * 16 + T]` (True = attend) or None. Returns `[B, H_q, D]` BF16.
     """
-    _check(query)
-    n_blocks, tail_len = table.shape[1], tail_k.shape[2]
-    channels = raw_pool.shape[-1]
-    tiles = query.shape[-1] // channels
-    if table.stride(-1) != 1:
-        table = table.contiguous()
-    return _launch(query, n_blocks, tail_len, channels, tiles, scale, mask, False, slot_pool, raw_pool, table,
-                   None, None, tail_k, tail_v, base3.contiguous(), base4.contiguous(), num_splits, blocks_per_iter)
+    c = raw_pool.shape[-1]
+    return _launch(query, slot_pool, raw_pool, 16 * c, c, table, tail_k, tail_v, base3.contiguous(),
+                   base4.contiguous(), scale, mask, num_splits, blocks_per_iter)
+
+
+def plain_as_raw_tiles(key: torch.Tensor, value: torch.Tensor):
+    """Plain KV `[B, H, S, D]` as the kernel's raw storage class: `(raw, table, tail_k, tail_v)`.
+
+    `raw` is K and V stacked (`[2, B, H, S, D]`, one copy); table entries point every tile of the complete blocks at
+    its place in it (raw tile stride C elements, row stride D)."""
+    b, h, s, d = key.shape
+    c = min(d, 128)
+    n = s // BLOCK
+    raw = torch.stack([key, value]).contiguous()
+    kv = torch.arange(2, device=key.device).view(1, 1, 2, 1, 1)
+    bb = torch.arange(b, device=key.device).view(b, 1, 1, 1, 1)
+    hh = torch.arange(h, device=key.device).view(1, 1, 1, h, 1)
+    blk = torch.arange(n, device=key.device).view(1, n, 1, 1, 1)
+    tile = torch.arange(d // c, device=key.device).view(1, 1, 1, 1, d // c)
+    index = ((kv * b + bb) * h + hh) * (s * d // c) + blk * (BLOCK * d // c) + tile
+    table = (-1 - index).to(torch.int32)
+    return raw, table, raw[0, :, :, n * BLOCK:], raw[1, :, :, n * BLOCK:]
 
 
 def plain_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                            mask: torch.Tensor | None = None, num_splits: int | None = None,
-                           blocks_per_iter: int = 4) -> torch.Tensor:
-    """The same kernel over plain BF16 KV `[B, H_kv, S, D]` (last dim contiguous): bit-identical to
-    `gaac_decode_attention` on the compressed form of the same KV with the same split count."""
-    _check(query)
-    if key.stride(-1) != 1 or value.stride(-1) != 1 or key.stride() != value.stride():
-        key, value = key.contiguous(), value.contiguous()
-    s = key.shape[2]
-    d = key.shape[3]
-    channels = min(d, 128)
-    return _launch(query, s // BLOCK, s % BLOCK, channels, d // channels, scale, mask, True, None, None, None,
-                   key, value, None, None, None, None, num_splits, blocks_per_iter)
+                           blocks_per_iter: int = 4, plain=None) -> torch.Tensor:
+    """The same kernel over plain BF16 KV `[B, H_kv, S, D]`: bit-identical to `gaac_decode_attention` on the
+    compressed form of the same KV. `plain` may pass a precomputed `plain_as_raw_tiles(key, value)`."""
+    raw, table, tail_k, tail_v = plain if plain is not None else plain_as_raw_tiles(key, value)
+    d = key.shape[-1]
+    c = min(d, 128)
+    dummy_slots = torch.zeros(1, 16, dtype=torch.uint8, device=query.device)  # 16: same specialization as a slot
+    dummy_bases = torch.zeros(2, key.shape[1], d, dtype=torch.uint8, device=query.device)
+    return _launch(query, dummy_slots, raw, c, d, table, tail_k, tail_v, dummy_bases, dummy_bases, scale, mask,
+                   num_splits, blocks_per_iter)

@@ -8,8 +8,8 @@ from .tile import load_kv_rows
 
 
 @triton.jit
-def _decode_kernel(entry_ptr, slot_ptr, raw_ptr, b3_ptr, b4_ptr, out_ptr, PERIOD,
-                   C: tl.constexpr, SLOT_BYTES: tl.constexpr):
+def _decode_kernel(entry_ptr, slot_ptr, raw_ptr, b3_ptr, b4_ptr, out_ptr, PERIOD, SLOT_BYTES,
+                   C: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.arange(0, 16)
     c = tl.arange(0, C)
@@ -17,7 +17,7 @@ def _decode_kernel(entry_ptr, slot_ptr, raw_ptr, b3_ptr, b4_ptr, out_ptr, PERIOD
     kind = pid % PERIOD  # which (K|V, head, tile) this entry belongs to: selects the bases
     b3 = tl.load(b3_ptr + kind * C + c).to(tl.int32)
     b4 = tl.load(b4_ptr + kind * C + c).to(tl.int32)
-    rows = load_kv_rows(slot_ptr, raw_ptr, entry, t, c, b3, b4, t < 16, C, SLOT_BYTES)
+    rows = load_kv_rows(slot_ptr, raw_ptr, entry, t, c, b3, b4, t < 16, SLOT_BYTES, 16 * C, C, C)
     tl.store(out_ptr + pid.to(tl.int64) * 16 * C + t[:, None] * C + c[None, :], rows)
 
 
@@ -35,5 +35,5 @@ def gaac_decode(table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Te
     out = torch.empty(*table.shape, 16, channels, dtype=torch.bfloat16, device=table.device)
     if entries.numel():
         _decode_kernel[(entries.numel(),)](entries, slot_pool, raw_pool, base3.contiguous(), base4.contiguous(), out,
-                                           period, C=channels, SLOT_BYTES=slot_pool.shape[-1])
+                                           period, slot_pool.shape[-1], C=channels)
     return out

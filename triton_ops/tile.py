@@ -14,12 +14,15 @@ def _bit(byte, i):
 
 
 @triton.jit
-def load_kv_rows(slot_ptr, raw_ptr, entry, t, c, b3, b4, valid,
-                 C: tl.constexpr, SLOT_BYTES: tl.constexpr):
+def load_kv_rows(slot_ptr, raw_ptr, entry, t, c, b3, b4, valid, SLOT_BYTES, RAW_TILE, RAW_ROW,
+                 C: tl.constexpr):
     """Reconstruct BF16 `[R, C]` for rows whose tile table entry is `entry` `[R]` and token-in-block `t` `[R]`.
 
     `c` `[C]` channel ids; `b3`, `b4` `[C]` int32 bases of this (K|V, head, tile); `valid` `[R]` row mask.
-    A slot tile (entry >= 0) is decoded from its code in registers; a raw tile (entry < 0) is read as BF16.
+    A slot tile (entry >= 0) is decoded from its code in registers; a raw tile (entry < 0, raw index
+    `-1 - entry`) is read as BF16 at `raw_ptr + index * RAW_TILE + t * RAW_ROW + c` (elements).
+    Slot and raw geometry are run-time values, so the kernel compiled for compressed KV is the very same one that
+    reads plain KV as raw tiles.
     """
     G: tl.constexpr = 2 * C
     PLANES: tl.constexpr = 16 * C
@@ -30,7 +33,7 @@ def load_kv_rows(slot_ptr, raw_ptr, entry, t, c, b3, b4, valid,
     in_slot = (entry >= 0) & valid
     in_raw = (entry < 0) & valid
     base = tl.where(in_slot, entry, 0).to(tl.int64)[:, None] * SLOT_BYTES  # [R, 1]
-    rbase = tl.where(in_raw, -1 - entry, 0).to(tl.int64)[:, None] * (16 * C)
+    rbase = tl.where(in_raw, -1 - entry, 0).to(tl.int64)[:, None] * RAW_TILE
     ms = in_slot[:, None]
     t2 = t[:, None]
     c2 = c[None, :]
@@ -61,5 +64,5 @@ def load_kv_rows(slot_ptr, raw_ptr, entry, t, c, b3, b4, valid,
     bits = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
     bits = tl.where(bits >= 0x8000, bits - 0x10000, bits).to(tl.int16)
     decoded = bits.to(tl.bfloat16, bitcast=True)
-    rawv = tl.load(raw_ptr + rbase + t2 * C + c2, mask=in_raw[:, None], other=0.0)
+    rawv = tl.load(raw_ptr + rbase + t2 * RAW_ROW + c2, mask=in_raw[:, None], other=0.0)
     return tl.where(ms, decoded, rawv)
