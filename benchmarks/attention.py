@@ -22,7 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from gaac_hf.calibrate import choose_escape_capacity, exponent_histogram, windows_from_histogram
 from gaac_hf.codec import encode_tiles, escape_bytes, group_modes, split_fields, split_head
 from gaac_hf.format import TileLayout
-from triton_ops.gaac_attention import gaac_decode_attention, plain_decode_attention
+from triton_ops.gaac_attention import gaac_decode_attention, plain_as_raw_tiles, plain_decode_attention
 from triton_ops.gaac_decode import gaac_decode
 
 SHAPES = [  # (name, query heads, kv heads, head_dim, batch, context)
@@ -128,6 +128,7 @@ def main():
         # rotating buffers: copies at other addresses
         bufs = [(packed, k, v)] + [(tuple(x.clone() for x in packed), k.clone(), v.clone())
                                    for _ in range(args.buffers - 1)]
+        plains = [plain_as_raw_tiles(bk, bv) for _, bk, bv in bufs]
         q4 = q[:, :, None]
         bf16_bytes = 2 * k.numel() * 2
         gaac_bytes = info["bytes"]
@@ -138,7 +139,7 @@ def main():
             gaac_decode_attention(q, *pk[:5], pk[5], pk[6], scale)
 
         def run_plain(i):
-            plain_decode_attention(q, bufs[i][1], bufs[i][2], scale)
+            plain_decode_attention(q, bufs[i][1], bufs[i][2], scale, plain=plains[i])
 
         def sdpa(backend):
             def run(i):
@@ -178,7 +179,7 @@ def main():
         tm = {k2: (f"{t['us']:.1f}us {t['GBps']:.0f}GB/s" if "us" in t else "err") for k2, t in times.items()}
         print(f"{name} {b}x{s} ok={identical} err={rel:.1e} ratio={bf16_bytes / gaac_bytes:.3f} {tm} "
               f"speedup={row['speedup_vs_best_baseline']:.3f} ({time.time() - t0:.0f}s)", flush=True)
-        del bufs, k, v, packed
+        del bufs, plains, k, v, packed
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

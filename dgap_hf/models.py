@@ -49,7 +49,8 @@ def base_model_info(config) -> dict:
     info = {"name": getattr(config, "name_or_path", "") or getattr(config, "_name_or_path", ""),
             "vocab_size": int(text.vocab_size), "model_type": getattr(config, "model_type", None),
             "architectures": list(getattr(config, "architectures", None) or []) or None,
-            "hidden_size": getattr(text, "hidden_size", None), "num_hidden_layers": getattr(text, "num_hidden_layers", None)}
+            "hidden_size": getattr(text, "hidden_size", None),
+            "num_hidden_layers": getattr(text, "num_hidden_layers", None)}
     return {k: v for k, v in info.items() if v not in (None, "")}
 
 

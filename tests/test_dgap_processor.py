@@ -9,7 +9,6 @@ import pytest
 import torch
 from conftest import tiny_llama_config
 from huggingface_hub import HfApi
-from torch import nn
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from dgap_hf import DGAPArtifactError, DGAPLogitsProcessor, DGAPMismatchError, DGAPModel, LowBitCache

@@ -1,5 +1,6 @@
-"""DGAP training: losses (Eq. 10, 14-18), tau calibration, a synthetic end-to-end run, the trace-to-artifact pipeline."""
+"""DGAP training: losses (Eq. 10, 14-18), tau calibration, synthetic end-to-end run, trace-to-artifact pipeline."""
 
+import json
 import math
 
 import pytest
@@ -132,3 +133,25 @@ def test_architectures_shapes_and_standalone_hub_round_trip(arch, tmp_path):
     corr.save_pretrained(tmp_path / "c")
     back = DGAPCorrector.from_pretrained(tmp_path / "c", strict=True)
     assert back.arch == arch and torch.equal(back(xi, phi), corr(xi, phi))
+
+
+def test_cli_collect_train_info(tmp_path, capsys):
+    from dgap_hf.cli import main
+
+    torch.manual_seed(0)
+    cfg = tiny_llama_config(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=64, initializer_range=0.2)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp_path / "llama")
+    main(["collect", "--model", str(tmp_path / "llama"), "--random-tokens", "1000", "--precisions", "K2V2,K1V1",
+          "--prefix-len", "32", "40", "--steps", "6", "--sequences", "3", "--batch-size", "2", "--top-m", "16",
+          "--group-size", "16", "--residual-length", "0", "--dtype", "float32", "--out", str(tmp_path / "tr")])
+    names = sorted(p.name for p in (tmp_path / "tr").iterdir())
+    assert names == ["K1V1-p32.safetensors", "K1V1-p40.safetensors", "K2V2-p32.safetensors", "K2V2-p40.safetensors"]
+    main(["train", "--traces", str(tmp_path / "tr"), "--out", str(tmp_path / "art"), "--epochs", "1",
+          "--detector-hidden", "8", "--corrector-hidden", "8", "--k-max", "8"])
+    main(["info", str(tmp_path / "art")])
+    out = capsys.readouterr().out
+    info = json.loads(out[out.index("{"):])
+    assert set(info["precisions"]) == {"K1V1", "K2V2"} and info["base_model"]["vocab_size"] == 256
+    art = json.loads((tmp_path / "art" / "config.json").read_text())
+    assert art["training"]["rows"] == {"K1V1": 36, "K2V2": 36} and art["training"]["prefix_lens"] == [32, 40]

@@ -32,40 +32,43 @@ def _dot(a, b, F32: tl.constexpr):
 
 
 @triton.jit
-def _tile_rows(slot_ptr, raw_ptr, table_ptr, tail_ptr, b3_ptr, b4_ptr, b, hk, blk, t, valid, c,
-               s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, H_KV, SLOT_BYTES, RAW_TILE, RAW_ROW,
-               KV: tl.constexpr, TILE: tl.constexpr, IN_TAIL: tl.constexpr, C: tl.constexpr, TILES: tl.constexpr):
-    """BF16 rows `[R, C]` of tile TILE of K (KV=0) or V (KV=1) for token rows (block `blk`, token `t`)."""
+def _tile_rows(slot_ptr, raw_ptr, table_ptr, tail_ptr, b3_ptr, b4_ptr, b, hk, j0, end, t, c,
+               s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, H_KV, SLOT_BYTES, RAW_TILE, RAW_ROW, tail_len,
+               KV: tl.constexpr, TILE: tl.constexpr, IN_TAIL: tl.constexpr, NB: tl.constexpr, C: tl.constexpr,
+               TILES: tl.constexpr):
+    """BF16 rows of tile TILE of K (KV=0) or V (KV=1): blocks `[j0, j0 + NB)` (those < end), or the tail."""
     if IN_TAIL:
         ptrs = tail_ptr + b.to(tl.int64) * s_ab + hk * s_ah + t.to(tl.int64)[:, None] * s_at + TILE * C + c[None, :]
-        rows = tl.load(ptrs, mask=valid[:, None], other=0.0)
+        rows = tl.load(ptrs, mask=(t < tail_len)[:, None], other=0.0)
     else:
+        blk = j0 + tl.arange(0, NB)
+        ok = blk < end
         entry = tl.load(table_ptr + b.to(tl.int64) * s_tb + blk.to(tl.int64) * s_tn + KV * s_tkv + hk * s_th + TILE,
-                        mask=valid, other=0)
+                        mask=ok, other=0)
         kind = (KV * H_KV + hk) * TILES + TILE
         b3 = tl.load(b3_ptr + kind * C + c).to(tl.int32)
         b4 = tl.load(b4_ptr + kind * C + c).to(tl.int32)
-        rows = load_kv_rows(slot_ptr, raw_ptr, entry, t, c, b3, b4, valid, SLOT_BYTES, RAW_TILE, RAW_ROW, C)
+        rows = load_kv_rows(slot_ptr, raw_ptr, entry, ok, b3, b4, SLOT_BYTES, RAW_TILE, RAW_ROW, NB, C)
     return rows
 
 
 @triton.jit
 def _attend(q0, q1, m_i, l_i, acc0, acc1, slot_ptr, raw_ptr, table_ptr, tailk_ptr, tailv_ptr, b3_ptr, b4_ptr,
-            mask_ptr, b, hk, blk, t, valid, c, scale, s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, s_mb, H_KV,
-            SLOT_BYTES, RAW_TILE, RAW_ROW, IN_TAIL: tl.constexpr, C: tl.constexpr, TILES: tl.constexpr,
-            HAS_MASK: tl.constexpr, F32: tl.constexpr):
-    """One online-softmax step over the token rows (`blk`, `t`)."""
+            mask_ptr, b, hk, j0, end, blk, t, valid, c, scale, s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, s_mb, H_KV,
+            SLOT_BYTES, RAW_TILE, RAW_ROW, tail_len, IN_TAIL: tl.constexpr, NB: tl.constexpr, C: tl.constexpr,
+            TILES: tl.constexpr, HAS_MASK: tl.constexpr, F32: tl.constexpr):
+    """One online-softmax step over the token rows (`blk`, `t`) (`valid`: rows that exist)."""
     if HAS_MASK:
         pos = blk * 16 + t
         valid = valid & (tl.load(mask_ptr + b.to(tl.int64) * s_mb + pos, mask=valid, other=0) != 0)
-    k0 = _tile_rows(slot_ptr, raw_ptr, table_ptr, tailk_ptr, b3_ptr, b4_ptr, b, hk, blk, t, valid, c,
-                    s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, H_KV, SLOT_BYTES, RAW_TILE, RAW_ROW,
-                    0, 0, IN_TAIL, C, TILES)
+    k0 = _tile_rows(slot_ptr, raw_ptr, table_ptr, tailk_ptr, b3_ptr, b4_ptr, b, hk, j0, end, t, c,
+                    s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, H_KV, SLOT_BYTES, RAW_TILE, RAW_ROW, tail_len,
+                    0, 0, IN_TAIL, NB, C, TILES)
     s = _dot(q0, tl.trans(k0), F32)
     if TILES == 2:
-        k1 = _tile_rows(slot_ptr, raw_ptr, table_ptr, tailk_ptr, b3_ptr, b4_ptr, b, hk, blk, t, valid, c,
-                        s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, H_KV, SLOT_BYTES, RAW_TILE, RAW_ROW,
-                        0, 1, IN_TAIL, C, TILES)
+        k1 = _tile_rows(slot_ptr, raw_ptr, table_ptr, tailk_ptr, b3_ptr, b4_ptr, b, hk, j0, end, t, c,
+                        s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, H_KV, SLOT_BYTES, RAW_TILE, RAW_ROW, tail_len,
+                        0, 1, IN_TAIL, NB, C, TILES)
         s += _dot(q1, tl.trans(k1), F32)
     s = tl.where(valid[None, :], s * scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -74,14 +77,14 @@ def _attend(q0, q1, m_i, l_i, acc0, acc1, slot_ptr, raw_ptr, table_ptr, tailk_pt
     alpha = tl.exp(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     pb = p.to(tl.bfloat16)
-    v0 = _tile_rows(slot_ptr, raw_ptr, table_ptr, tailv_ptr, b3_ptr, b4_ptr, b, hk, blk, t, valid, c,
-                    s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, H_KV, SLOT_BYTES, RAW_TILE, RAW_ROW,
-                    1, 0, IN_TAIL, C, TILES)
+    v0 = _tile_rows(slot_ptr, raw_ptr, table_ptr, tailv_ptr, b3_ptr, b4_ptr, b, hk, j0, end, t, c,
+                    s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, H_KV, SLOT_BYTES, RAW_TILE, RAW_ROW, tail_len,
+                    1, 0, IN_TAIL, NB, C, TILES)
     acc0 = acc0 * alpha[:, None] + _dot(pb, v0, F32)
     if TILES == 2:
-        v1 = _tile_rows(slot_ptr, raw_ptr, table_ptr, tailv_ptr, b3_ptr, b4_ptr, b, hk, blk, t, valid, c,
-                        s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, H_KV, SLOT_BYTES, RAW_TILE, RAW_ROW,
-                        1, 1, IN_TAIL, C, TILES)
+        v1 = _tile_rows(slot_ptr, raw_ptr, table_ptr, tailv_ptr, b3_ptr, b4_ptr, b, hk, j0, end, t, c,
+                        s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, H_KV, SLOT_BYTES, RAW_TILE, RAW_ROW, tail_len,
+                        1, 1, IN_TAIL, NB, C, TILES)
         acc1 = acc1 * alpha[:, None] + _dot(pb, v1, F32)
     return m_new, l_i, acc0, acc1
 
@@ -119,15 +122,15 @@ def _split_kernel(q_ptr, slot_ptr, raw_ptr, table_ptr, tailk_ptr, tailv_ptr, b3_
         blk = j0 + rows // 16
         m_i, l_i, acc0, acc1 = _attend(
             q0, q1, m_i, l_i, acc0, acc1, slot_ptr, raw_ptr, table_ptr, tailk_ptr, tailv_ptr, b3_ptr, b4_ptr,
-            mask_ptr, b, hk, blk, t, blk < end, c, scale, s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, s_mb, H_KV,
-            SLOT_BYTES, RAW_TILE, RAW_ROW, False, C, TILES, HAS_MASK, F32)
+            mask_ptr, b, hk, j0, end, blk, t, blk < end, c, scale, s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, s_mb,
+            H_KV, SLOT_BYTES, RAW_TILE, RAW_ROW, tail_len, False, NB, C, TILES, HAS_MASK, F32)
     if (split == SPLITS - 1) & (tail_len > 0):
         tt = tl.arange(0, 16)
         blk = n_blocks + tt * 0
         m_i, l_i, acc0, acc1 = _attend(
             q0, q1, m_i, l_i, acc0, acc1, slot_ptr, raw_ptr, table_ptr, tailk_ptr, tailv_ptr, b3_ptr, b4_ptr,
-            mask_ptr, b, hk, blk, tt, tt < tail_len, c, scale, s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, s_mb,
-            H_KV, SLOT_BYTES, RAW_TILE, RAW_ROW, True, C, TILES, HAS_MASK, F32)
+            mask_ptr, b, hk, n_blocks, n_blocks, blk, tt, tt < tail_len, c, scale, s_tb, s_tn, s_tkv, s_th, s_ab,
+            s_ah, s_at, s_mb, H_KV, SLOT_BYTES, RAW_TILE, RAW_ROW, tail_len, True, 1, C, TILES, HAS_MASK, F32)
     out = (b * H_KV * NREP + heads).to(tl.int64) * SPLITS + split
     ok = r < NREP
     tl.store(m_out + out, m_i, mask=ok)

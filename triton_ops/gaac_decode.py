@@ -13,11 +13,12 @@ def _decode_kernel(entry_ptr, slot_ptr, raw_ptr, b3_ptr, b4_ptr, out_ptr, PERIOD
     pid = tl.program_id(0)
     t = tl.arange(0, 16)
     c = tl.arange(0, C)
-    entry = tl.load(entry_ptr + pid + 0 * t)
+    one = tl.arange(0, 1)
+    entry = tl.load(entry_ptr + pid + one)
     kind = pid % PERIOD  # which (K|V, head, tile) this entry belongs to: selects the bases
     b3 = tl.load(b3_ptr + kind * C + c).to(tl.int32)
     b4 = tl.load(b4_ptr + kind * C + c).to(tl.int32)
-    rows = load_kv_rows(slot_ptr, raw_ptr, entry, t, c, b3, b4, t < 16, SLOT_BYTES, 16 * C, C, C)
+    rows = load_kv_rows(slot_ptr, raw_ptr, entry, one < 1, b3, b4, SLOT_BYTES, 16 * C, C, 1, C)
     tl.store(out_ptr + pid.to(tl.int64) * 16 * C + t[:, None] * C + c[None, :], rows)
 
 

@@ -1,0 +1,190 @@
+"""`dgap-hf`: collect paired traces, train a DGAP artifact, inspect one.
+
+    dgap-hf collect --model HuggingFaceTB/SmolLM2-135M-Instruct --dataset emozilla/pg19 --split train \\
+        --precisions K1V1,K2V2,K4V4,K8V8 --prefix-len 1024 4096 --steps 256 --sequences 64 --out traces/
+    dgap-hf train --traces traces/ --out dgap-smollm2 [--push-to-hub org/dgap-smollm2]
+    dgap-hf info dgap-smollm2
+
+`collect` writes one `<precision>-p<prefix>.safetensors` trace file per precision and prefix length (the FP run
+is shared by all precisions); `train` trains every precision found in the folder (one validation split per
+precision, `TrainConfig` defaults unless overridden) and saves the artifact with `save_pretrained`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _read_text(path: str) -> str:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+def _documents(args):
+    if args.text:
+        for path in args.text:
+            yield _read_text(path)
+        return
+    from datasets import load_dataset  # the `datasets` extra
+
+    ds = load_dataset(args.dataset, args.dataset_config, split=args.split, streaming=True)
+    for row in ds:
+        yield row[args.text_column]
+
+
+def _token_stream(args, tokenizer, needed: int) -> torch.Tensor:
+    if args.random_tokens:
+        g = torch.Generator().manual_seed(args.seed)
+        return torch.randint(0, tokenizer, (max(args.random_tokens, needed),), generator=g)
+    ids: list[int] = []
+    sep = tokenizer.eos_token_id
+    for doc in _documents(args):
+        ids.extend(tokenizer(doc, add_special_tokens=False)["input_ids"])
+        if sep is not None:
+            ids.append(sep)
+        if len(ids) >= needed:
+            break
+    if len(ids) < needed:
+        raise SystemExit(f"the text has {len(ids)} tokens; {needed} are needed (lower --sequences or --prefix-len)")
+    return torch.tensor(ids)
+
+
+def cmd_collect(args) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .traces import TracePairs, collect_traces
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(device).eval()
+    tokenizer = model.config.vocab_size if args.random_tokens else AutoTokenizer.from_pretrained(args.model)
+    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    windows = {p: p + args.steps - 1 for p in args.prefix_len}
+    stream = _token_stream(args, tokenizer, sum(w * args.sequences for w in windows.values()))
+    if args.random_tokens:
+        source = "random tokens"
+    elif args.text:
+        source = f"files: {', '.join(args.text)}"
+    else:
+        source = f"dataset {args.dataset}" + (f"/{args.dataset_config}" if args.dataset_config else "")
+        source += f" [{args.split}]"
+    cache_kwargs = {"group_size": args.group_size, "residual_length": args.residual_length,
+                    "one_bit_mode": args.one_bit_mode}
+    pos = 0
+    for prefix, width in windows.items():
+        seqs = stream[pos:pos + width * args.sequences].reshape(args.sequences, width)
+        pos += width * args.sequences
+        parts: dict[str, list] = {p: [] for p in precisions}
+        for b in range(0, args.sequences, args.batch_size):
+            tr = collect_traces(model, seqs[b:b + args.batch_size], precisions, prefix_len=prefix, steps=args.steps,
+                                top_m=args.top_m, cache_kwargs=cache_kwargs,
+                                meta={"source": source, "base_model": args.model})
+            for p, t in tr.items():
+                parts[p].append(t.to("cpu"))
+        for p, ts in parts.items():
+            tr = TracePairs.cat(ts)
+            tr.meta = {**ts[0].meta, "sequences": args.sequences}
+            tr.save(out / f"{tr.meta['precision']}-p{prefix}.safetensors")
+            print(f"{tr.meta['precision']} prefix {prefix}: {len(tr)} rows -> {out}")
+
+
+def cmd_train(args) -> None:
+    from .precision import normalize_precision
+    from .traces import TracePairs
+    from .train import TrainConfig, train_dgap
+
+    files = sorted(Path(args.traces).glob("*.safetensors"))
+    if not files:
+        raise SystemExit(f"no trace files in {args.traces}")
+    by_precision: dict[str, list] = {}
+    for f in files:
+        tr = TracePairs.load(f)
+        p = normalize_precision(tr.meta.get("precision") or f.stem.split("-")[0])
+        by_precision.setdefault(p, []).append(tr)
+    traces = {p: TracePairs.cat(ts) for p, ts in by_precision.items()}
+    overrides = {k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__ and v is not None}
+    cfg = TrainConfig(**overrides)
+    sources = sorted({str(t.meta.get("source", "")) for ts in by_precision.values() for t in ts})
+    prefixes = sorted({int(t.meta.get("prefix_len", 0)) for ts in by_precision.values() for t in ts})
+    model = train_dgap(traces, cfg, training_data={"sources": sources, "prefix_lens": prefixes,
+                                                   "trace_files": [f.name for f in files]})
+    model.save_pretrained(args.out)
+    for p, r in model.results.items():
+        v = r["validation"]
+        print(f"{p}: K_b {r['k_b']}, tau {r['tau']:.2f}, correction rate {v['correction_rate']:.3f}, drift "
+              f"{v['drift_before']:.4f} -> {v['drift_after']:.4f}, window KL {v['window_kl_before']:.4f} -> "
+              f"{v['window_kl_after']:.4f}")
+    if args.push_to_hub:
+        model.push_to_hub(args.push_to_hub, model_card_kwargs={"repo_id": args.push_to_hub})
+
+
+def cmd_info(args) -> None:
+    from .models import DGAPModel
+
+    model = DGAPModel.from_pretrained(args.artifact)
+    info = {"base_model": model.base_model,
+            "precisions": {p: {"k_b": s["k_b"], "tau": s["tau"], "detector": s["detector"].get("arch", "mlp"),
+                               "corrector": s["corrector"].get("arch", "mlp")} for p, s in model.precisions.items()},
+            "parameters": sum(p.numel() for p in model.parameters())}
+    print(json.dumps(info, indent=2))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dgap-hf", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("collect", help="paired FP / low-bit teacher-forced traces")
+    c.add_argument("--model", required=True)
+    src = c.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", nargs="+", help="text files (.gz allowed)")
+    src.add_argument("--dataset", help="a datasets name, e.g. emozilla/pg19 (needs gaac-hf[datasets])")
+    src.add_argument("--random-tokens", type=int, help="random token ids (smoke tests)")
+    c.add_argument("--dataset-config")
+    c.add_argument("--split", default="train")
+    c.add_argument("--text-column", default="text")
+    c.add_argument("--precisions", default="K1V1,K2V2,K4V4,K8V8")
+    c.add_argument("--prefix-len", type=int, nargs="+", default=[1024])
+    c.add_argument("--steps", type=int, default=128)
+    c.add_argument("--sequences", type=int, default=8, help="sequences per prefix length")
+    c.add_argument("--batch-size", type=int, default=1)
+    c.add_argument("--top-m", type=int, default=64)
+    c.add_argument("--group-size", type=int, default=32)
+    c.add_argument("--residual-length", type=int, default=128)
+    c.add_argument("--one-bit-mode", default="sign", choices=["sign", "minmax"])
+    c.add_argument("--dtype", default="bfloat16")
+    c.add_argument("--device")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--out", required=True)
+    c.set_defaults(func=cmd_collect)
+    t = sub.add_parser("train", help="train a DGAP artifact from a folder of trace files")
+    t.add_argument("--traces", required=True)
+    t.add_argument("--out", required=True)
+    for name, typ in (("epochs", int), ("batch_size", int), ("lr", float), ("alpha", float), ("rho_k", float),
+                      ("rho_c", float), ("eps", float), ("k_max", int), ("temperature", float),
+                      ("lambda_rank", float), ("lambda_reg", float), ("detector_arch", str),
+                      ("corrector_arch", str), ("detector_hidden", int), ("corrector_hidden", int),
+                      ("val_fraction", float), ("seed", int), ("device", str)):
+        t.add_argument("--" + name.replace("_", "-"), dest=name, type=typ)
+    t.add_argument("--push-to-hub", metavar="REPO_ID")
+    t.set_defaults(func=cmd_train)
+    i = sub.add_parser("info", help="show a DGAP artifact (local folder or Hub repo)")
+    i.add_argument("artifact")
+    i.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
