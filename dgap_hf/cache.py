@@ -188,6 +188,8 @@ class LowBitLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    get_max_cache_shape = get_max_length  # the name on older transformers releases
+
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens. Cutting into the quantized prefix moves the partial group back
         into the residual, dequantized (it stays at low-bit accuracy)."""

@@ -1,6 +1,6 @@
 """`dgap-hf`: collect paired traces, train a DGAP artifact, inspect one.
 
-    dgap-hf collect --model HuggingFaceTB/SmolLM2-135M-Instruct --dataset emozilla/pg19 --split train \\
+    dgap-hf collect --model HuggingFaceTB/SmolLM2-135M-Instruct --dataset <PG-19 repo id> --split train \\
         --precisions K1V1,K2V2,K4V4,K8V8 --prefix-len 1024 4096 --steps 256 --sequences 64 --out traces/
     dgap-hf train --traces traces/ --out dgap-smollm2 [--push-to-hub org/dgap-smollm2]
     dgap-hf info dgap-smollm2
@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--model", required=True)
     src = c.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", nargs="+", help="text files (.gz allowed)")
-    src.add_argument("--dataset", help="a datasets name, e.g. emozilla/pg19 (needs gaac-hf[datasets])")
+    src.add_argument("--dataset", help="a Hub dataset with a text column, e.g. a PG-19 copy (needs gaac-hf[datasets])")
     src.add_argument("--random-tokens", type=int, help="random token ids (smoke tests)")
     c.add_argument("--dataset-config")
     c.add_argument("--split", default="train")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessor
 
-from .features import runtime_features
+from .features import candidate_features, detector_features_from_top, full_vocab_stats
 from .models import DGAPMismatchError, DGAPModel
 from .precision import normalize_precision
 
@@ -129,13 +129,15 @@ class DGAPLogitsProcessor(LogitsProcessor):
         self._check_scores(scores)
         if self.detector.phi_mean.device != scores.device:
             self.model.to(scores.device)
-        phi, xi, vals, idx = runtime_features(scores, self.k_b)
+        lse_in, entropy = full_vocab_stats(scores)
+        vals, idx = scores.topk(self.k_b, -1)
+        phi = detector_features_from_top(vals, lse_in, entropy, self.k_b, scores.shape[-1])
+        xi = candidate_features(vals, lse_in)
         risk = self.detector.risk(phi)
         corrected = risk > self.tau
         delta = self.corrector(xi, phi)
         new_vals = torch.where(corrected.unsqueeze(-1), (vals.float() + delta).to(scores.dtype), vals)
         out = scores.scatter(-1, idx, new_vals)
-        lse_in = torch.logsumexp(scores.float(), -1)
         renorm = corrected & (lse_in.abs() < NORMALIZED_ATOL)
         lse_out = torch.logsumexp(out.float(), -1, keepdim=True)
         out = torch.where(renorm.unsqueeze(-1), (out.float() - lse_out).to(scores.dtype), out)

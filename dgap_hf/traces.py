@@ -119,6 +119,13 @@ class TracePairs:
                    meta=json.loads(md.get("meta", "{}")))
 
 
+def cache_kwarg(model) -> str:
+    """The forward's cache keyword: `cache` on transformers >= 5.2x, `past_key_values` before (e.g. 5.17)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def collect_traces(model, input_ids: torch.Tensor, precisions=("K1V1", "K2V2", "K4V4", "K8V8"), *,
                    prefix_len: int, steps: int, top_m: int = 64, cache_kwargs: dict | None = None,
@@ -146,8 +153,9 @@ def collect_traces(model, input_ids: torch.Tensor, precisions=("K1V1", "K2V2", "
     caches.update({p: LowBitCache(config, p, **(cache_kwargs or {})) for p in precisions})
     rows: dict[str, list[TracePairs]] = {p: [] for p in precisions}
     logits = {}
+    kw = cache_kwarg(model)
     for name, cache in caches.items():
-        out = model(input_ids=ids[:, :prefix_len], cache=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids[:, :prefix_len], use_cache=True, logits_to_keep=1, **{kw: cache})
         logits[name] = out.logits[:, -1].float()
     for t in range(steps):
         for p in precisions:
@@ -156,7 +164,7 @@ def collect_traces(model, input_ids: torch.Tensor, precisions=("K1V1", "K2V2", "
             break
         tok = ids[:, prefix_len + t:prefix_len + t + 1]
         for name, cache in caches.items():
-            logits[name] = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1].float()
+            logits[name] = model(input_ids=tok, use_cache=True, **{kw: cache}).logits[:, -1].float()
     info = base_model_info(config)
     base = {"base_model": info.get("name", ""), "base_model_info": info,
             "prefix_len": prefix_len, "steps": steps, "rows_per_step": int(ids.shape[0])}

@@ -11,7 +11,14 @@ from dgap_hf.quantize import (
     pack_bits, quantize_groups, quantize_keys, quantize_values, relative_error_bound, unpack_bits,
 )
 
-torch.set_num_threads(1)
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread: much faster for tiny models on a busy 2-core machine (restored after the module)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 @pytest.mark.parametrize("bits", BITS)

@@ -13,7 +13,14 @@ from dgap_hf import DGAPLogitsProcessor, LowBitCache, TrainConfig, collect_trace
 from dgap_hf.synthetic import synthetic_logits, synthetic_traces
 from dgap_hf.train import calibrate_tau, corrector_loss, detector_loss, window_kl
 
-torch.set_num_threads(1)
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread: much faster for tiny models on a busy 2-core machine (restored after the module)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 def test_detector_loss_is_bce():
