@@ -103,6 +103,7 @@ def main():
     p.add_argument("--out", default="benchmarks/results/attention.json")
     p.add_argument("--buffers", type=int, default=3)
     p.add_argument("--shapes", default="all")
+    p.add_argument("--sweep", action="store_true", help="also time launch configurations on the first shape")
     args = p.parse_args()
     dev = torch.device("cuda")
     pool = load_file(args.real_kv)["kv"].to(dev)
@@ -175,6 +176,25 @@ def main():
                "bit_identical_to_plain": identical, "rel_err_vs_fp32": rel, "bf16_bytes": bf16_bytes,
                "gaac_bytes": gaac_bytes, **info, "times": times,
                "speedup_vs_best_baseline": base / times["gaac_fused"]["us"] if "us" in times["gaac_fused"] else None}
+        if args.sweep and not results.get("sweep"):
+            sweep = []
+            for nb in (2, 4, 8):
+                for warps in (4, 8):
+                    for stages in (1, 2):
+                        cfg = dict(blocks_per_iter=nb, num_warps=warps, num_stages=stages)
+                        entry = dict(cfg)
+                        for vname, fn in (
+                                ("gaac", lambda i: gaac_decode_attention(q, *bufs[i][0][:5], bufs[i][0][5],
+                                                                         bufs[i][0][6], scale, **cfg)),
+                                ("plain", lambda i: plain_decode_attention(q, bufs[i][1], bufs[i][2], scale,
+                                                                           plain=plains[i], **cfg))):
+                            try:
+                                entry[vname + "_us"] = bench(fn, args.buffers)
+                            except Exception as e:
+                                entry[vname + "_us"] = f"{type(e).__name__}"
+                        sweep.append(entry)
+                        print("sweep", entry, flush=True)
+            results["sweep"] = {"shape": [name, hq, hkv, d, b, s], "configs": sweep}
         results["rows"].append(row)
         tm = {k2: (f"{t['us']:.1f}us {t['GBps']:.0f}GB/s" if "us" in t else "err") for k2, t in times.items()}
         print(f"{name} {b}x{s} ok={identical} err={rel:.1e} ratio={bf16_bytes / gaac_bytes:.3f} {tm} "

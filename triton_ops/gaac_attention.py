@@ -175,8 +175,9 @@ def _launch(query, slot_pool, raw_pool, raw_tile, raw_row, table, tail_k, tail_v
     channels = d // tiles
     if hq % h_kv:
         raise ValueError(f"{hq} query heads do not group over {h_kv} KV heads")
-    if table.stride(-1) != 1:
-        table = table.contiguous()
+    table = table.contiguous()
+    # strides from the shape, so compressed and plain KV of one shape specialize to the very same kernel
+    t_strides = (table.shape[1] * 2 * h_kv * tiles, 2 * h_kv * tiles, h_kv * tiles, tiles)
     if tail_v.stride() != tail_k.stride():
         tail_k, tail_v = tail_k.contiguous(), tail_v.contiguous()
     nrep = hq // h_kv
@@ -193,7 +194,7 @@ def _launch(query, slot_pool, raw_pool, raw_tile, raw_row, table, tail_k, tail_v
     _split_kernel[(b * h_kv, splits)](
         query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, mask if mask is not None else query,
         m_out, l_out, acc_out, scale, n_blocks, tail_k.shape[2], per_split,
-        query.stride(0), query.stride(1), table.stride(0), table.stride(1), table.stride(2), table.stride(3),
+        query.stride(0), query.stride(1), *t_strides,
         tail_k.stride(0), tail_k.stride(1), tail_k.stride(2), mask.stride(0) if mask is not None else 0,
         h_kv, splits, slot_pool.shape[-1], raw_tile, raw_row,
         NREP=nrep, NREP_PAD=max(16, triton.next_power_of_2(nrep)), C=channels, TILES=tiles, NB=nb,
@@ -207,7 +208,8 @@ def _launch(query, slot_pool, raw_pool, raw_tile, raw_row, table, tail_k, tail_v
 def gaac_decode_attention(query: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor,
                           table: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor, base3: torch.Tensor,
                           base4: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
-                          num_splits: int | None = None, blocks_per_iter: int = 4) -> torch.Tensor:
+                          num_splits: int | None = None, blocks_per_iter: int = 4, num_warps: int = 4,
+                          num_stages: int = 1) -> torch.Tensor:
     """Single-token attention over GAAC-compressed KV.
 
     query `[B, H_q, D]` BF16; slot_pool uint8 `[N, slot_bytes]`; raw_pool BF16 `[R, 16, C]`; table int32
@@ -216,7 +218,7 @@ def gaac_decode_attention(query: torch.Tensor, slot_pool: torch.Tensor, raw_pool
     """
     c = raw_pool.shape[-1]
     return _launch(query, slot_pool, raw_pool, 16 * c, c, table, tail_k, tail_v, base3.contiguous(),
-                   base4.contiguous(), scale, mask, num_splits, blocks_per_iter)
+                   base4.contiguous(), scale, mask, num_splits, blocks_per_iter, num_warps, num_stages)
 
 
 def plain_as_raw_tiles(key: torch.Tensor, value: torch.Tensor):
@@ -240,7 +242,8 @@ def plain_as_raw_tiles(key: torch.Tensor, value: torch.Tensor):
 
 def plain_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                            mask: torch.Tensor | None = None, num_splits: int | None = None,
-                           blocks_per_iter: int = 4, plain=None) -> torch.Tensor:
+                           blocks_per_iter: int = 4, plain=None, num_warps: int = 4,
+                           num_stages: int = 1) -> torch.Tensor:
     """The same kernel over plain BF16 KV `[B, H_kv, S, D]`: bit-identical to `gaac_decode_attention` on the
     compressed form of the same KV. `plain` may pass a precomputed `plain_as_raw_tiles(key, value)`."""
     raw, table, tail_k, tail_v = plain if plain is not None else plain_as_raw_tiles(key, value)
@@ -249,4 +252,4 @@ def plain_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     dummy_slots = torch.zeros(1, 16, dtype=torch.uint8, device=query.device)  # 16: same specialization as a slot
     dummy_bases = torch.zeros(2, key.shape[1], d, dtype=torch.uint8, device=query.device)
     return _launch(query, dummy_slots, raw, c, d, table, tail_k, tail_v, dummy_bases, dummy_bases, scale, mask,
-                   num_splits, blocks_per_iter)
+                   num_splits, blocks_per_iter, num_warps, num_stages)
