@@ -199,7 +199,7 @@ def main():
         tm = {k2: (f"{t['us']:.1f}us {t['GBps']:.0f}GB/s" if "us" in t else "err") for k2, t in times.items()}
         print(f"{name} {b}x{s} ok={identical} err={rel:.1e} ratio={bf16_bytes / gaac_bytes:.3f} {tm} "
               f"speedup={row['speedup_vs_best_baseline']:.3f} ({time.time() - t0:.0f}s)", flush=True)
-        del bufs, plains, k, v, packed
+        bufs = plains = k = v = packed = None  # free before the next shape
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

@@ -6,6 +6,15 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module: much faster for tiny models on a busy 2-core machine (then restored)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded default model, loaded once for the whole session: `(model, tokenizer)`."""

@@ -38,13 +38,7 @@ def _cache_kwarg() -> str:
 CACHE_KW = _cache_kwarg()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny BF16 matmuls are ~50x faster on one thread than on two contended ones."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --- models and calibrations --------------------------------------------------------------------------------------

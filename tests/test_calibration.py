@@ -14,10 +14,8 @@ from gaac_hf.calibrate import (
     choose_escape_capacity,
     exponent_histogram,
     resident_bytes_per_tile,
-    tile_escape_bytes,
 )
 from gaac_hf.calibration import (
-    CalibrationConfig,
     CalibrationMismatchError,
     CorruptArtifactError,
     GAACCalibration,
@@ -56,7 +54,6 @@ def test_escape_capacity_minimizes_resident_bytes():
 
 @pytest.fixture(scope="module")
 def tiny_calibration(tiny_llama, sample_corpus):
-    from transformers import AutoTokenizer  # noqa: F401  (the tiny model has no tokenizer: use ids directly)
 
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (256,), generator=gen) for _ in range(3)]

@@ -7,7 +7,6 @@ from gaac_hf.codec import (
     decode_tiles,
     encode_tiles,
     from_groups,
-    group_modes,
     merge_head,
     split_fields,
     split_head,

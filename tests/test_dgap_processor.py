@@ -16,13 +16,7 @@ from dgap_hf.features import PHI_NAMES, runtime_features
 from dgap_hf.precision import UnknownPrecisionError
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: much faster for tiny models on a busy 2-core machine (restored after the module)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 VOCAB = 256
