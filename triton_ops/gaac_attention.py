@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import on_device_of
 from .tile import load_kv_rows
 
 BLOCK = 16
@@ -191,17 +192,18 @@ def _launch(query, slot_pool, raw_pool, raw_tile, raw_row, table, tail_k, tail_v
     acc_out = torch.empty(b * hq * splits, d, **f32)
     if mask is not None:
         mask = mask.to(torch.int8)
-    _split_kernel[(b * h_kv, splits)](
-        query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, mask if mask is not None else query,
-        m_out, l_out, acc_out, scale, n_blocks, tail_k.shape[2], per_split,
-        query.stride(0), query.stride(1), *t_strides,
-        tail_k.stride(0), tail_k.stride(1), tail_k.stride(2), mask.stride(0) if mask is not None else 0,
-        h_kv, splits, slot_pool.shape[-1], raw_tile, raw_row,
-        NREP=nrep, NREP_PAD=max(16, triton.next_power_of_2(nrep)), C=channels, TILES=tiles, NB=nb,
-        HAS_MASK=mask is not None, F32=_interpreted(), num_warps=num_warps, num_stages=num_stages,
-    )
     out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=query.device)
-    _combine_kernel[(b * hq,)](m_out, l_out, acc_out, out, splits, S_PAD=triton.next_power_of_2(splits), D=d)
+    with on_device_of(query):
+        _split_kernel[(b * h_kv, splits)](
+            query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, mask if mask is not None else query,
+            m_out, l_out, acc_out, scale, n_blocks, tail_k.shape[2], per_split,
+            query.stride(0), query.stride(1), *t_strides,
+            tail_k.stride(0), tail_k.stride(1), tail_k.stride(2), mask.stride(0) if mask is not None else 0,
+            h_kv, splits, slot_pool.shape[-1], raw_tile, raw_row,
+            NREP=nrep, NREP_PAD=max(16, triton.next_power_of_2(nrep)), C=channels, TILES=tiles, NB=nb,
+            HAS_MASK=mask is not None, F32=_interpreted(), num_warps=num_warps, num_stages=num_stages,
+        )
+        _combine_kernel[(b * hq,)](m_out, l_out, acc_out, out, splits, S_PAD=triton.next_power_of_2(splits), D=d)
     return out
 
 

@@ -4,6 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import on_device_of
 from .tile import load_kv_rows
 
 
@@ -35,6 +36,7 @@ def gaac_decode(table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Te
     entries = table.reshape(-1).contiguous()
     out = torch.empty(*table.shape, 16, channels, dtype=torch.bfloat16, device=table.device)
     if entries.numel():
-        _decode_kernel[(entries.numel(),)](entries, slot_pool, raw_pool, base3.contiguous(), base4.contiguous(), out,
-                                           period, slot_pool.shape[-1], C=channels)
+        with on_device_of(entries):
+            _decode_kernel[(entries.numel(),)](entries, slot_pool, raw_pool, base3.contiguous(), base4.contiguous(), out,
+                                               period, slot_pool.shape[-1], C=channels)
     return out
