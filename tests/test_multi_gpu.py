@@ -46,5 +46,5 @@ def test_device_map_generation_is_lossless(split_model, attn):
     assert torch.equal(out.sequences, ref.sequences)
     for a, b in zip(out.scores, ref.scores):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
-    devices = {cache.layers[i]._slot_pool.device for i in cache.gaac_layers}
+    devices = {torch.device(cache.layers[i].device) for i in cache.gaac_layers}
     assert devices == {torch.device("cuda:0"), torch.device("cuda:1")}
