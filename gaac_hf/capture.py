@@ -26,10 +26,10 @@ def capture_kv(model, prompt_ids: torch.Tensor, chunk_tokens: int = 1024, progre
     starts = range(0, ids.shape[1], chunk_tokens)
     for s in tqdm(starts, desc="prefill", unit="chunk", disable=not progress, leave=False):
         model(input_ids=ids[:, s:s + chunk_tokens], past_key_values=cache, use_cache=True, logits_to_keep=1)
-    out = torch.stack(
-        [torch.stack([cache.layers[i].keys[0], cache.layers[i].values[0]]) for i in layers]
+    # layers may sit on different devices (device_map): gather on the CPU
+    return torch.stack(
+        [torch.stack([cache.layers[i].keys[0].cpu(), cache.layers[i].values[0].cpu()]) for i in layers]
     )
-    return out.cpu()
 
 
 def capture_corpus(model, prompts: list[torch.Tensor], chunk_tokens: int = 1024, store: str | None = None,
