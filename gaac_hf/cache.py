@@ -174,8 +174,10 @@ class GAACLayer(CacheLayerMixin):
     is_croppable = True
     is_compileable = False
 
-    def __init__(self, calibration: GAACCalibration, layer_idx: int):
+    def __init__(self, calibration: GAACCalibration, layer_idx: int, tp_rank: int | None = None,
+                 tp_size: int | None = None):
         super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         cfg = calibration.config
         self.layer_idx = layer_idx
         self.num_kv_heads, self.head_dim = cfg.num_kv_heads, cfg.head_dim
@@ -228,6 +230,8 @@ class GAACLayer(CacheLayerMixin):
         _check_kv_dtype(key_states, value_states)
         b, h, _, d = key_states.shape
         vb, vh, _, vd = value_states.shape
+        if h != self.num_kv_heads and d == self.head_dim and (vb, vh, vd) == (b, h, d):
+            self._take_shard(h)
         if (h, d) != (self.num_kv_heads, self.head_dim) or (vb, vh, vd) != (b, h, d):
             raise CalibrationMismatchError(
                 f"layer {self.layer_idx} gets KV of shape {tuple(key_states.shape)} / {tuple(value_states.shape)}; "
@@ -251,6 +255,27 @@ class GAACLayer(CacheLayerMixin):
         self._free_raws = torch.zeros(0, dtype=torch.long, device=device)
         self._dirty = False
         self.is_initialized = True
+
+    def _take_shard(self, heads: int) -> None:
+        """Tensor parallelism: this rank holds `heads` of the calibrated KV heads (a contiguous slice, as
+        transformers' colwise k/v projections split them); keep that slice of the windows."""
+        if self.num_kv_heads % heads:
+            return
+        size = self.num_kv_heads // heads
+        rank, tp_size = self.tp_rank, self.tp_size
+        if rank is None:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() == size):
+                return  # not a recognizable shard: the shape check below raises
+            rank, tp_size = dist.get_rank(), size
+        if tp_size != size:
+            raise CalibrationMismatchError(
+                f"layer {self.layer_idx} gets {heads} of {self.num_kv_heads} KV heads, i.e. a 1/{size} shard, "
+                f"but the cache was built for tp_size={tp_size}")
+        rows = slice(rank * heads, (rank + 1) * heads)
+        self._base3, self._base4 = self._base3[:, rows].contiguous(), self._base4[:, rows].contiguous()
+        self.num_kv_heads = heads
 
     # --- storage --------------------------------------------------------------------------------------------------
     def _collect(self) -> None:
@@ -518,7 +543,8 @@ class GAACCache(Cache):
     """
 
     def __init__(self, config, calibration: GAACCalibration | str, *, lazy: bool | str = "auto",
-                 offloading: bool = False, offload_only_non_sliding: bool = False):
+                 offloading: bool = False, offload_only_non_sliding: bool = False, tp_rank: int | None = None,
+                 tp_size: int | None = None):
         if not isinstance(calibration, GAACCalibration):
             calibration = GAACCalibration.from_pretrained(calibration)
         calibration.check_model(config)
@@ -533,14 +559,18 @@ class GAACCache(Cache):
         stock = DynamicCache(config=config).layers
         if len(stock) != len(types):
             raise ValueError(f"DynamicCache built {len(stock)} layers for a config with {len(types)} layer types")
-        layers = [GAACLayer(calibration, i) if t == "full_attention" else stock[i] for i, t in enumerate(types)]
+        # Under tensor parallelism each rank's layers see a contiguous slice of the KV heads; the rank comes from
+        # tp_rank/tp_size or, when they are not given, from torch.distributed (the whole world is one TP group).
+        layers = [GAACLayer(calibration, i, tp_rank, tp_size) if t == "full_attention" else stock[i]
+                  for i, t in enumerate(types)]
         super().__init__(layers=layers, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
 
     @classmethod
-    def from_pretrained(cls, pretrained_calibration, config, *, lazy: bool | str = "auto", **hub_kwargs) -> "GAACCache":
+    def from_pretrained(cls, pretrained_calibration, config, *, lazy: bool | str = "auto", tp_rank: int | None = None,
+                        tp_size: int | None = None, **hub_kwargs) -> "GAACCache":
         """Load a `GAACCalibration` (Hub repo id or local folder) and build the cache for a model `config`."""
         calibration = GAACCalibration.from_pretrained(pretrained_calibration, **hub_kwargs)
-        return cls(config, calibration, lazy=lazy)
+        return cls(config, calibration, lazy=lazy, tp_rank=tp_rank, tp_size=tp_size)
 
     @property
     def gaac_layers(self) -> list[int]:
