@@ -327,12 +327,10 @@ class GAACLayer(CacheLayerMixin):
             b1 = min(nb, b0 + step)
             t0, t1 = b0 * BLOCK_TOKENS, b1 * BLOCK_TOKENS
             tiles = self._tiles(k[:, :, t0:t1], v[:, :, t0:t1])
-            enc = encode_tiles(tiles, self._base3, self._base4, self.layout.escape_capacity)
-            counts = torch.stack([(enc.modes == m).sum(-1, dtype=torch.int32) for m in range(3)], -1)
-            fits = enc.fits
+            enc_slots, fits, counts = self._encode(tiles)
             slots = self._take("slot", int(fits.sum()))
             raws = self._take("raw", int(fits.numel() - slots.numel()))
-            self._slot_pool[slots] = enc.slots[fits]
+            self._slot_pool[slots] = enc_slots[fits]
             self._slot_modes[slots] = counts[fits]
             self._raw_pool[raws] = tiles[~fits]
             self._raw_modes[raws] = counts[~fits]
@@ -341,6 +339,24 @@ class GAACLayer(CacheLayerMixin):
             entries[~fits] = (-1 - raws).to(torch.int32)
             self._table[:, self.n_blocks + b0:self.n_blocks + b1] = entries
         self.n_blocks += nb
+
+    def _encode(self, tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tiles `[B, n, 2, H, tiles, 16, C]` -> (slots, fits, per-tile mode counts): the Triton kernel on CUDA,
+        the torch reference elsewhere (bit-identical)."""
+        capacity = self.layout.escape_capacity
+        if tiles.is_cuda:
+            from triton_ops.gaac_encode import gaac_encode
+
+            b, n, _, h, t = tiles.shape[:5]
+            period = 2 * h * t
+            slots, esc, counts = gaac_encode(tiles.reshape(b, n, period, BLOCK_TOKENS, self.channels),
+                                             self._base3.reshape(period, self.channels),
+                                             self._base4.reshape(period, self.channels), capacity)
+            shape = tiles.shape[:5]
+            return slots.reshape(*shape, -1), (esc <= capacity).reshape(shape), counts.reshape(*shape, 3)
+        enc = encode_tiles(tiles, self._base3, self._base4, capacity)
+        counts = torch.stack([(enc.modes == m).sum(-1, dtype=torch.int32) for m in range(3)], -1)
+        return enc.slots, enc.fits, counts
 
     def _decode_table(self, table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor) -> torch.Tensor:
         """Table entries `[B, n, 2, H, tiles]` -> BF16 KV `[B, 2, H, n * 16, D]`, bit-exact."""

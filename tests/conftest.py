@@ -1,9 +1,12 @@
 import os
 
-import pytest
-import torch
-
+# Without a GPU, Triton kernels run in Triton's interpreter; this must be set before anything imports triton.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -107,3 +107,25 @@ def test_fused_attention_large_on_gpu(s):
     assert torch.equal(bits(got), bits(plain))
     ref = reference_attention(q.cpu(), k.cpu(), v.cpu(), None if mask is None else mask.cpu(), 128 ** -0.5)
     assert ((got.cpu().double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("d, kind, capacity", [(64, "mixed", 32), (128, "mixed", 16), (256, "mixed", 48),
+                                               (64, "raw", 1280), (64, "raw", 48), (128, "4bit", 64)])
+def test_encode_kernel_is_bit_exact(d, kind, capacity):
+    from gaac_hf.codec import encode_tiles, split_head
+    from triton_ops.gaac_encode import gaac_encode
+
+    gen = torch.Generator().manual_seed(7 * d + capacity)
+    k, v, b3, b4 = realistic_kv(2, 2, 48, d, gen, kind)
+    c = min(d, 128)
+    tiles = split_head(torch.stack([k, v], 2).reshape(2, 2, 2, 3, 16, d).permute(0, 3, 2, 1, 4, 5))
+    shape = (2, 2, d // c, c)
+    ref = encode_tiles(tiles, b3.reshape(shape), b4.reshape(shape), capacity)
+    period = 2 * 2 * (d // c)
+    flat = tiles.reshape(2, 3, period, 16, c)
+    slots, esc, modes = gaac_encode(flat.to(DEVICE), b3.reshape(period, c).to(DEVICE),
+                                    b4.reshape(period, c).to(DEVICE), capacity)
+    assert torch.equal(slots.cpu(), ref.slots.reshape(2, 3, period, -1))
+    assert torch.equal(esc.cpu(), ref.escape_bytes.reshape(2, 3, period))
+    counts = torch.stack([(ref.modes == m).sum(-1) for m in range(3)], -1).reshape(2, 3, period, 3)
+    assert torch.equal(modes.cpu(), counts.to(torch.int32))

@@ -1,0 +1,96 @@
+"""Encode kernel: BF16 tiles -> GAAC slots (block finalization), one program per tile.
+
+Bitstream: docs/format.md. Output bits equal `gaac_hf.codec.encode_tiles` (the torch reference), including the
+escape area of tiles whose escapes overflow the slot (truncated to the capacity; such tiles stay raw BF16).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .device import on_device_of
+
+
+@triton.jit
+def _encode_kernel(x_ptr, b3_ptr, b4_ptr, slot_ptr, esc_out, modes_out, PERIOD, SLOT_BYTES, CAPACITY,
+                   C: tl.constexpr, E_PAD: tl.constexpr):
+    G: tl.constexpr = 2 * C
+    PLANES: tl.constexpr = 16 * C
+    TAGS: tl.constexpr = PLANES + 3 * G
+    TAG_PLANE: tl.constexpr = G // 8
+    ESC: tl.constexpr = TAGS + 2 * TAG_PLANE
+    pid = tl.program_id(0)
+    kind = pid % PERIOD
+    out = slot_ptr + pid.to(tl.int64) * SLOT_BYTES
+    t = tl.arange(0, 16)
+    c = tl.arange(0, C)
+    bits = tl.load(x_ptr + pid.to(tl.int64) * 16 * C + t[:, None] * C + c[None, :]).to(tl.int32) & 0xFFFF
+    e = (bits >> 7) & 0xFF
+    sm = ((bits >> 8) & 0x80) | (bits & 0x7F)
+    tl.store(out + t[:, None] * C + c[None, :], sm.to(tl.uint8))
+
+    b3 = tl.load(b3_ptr + kind * C + c).to(tl.int32)
+    b4 = tl.load(b4_ptr + kind * C + c).to(tl.int32)
+    eg = tl.reshape(e, [2, 8, C])  # group (half h, channel c) = tokens 8h..8h+7 of channel c
+    d3 = eg - b3[None, None, :]
+    d4 = eg - b4[None, None, :]
+    fit3 = (tl.min(d3, axis=1) >= 0) & (tl.max(d3, axis=1) < 8)
+    fit4 = (tl.min(d4, axis=1) >= 0) & (tl.max(d4, axis=1) < 16)
+    mode = tl.where(fit3, 0, tl.where(fit4, 1, 2))  # [2, C]
+    base = tl.where(mode == 0, b3[None, :], tl.where(mode == 1, b4[None, :], 0))
+    code = (eg - base[:, None, :]) & 0xFF  # [2, 8, C]
+    i = tl.arange(0, 8)[None, :, None]
+    h = tl.arange(0, 2)[:, None]
+    g = h * C + c[None, :]
+    for p in tl.static_range(3):
+        plane = tl.sum(((code >> p) & 1) << i, axis=1)
+        tl.store(out + PLANES + p * G + g, plane.to(tl.uint8))
+    wide = (mode >= 1).to(tl.int32)
+    raw = (mode == 2).to(tl.int32)
+    j = tl.arange(0, 8)[None, None, :]
+    wide_bytes = tl.sum(tl.reshape(wide, [2, C // 8, 8]) << j, axis=2)  # [2, C/8]: byte g // 8, bit g % 8
+    raw_bytes = tl.sum(tl.reshape(raw, [2, C // 8, 8]) << j, axis=2)
+    k8 = tl.arange(0, C // 8)[None, :]
+    tl.store(out + TAGS + h * (C // 8) + k8, wide_bytes.to(tl.uint8))
+    tl.store(out + TAGS + TAG_PLANE + h * (C // 8) + k8, raw_bytes.to(tl.uint8))
+
+    w = wide + 4 * raw  # escape bytes per group
+    first_half = tl.sum(tl.sum(tl.where(h == 0, w, 0), axis=1), axis=0)
+    off = tl.cumsum(w, axis=1) - w + tl.where(h == 1, first_half, 0)
+    total = tl.sum(tl.sum(w, axis=1), axis=0)
+    ez = tl.arange(0, E_PAD)
+    tl.store(out + ESC + ez, tl.zeros([E_PAD], tl.uint8), mask=ez < CAPACITY)
+    tl.debug_barrier()  # the zero fill lands before the escape bytes
+    esc = out + ESC + off
+    plane3 = tl.sum(((code >> 3) & 1) << i, axis=1)
+    tl.store(esc, plane3.to(tl.uint8), mask=(wide == 1) & (off < CAPACITY))
+    for k in tl.static_range(1, 5):
+        plane = tl.sum(((code >> (3 + k)) & 1) << i, axis=1)
+        tl.store(esc + k, plane.to(tl.uint8), mask=(raw == 1) & (off + k < CAPACITY))
+    tl.store(esc_out + pid, total)
+    m = tl.arange(0, 4)
+    counts = tl.sum(tl.sum((mode[:, :, None] == m[None, None, :]).to(tl.int32), axis=1), axis=0)
+    tl.store(modes_out + pid * 3 + m, counts, mask=m < 3)
+
+
+def gaac_encode(tiles: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, escape_capacity: int):
+    """Encode BF16 tiles `[..., P, 16, C]` with bases uint8 `[P, C]` (P = positions with their own windows, e.g.
+    2 * H * tiles). Returns `(slots uint8 [..., P, slot_bytes], escape_bytes int32 [..., P],
+    mode_counts int32 [..., P, 3])`; a tile fits its slot iff escape_bytes <= escape_capacity."""
+    if tiles.dtype != torch.bfloat16:
+        raise TypeError(f"the GAAC encoder takes BF16 tiles, not {tiles.dtype}")
+    *lead, period, tokens, channels = tiles.shape
+    if tokens != 16 or base3.shape != (period, channels) or base4.shape != (period, channels):
+        raise ValueError(f"tiles {tuple(tiles.shape)} and bases {tuple(base3.shape)} do not line up")
+    groups = 2 * channels  # slot = sign+mantissa, 3 code planes, 2 tag planes, escape area (docs/format.md)
+    slot_bytes = 16 * channels + 3 * groups + 2 * (groups // 8) + escape_capacity
+    x = tiles.contiguous().view(torch.int16)
+    n = x.numel() // (16 * channels)
+    slots = torch.empty(*lead, period, slot_bytes, dtype=torch.uint8, device=tiles.device)
+    esc = torch.empty(*lead, period, dtype=torch.int32, device=tiles.device)
+    modes = torch.empty(*lead, period, 3, dtype=torch.int32, device=tiles.device)
+    if n:
+        with on_device_of(x):
+            _encode_kernel[(n,)](x, base3.contiguous(), base4.contiguous(), slots, esc, modes, period, slot_bytes,
+                                 escape_capacity, C=channels, E_PAD=max(16, triton.next_power_of_2(escape_capacity)))
+    return slots, esc, modes
