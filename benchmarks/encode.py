@@ -45,6 +45,7 @@ def main():
     calib = GAACCalibration(cfg, b3, b4)
     k, v = k.to(dev), v.to(dev)
     layer = GAACLayer(calib, 0)
+    layer.lazy = True  # what the "gaac" attention gets: single-token steps return the compressed snapshot
     ctx = args.context
     # fill to `ctx` tokens with real-statistics blocks (tiled), then time single-token steps
     chunk = 4096
