@@ -303,12 +303,12 @@ class GAACLayer(CacheLayerMixin):
         fresh = torch.arange(high, high + rest, dtype=torch.long, device=self.device)
         if kind == "slot":
             self._free_slots, self._slot_high = free, high + rest
-            self._slot_pool = _grow(self._slot_pool, self._slot_high)
-            self._slot_modes = _grow(self._slot_modes, self._slot_high)
+            self._slot_pool = _grow(self._slot_pool, self._slot_high + 1)  # + a scratch row
+            self._slot_modes = _grow(self._slot_modes, self._slot_high + 1)
         else:
             self._free_raws, self._raw_high = free, high + rest
-            self._raw_pool = _grow(self._raw_pool, self._raw_high)
-            self._raw_modes = _grow(self._raw_modes, self._raw_high)
+            self._raw_pool = _grow(self._raw_pool, self._raw_high + 1)
+            self._raw_modes = _grow(self._raw_modes, self._raw_high + 1)
         return torch.cat([reused, fresh])
 
     def _tiles(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -328,16 +328,28 @@ class GAACLayer(CacheLayerMixin):
             t0, t1 = b0 * BLOCK_TOKENS, b1 * BLOCK_TOKENS
             tiles = self._tiles(k[:, :, t0:t1], v[:, :, t0:t1])
             enc_slots, fits, counts = self._encode(tiles)
-            slots = self._take("slot", int(fits.sum()))
-            raws = self._take("raw", int(fits.numel() - slots.numel()))
-            self._slot_pool[slots] = enc_slots[fits]
-            self._slot_modes[slots] = counts[fits]
-            self._raw_pool[raws] = tiles[~fits]
-            self._raw_modes[raws] = counts[~fits]
-            entries = torch.empty(fits.shape, dtype=torch.int32, device=self.device)
-            entries[fits] = slots.to(torch.int32)
-            entries[~fits] = (-1 - raws).to(torch.int32)
-            self._table[:, self.n_blocks + b0:self.n_blocks + b1] = entries
+            shape = fits.shape
+            fits = fits.reshape(-1)
+            n = fits.numel()
+            n_fit = int(fits.sum())  # the one host synchronization: it sizes the allocations
+            counts = counts.reshape(n, 3)
+            entries = torch.empty(n, dtype=torch.int32, device=self.device)
+            # every tile is scattered; the ones of the other storage class go to a scratch row past the high mark
+            if n_fit:
+                slots = self._take("slot", n_fit)
+                dest = torch.where(fits, slots[(torch.cumsum(fits, 0) - 1).clamp(min=0)],
+                                   self._slot_pool.shape[0] - 1)
+                self._slot_pool.index_copy_(0, dest, enc_slots.reshape(n, -1))
+                self._slot_modes.index_copy_(0, dest, counts)
+                entries = torch.where(fits, dest.to(torch.int32), entries)
+            if n_fit < n:
+                raws = self._take("raw", n - n_fit)
+                dest = torch.where(fits, self._raw_pool.shape[0] - 1,
+                                   raws[(torch.cumsum(~fits, 0) - 1).clamp(min=0)])
+                self._raw_pool.index_copy_(0, dest, tiles.reshape(n, BLOCK_TOKENS, self.channels))
+                self._raw_modes.index_copy_(0, dest, counts)
+                entries = torch.where(fits, entries, (-1 - dest).to(torch.int32))
+            self._table[:, self.n_blocks + b0:self.n_blocks + b1] = entries.reshape(shape)
         self.n_blocks += nb
 
     def _encode(self, tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
