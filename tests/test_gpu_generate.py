@@ -4,12 +4,11 @@ over a DynamicCache (the kernel reads plain KV as raw tiles), and GAACCache unde
 import pytest
 import torch
 from conftest import tiny_llama_config
-from transformers import AutoModelForCausalLM, DynamicCache
+from lossless import generate_both, same_generation
+from transformers import AutoModelForCausalLM
 
 import gaac_hf  # noqa: F401  (registers "gaac")
-from gaac_hf import GAACCache
 from gaac_hf.calibrate import calibrate
-from gaac_hf.demo import cache_kwarg
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -30,18 +29,7 @@ def model_and_calibration():
 def test_gpu_generation_is_lossless(model_and_calibration, attn, padded):
     model, calibration = model_and_calibration
     model.set_attn_implementation(attn)
-    gen = torch.Generator().manual_seed(2)
-    ids = torch.randint(0, 512, (2, 301), generator=gen).cuda()
-    mask = torch.ones_like(ids)
-    if padded:
-        mask[0, :37] = 0
-    kw = dict(attention_mask=mask, max_new_tokens=40, min_new_tokens=40, do_sample=False, output_scores=True,
-              return_dict_in_generate=True)
-    name = cache_kwarg(model)
-    ref = model.generate(ids, **kw, **{name: DynamicCache(config=model.config)})
-    cache = GAACCache(model.config, calibration)
-    out = model.generate(ids, **kw, **{name: cache})
-    assert torch.equal(out.sequences, ref.sequences)
-    for a, b in zip(out.scores, ref.scores):
-        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    out, ref, cache = generate_both(model, calibration, batch=2, prompt=301, pad=37 if padded else 0,
+                                    new_tokens=40, device="cuda")
+    assert same_generation(out, ref)
     assert cache.stats()["slots"] > 0

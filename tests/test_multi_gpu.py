@@ -4,12 +4,11 @@ there, and tokens and logits equal DynamicCache (sdpa) or the same kernel over p
 import pytest
 import torch
 from conftest import tiny_llama_config
-from transformers import AutoModelForCausalLM, DynamicCache
+from lossless import generate_both, same_generation
+from transformers import AutoModelForCausalLM
 
 import gaac_hf  # noqa: F401  (registers "gaac")
-from gaac_hf import GAACCache
 from gaac_hf.calibrate import calibrate
-from gaac_hf.demo import cache_kwarg
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
@@ -33,18 +32,7 @@ def split_model(tmp_path_factory):
 def test_device_map_generation_is_lossless(split_model, attn):
     model, calibration = split_model
     model.set_attn_implementation(attn)
-    gen = torch.Generator().manual_seed(2)
-    ids = torch.randint(0, 512, (2, 203), generator=gen).to("cuda:0")
-    mask = torch.ones_like(ids)
-    mask[1, :11] = 0
-    kw = dict(attention_mask=mask, max_new_tokens=30, min_new_tokens=30, do_sample=False, output_scores=True,
-              return_dict_in_generate=True)
-    name = cache_kwarg(model)
-    ref = model.generate(ids, **kw, **{name: DynamicCache(config=model.config)})
-    cache = GAACCache(model.config, calibration)
-    out = model.generate(ids, **kw, **{name: cache})
-    assert torch.equal(out.sequences, ref.sequences)
-    for a, b in zip(out.scores, ref.scores):
-        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    out, ref, cache = generate_both(model, calibration, batch=2, prompt=203, pad=11, new_tokens=30, device="cuda:0")
+    assert same_generation(out, ref)
     devices = {torch.device(cache.layers[i].device) for i in cache.gaac_layers}
     assert devices == {torch.device("cuda:0"), torch.device("cuda:1")}

@@ -40,6 +40,6 @@ def test_tensor_parallel_generation_is_lossless(artifacts, attn, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     verdicts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for v in verdicts:
-        assert v["tokens_equal"] and v["scores_equal"], v
+        assert v["lossless"], v
         assert v["local_kv_heads"] == 1  # each rank holds one of the two KV heads
         assert v["slots"] > 0
