@@ -407,7 +407,8 @@ class GAACLayer(CacheLayerMixin):
 
     def compressed(self) -> CompressedKV:
         """A `CompressedKV` snapshot of the current state."""
-        return CompressedKV(self, self._table[:, :self.n_blocks].clone(), self._tail_k, self._tail_v)
+        # a view, not a copy: appends write rows past it and reorder replaces the table; crop invalidates it
+        return CompressedKV(self, self._table[:, :self.n_blocks], self._tail_k, self._tail_v)
 
     # --- CacheLayerMixin ------------------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
