@@ -4,6 +4,7 @@ Runs on the CPU with a gloo process group (and on 2 GPUs with NCCL when they are
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -33,7 +34,10 @@ def artifacts(tmp_path_factory):
 def test_tensor_parallel_generation_is_lossless(artifacts, attn, tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
+    with socket.socket() as sock:  # a free port, so that concurrent runs do not meet in one rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
            os.path.join(HERE, "tp_worker.py"), str(artifacts / "model"), str(artifacts / "calib"), str(tmp_path),
            attn]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
