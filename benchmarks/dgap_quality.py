@@ -19,7 +19,7 @@ from transformers import DynamicCache
 from dgap_hf import LowBitCache
 from gaac_hf.corpus import DEBIAN_REFERENCE, read_text_files, token_prompts
 from gaac_hf.default_model import load_default_model
-from gaac_hf.demo import cache_kwarg
+from gaac_hf.model_layers import cache_kwarg
 
 CONFIGS = [("K8V8", {}), ("K4V4", {}), ("K2V2", {}), ("K1V1", {"one_bit_mode": "sign"}),
            ("K1V1", {"one_bit_mode": "minmax"})]

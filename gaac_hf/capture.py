@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from .model_layers import kv_geometry
+from .model_layers import cache_kwarg, kv_geometry
 
 
 @torch.no_grad()
@@ -23,9 +23,10 @@ def capture_kv(model, prompt_ids: torch.Tensor, chunk_tokens: int = 1024, progre
         raise ValueError("the model has no full-attention layers: there is no KV cache for GAAC to compress")
     ids = prompt_ids.reshape(1, -1).to(model.device)
     cache = DynamicCache(config=model.config)
+    name = cache_kwarg(model)
     starts = range(0, ids.shape[1], chunk_tokens)
     for s in tqdm(starts, desc="prefill", unit="chunk", disable=not progress, leave=False):
-        model(input_ids=ids[:, s:s + chunk_tokens], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids[:, s:s + chunk_tokens], use_cache=True, logits_to_keep=1, **{name: cache})
     # layers may sit on different devices (device_map): gather on the CPU
     return torch.stack(
         [torch.stack([cache.layers[i].keys[0].cpu(), cache.layers[i].values[0].cpu()]) for i in layers]

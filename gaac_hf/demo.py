@@ -8,13 +8,6 @@ import time
 import torch
 
 
-def cache_kwarg(model) -> str:
-    """`cache` on transformers >= 5.2x, `past_key_values` before."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def run_demo(args) -> None:
     from transformers import DynamicCache
 
@@ -22,6 +15,7 @@ def run_demo(args) -> None:
     from .cli import shipped_calibration
     from .corpus import sample_text
     from .default_model import load_default_model
+    from .model_layers import cache_kwarg
 
     torch.manual_seed(0)
     t0 = time.time()

@@ -53,3 +53,11 @@ def kv_geometry(config) -> KVGeometry:
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return KVGeometry(tuple(types), int(kv_heads), int(head_dim))
+
+
+def cache_kwarg(model) -> str:
+    """The forward's cache keyword for a model (instance or class): `cache` on transformers >= 5.2x,
+    `past_key_values` before (e.g. 5.17)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

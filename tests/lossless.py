@@ -4,7 +4,7 @@ import torch
 from transformers import DynamicCache
 
 from gaac_hf import GAACCache
-from gaac_hf.demo import cache_kwarg
+from gaac_hf.model_layers import cache_kwarg
 
 
 def generate_both(model, calibration, batch: int, prompt: int, pad: int, new_tokens: int, device, seed: int = 2):

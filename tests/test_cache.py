@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 from conftest import tiny_llama_config
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.models.llama.modeling_llama import LlamaModel
 
 import gaac_hf.attention as gaac_attention
 from gaac_hf.attention import gaac_attention_forward, gaac_decode_attention
@@ -24,18 +24,13 @@ from gaac_hf.cache import CompressedKV, GAACCache, GAACLayer, GAACLazyKV
 from gaac_hf.calibrate import calibrate, exponent_histogram, windows_from_histogram
 from gaac_hf.calibration import CalibrationConfig, CalibrationMismatchError, GAACCalibration
 from gaac_hf.format import BLOCK_TOKENS, MODE_NAMES, TileLayout
+from gaac_hf.model_layers import cache_kwarg
 
 SHIPPED_CALIBRATION = Path(__file__).resolve().parents[1] / "hub_configs" / "gaac-SmolLM2-135M-Instruct"
 VOCAB = 512
 
 
-def _cache_kwarg() -> str:
-    from transformers.models.llama.modeling_llama import LlamaModel
-
-    return "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
-
-
-CACHE_KW = _cache_kwarg()
+CACHE_KW = cache_kwarg(LlamaModel)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -7,7 +7,7 @@ from transformers import DynamicCache
 from gaac_hf import GAACCache
 from gaac_hf.cli import shipped_calibration
 from gaac_hf.corpus import token_prompts
-from gaac_hf.demo import cache_kwarg
+from gaac_hf.model_layers import cache_kwarg
 
 
 @pytest.fixture(scope="module")
