@@ -3,6 +3,7 @@
     dgap-hf collect --model HuggingFaceTB/SmolLM2-135M-Instruct --dataset <PG-19 repo id> --split train \\
         --precisions K1V1,K2V2,K4V4,K8V8 --prefix-len 1024 4096 --steps 256 --sequences 64 --out traces/
     dgap-hf train --traces traces/ --out dgap-smollm2 [--push-to-hub org/dgap-smollm2]
+    dgap-hf eval --traces traces-heldout/ --artifact dgap-smollm2 --out eval.json
     dgap-hf info dgap-smollm2
 
 `collect` writes one `<precision>-p<prefix>.safetensors` trace file per precision and prefix length (the FP run
@@ -39,21 +40,24 @@ def _documents(args):
         yield row[args.text_column]
 
 
-def _token_stream(args, tokenizer, needed: int) -> torch.Tensor:
+def _token_stream(args, tokenizer, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(ids, doc)`: the documents' tokens back to back (EOS between them) and each token's document index."""
     if args.random_tokens:
         g = torch.Generator().manual_seed(args.seed)
-        return torch.randint(0, tokenizer, (max(args.random_tokens, needed),), generator=g)
+        n = max(args.random_tokens, needed)
+        return torch.randint(0, tokenizer, (n,), generator=g), torch.zeros(n, dtype=torch.int32)
     ids: list[int] = []
+    docs: list[int] = []
     sep = tokenizer.eos_token_id
-    for doc in _documents(args):
-        ids.extend(tokenizer(doc, add_special_tokens=False)["input_ids"])
-        if sep is not None:
-            ids.append(sep)
+    for d, doc in enumerate(_documents(args)):
+        toks = tokenizer(doc, add_special_tokens=False)["input_ids"] + ([sep] if sep is not None else [])
+        ids.extend(toks)
+        docs.extend([d] * len(toks))
         if len(ids) >= needed:
             break
     if len(ids) < needed:
         raise SystemExit(f"the text has {len(ids)} tokens; {needed} are needed (lower --sequences or --prefix-len)")
-    return torch.tensor(ids)
+    return torch.tensor(ids), torch.tensor(docs, dtype=torch.int32)
 
 
 def cmd_collect(args) -> None:
@@ -63,12 +67,14 @@ def cmd_collect(args) -> None:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(device).eval()
+    if args.model_name:  # a local copy: record the Hub name the artifact is for
+        model.config.name_or_path = args.model_name
     tokenizer = model.config.vocab_size if args.random_tokens else AutoTokenizer.from_pretrained(args.model)
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    windows = {p: p + args.steps - 1 for p in args.prefix_len}
-    stream = _token_stream(args, tokenizer, sum(w * args.sequences for w in windows.values()))
+    windows = {p: p + args.steps for p in args.prefix_len}
+    stream, doc_of = _token_stream(args, tokenizer, sum(w * args.sequences for w in windows.values()))
     if args.random_tokens:
         source = "random tokens"
     elif args.text:
@@ -81,12 +87,13 @@ def cmd_collect(args) -> None:
     pos = 0
     for prefix, width in windows.items():
         seqs = stream[pos:pos + width * args.sequences].reshape(args.sequences, width)
+        docs = doc_of[pos:pos + width * args.sequences].reshape(args.sequences, width)[:, prefix]  # first target's
         pos += width * args.sequences
         parts: dict[str, list] = {p: [] for p in precisions}
         for b in range(0, args.sequences, args.batch_size):
             tr = collect_traces(model, seqs[b:b + args.batch_size], precisions, prefix_len=prefix, steps=args.steps,
-                                top_m=args.top_m, cache_kwargs=cache_kwargs,
-                                meta={"source": source, "base_model": args.model})
+                                top_m=args.top_m, cache_kwargs=cache_kwargs, doc_ids=docs[b:b + args.batch_size],
+                                meta={"source": source, "base_model": model.config.name_or_path})
             for p, t in tr.items():
                 parts[p].append(t.to("cpu"))
         for p, ts in parts.items():
@@ -96,26 +103,35 @@ def cmd_collect(args) -> None:
             print(f"{tr.meta['precision']} prefix {prefix}: {len(tr)} rows -> {out}")
 
 
-def cmd_train(args) -> None:
+def load_trace_folder(folder) -> tuple[dict, dict, list]:
+    """`({precision: TracePairs}, {precision: [parts]}, files)` of every `*.safetensors` trace file in `folder`."""
     from .precision import normalize_precision
     from .traces import TracePairs
-    from .train import TrainConfig, train_dgap
 
-    files = sorted(Path(args.traces).glob("*.safetensors"))
+    files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
-        raise SystemExit(f"no trace files in {args.traces}")
+        raise SystemExit(f"no trace files in {folder}")
     by_precision: dict[str, list] = {}
     for f in files:
         tr = TracePairs.load(f)
         p = normalize_precision(tr.meta.get("precision") or f.stem.split("-")[0])
         by_precision.setdefault(p, []).append(tr)
-    traces = {p: TracePairs.cat(ts) for p, ts in by_precision.items()}
+    return {p: TracePairs.cat(ts) for p, ts in by_precision.items()}, by_precision, files
+
+
+def cmd_train(args) -> None:
+    from .train import TrainConfig, train_dgap
+
+    traces, by_precision, files = load_trace_folder(args.traces)
+    val = load_trace_folder(args.val_traces)[0] if args.val_traces else None
     overrides = {k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__ and v is not None}
     cfg = TrainConfig(**overrides)
     sources = sorted({str(t.meta.get("source", "")) for ts in by_precision.values() for t in ts})
     prefixes = sorted({int(t.meta.get("prefix_len", 0)) for ts in by_precision.values() for t in ts})
-    model = train_dgap(traces, cfg, training_data={"sources": sources, "prefix_lens": prefixes,
-                                                   "trace_files": [f.name for f in files]})
+    model = train_dgap(traces, cfg, val_traces=val,
+                       training_data={"sources": sources, "prefix_lens": prefixes,
+                                      "trace_files": [f.name for f in files],
+                                      "validation": args.val_traces or f"{cfg.val_fraction:.0%} of the documents"})
     model.save_pretrained(args.out)
     for p, r in model.results.items():
         v = r["validation"]
@@ -124,6 +140,28 @@ def cmd_train(args) -> None:
               f"{v['window_kl_after']:.4f}")
     if args.push_to_hub:
         model.push_to_hub(args.push_to_hub, model_card_kwargs={"repo_id": args.push_to_hub})
+
+
+def cmd_eval(args) -> None:
+    from .evaluation import evaluate_artifact
+    from .models import DGAPModel
+
+    model = DGAPModel.from_pretrained(args.artifact)
+    traces = load_trace_folder(args.traces)[0]
+    taus = [round(0.05 * i, 2) for i in range(0, 20)] + [0.99] if args.tau_sweep else None
+    res = evaluate_artifact(model, traces, taus)
+    if not res:
+        raise SystemExit(f"the artifact has {sorted(model.precisions)}, the traces {sorted(traces)}: nothing to do")
+    print("| cache | K_b | tau | PPL | top-1 vs BF16 | KL | drift | corrected | FP top-1 outside window |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for p, r in res.items():
+        for label, q in (("BF16", r["bf16"]), (p, r["lowbit"]), (p + " + DGAP", r["dgap"])):
+            print(f"| {label} | {r['k_b']} | {r['tau']:.2f} | {q['ppl']:.3f} | {100 * q['top1_agreement']:.2f}% | "
+                  f"{q['kl']:.4f} | {q.get('drift', 0):.4f} | {100 * q.get('correction_rate', 0):.1f}% | "
+                  f"{100 * q.get('fp_top1_outside_window', 0):.2f}% |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"artifact": args.artifact, "traces": args.traces, "results": res},
+                                             indent=1) + "\n")
 
 
 def cmd_info(args) -> None:
@@ -142,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("collect", help="paired FP / low-bit teacher-forced traces")
     c.add_argument("--model", required=True)
+    c.add_argument("--model-name", help="the model's Hub name when --model is a local copy (recorded in the traces)")
     src = c.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", nargs="+", help="text files (.gz allowed)")
     src.add_argument("--dataset", help="a Hub dataset with a text column, e.g. a PG-19 copy (needs gaac-hf[datasets])")
@@ -172,8 +211,16 @@ def build_parser() -> argparse.ArgumentParser:
                       ("corrector_arch", str), ("detector_hidden", int), ("corrector_hidden", int),
                       ("val_fraction", float), ("seed", int), ("device", str)):
         t.add_argument("--" + name.replace("_", "-"), dest=name, type=typ)
+    t.add_argument("--val-traces", help="a folder of validation traces from other documents (default: split the "
+                   "training traces by document)")
     t.add_argument("--push-to-hub", metavar="REPO_ID")
     t.set_defaults(func=cmd_train)
+    e = sub.add_parser("eval", help="quality with and without DGAP on held-out traces")
+    e.add_argument("--traces", required=True)
+    e.add_argument("--artifact", required=True)
+    e.add_argument("--tau-sweep", action="store_true")
+    e.add_argument("--out")
+    e.set_defaults(func=cmd_eval)
     i = sub.add_parser("info", help="show a DGAP artifact (local folder or Hub repo)")
     i.add_argument("artifact")
     i.set_defaults(func=cmd_info)

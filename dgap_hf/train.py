@@ -296,7 +296,8 @@ def train_precision(train: TracePairs, val: TracePairs, cfg: TrainConfig) -> tup
 
 
 def train_dgap(traces: dict, cfg: TrainConfig | None = None, *, base_model: dict | None = None,
-               quantizer: dict | None = None, training_data: dict | None = None) -> DGAPModel:
+               quantizer: dict | None = None, training_data: dict | None = None,
+               val_traces: dict | None = None) -> DGAPModel:
     """Train a `DGAPModel` from `{precision: TracePairs}` (see the module docstring).
 
     `base_model` defaults to the traces' metadata (name) and vocabulary size; pass `{"name", "vocab_size",
@@ -308,7 +309,12 @@ def train_dgap(traces: dict, cfg: TrainConfig | None = None, *, base_model: dict
     first = next(iter(traces.values()))
     for name, tr in traces.items():
         p = normalize_precision(name)
-        train, val = tr.split(cfg.val_fraction, cfg.seed)
+        if val_traces is not None:
+            if p not in {normalize_precision(q) for q in val_traces}:
+                raise ValueError(f"no validation traces for {p}")
+            train, val = tr, next(v for q, v in val_traces.items() if normalize_precision(q) == p)
+        else:
+            train, val = tr.split(cfg.val_fraction, cfg.seed)
         specs[p], det, corr, results[p] = train_precision(train, val, cfg)
         modules[p] = (det, corr)
     base = {"name": first.meta.get("base_model", ""), "vocab_size": first.vocab_size}
