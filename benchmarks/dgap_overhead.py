@@ -19,6 +19,7 @@ import torch
 from dgap_hf import DGAPLogitsProcessor, LowBitCache
 from dgap_hf.features import FEATURE_SPEC
 from dgap_hf.models import DGAPModel
+from gaac_hf.corpus import DEBIAN_REFERENCE, read_text_files
 from gaac_hf.model_layers import cache_kwarg
 
 
@@ -48,11 +49,11 @@ def main():
     ap.add_argument("--artifact")
     ap.add_argument("--k-b", type=int, default=32)
     ap.add_argument("--random-weights", action="store_true")
+    ap.add_argument("--text", nargs="+", default=list(DEBIAN_REFERENCE), help="prompt text files (.gz allowed)")
     ap.add_argument("--out")
     args = ap.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(0)
-    from gaac_hf.corpus import DEBIAN_REFERENCE, read_text_files
     from gaac_hf.default_model import load_default_model
 
     model, tok = load_default_model(device=device)
@@ -63,7 +64,7 @@ def main():
     else:
         proc = DGAPLogitsProcessor(untrained_artifact(model.config, args.precision, args.k_b), args.precision)
     proc.to(device)
-    text = read_text_files(DEBIAN_REFERENCE).text
+    text = read_text_files(args.text).text
     ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids[:, :args.context]
     ids = ids.repeat(args.batch, 1).to(device)
     kw = cache_kwarg(model)
