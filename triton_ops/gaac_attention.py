@@ -90,7 +90,8 @@ def _attend(q0, q1, m_i, l_i, acc0, acc1, slot_ptr, raw_ptr, table_ptr, tailk_pt
     return m_new, l_i, acc0, acc1
 
 
-@triton.jit
+# Lengths change every decode step: specializing on them (== 1, % 16 == 0) would recompile the kernel as they move.
+@triton.jit(do_not_specialize=["n_blocks", "tail_len", "blocks_per_split"])
 def _split_kernel(q_ptr, slot_ptr, raw_ptr, table_ptr, tailk_ptr, tailv_ptr, b3_ptr, b4_ptr, mask_ptr,
                   m_out, l_out, acc_out, scale, n_blocks, tail_len, blocks_per_split,
                   s_qb, s_qh, s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, s_mb, H_KV, SPLITS,
