@@ -21,7 +21,8 @@ from gaac_hf.corpus import DEBIAN_REFERENCE, read_text_files, token_prompts
 from gaac_hf.default_model import load_default_model
 from gaac_hf.model_layers import cache_kwarg
 
-CONFIGS = [("K8V8", {}), ("K4V4", {}), ("K2V2", {}), ("K1V1", {"one_bit_mode": "sign"}),
+CONFIGS = [("K8V8", {}), ("K4V4", {}), ("K2V2", {}), ("K2V2", {"sink_length": 4}),
+           ("K1V1", {"one_bit_mode": "sign"}), ("K1V1", {"one_bit_mode": "sign", "sink_length": 4}),
            ("K1V1", {"one_bit_mode": "minmax"})]
 
 
@@ -38,7 +39,7 @@ def main():
     name = cache_kwarg(model)
     caches = {"BF16": DynamicCache(config=model.config)}
     for precision, kw in CONFIGS:
-        label = precision + (f" ({kw['one_bit_mode']})" if kw else "")
+        label = precision + "".join(f" ({v})" if k == "one_bit_mode" else f" (sink {v})" for k, v in kw.items())
         caches[label] = LowBitCache(model.config, precision, group_size=32, residual_length=128, **kw)
     stats = {k: {"nll": 0.0, "agree": 0, "kl": 0.0, "n": 0} for k in caches}
     t0 = time.time()

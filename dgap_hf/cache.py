@@ -11,7 +11,10 @@ A `LowBitLayer` stores
   `residual_length + group_size` tokens, its oldest `n * group_size` tokens are quantized (so at least
   `residual_length` recent tokens stay in full precision) and appended to the quantized prefix. Quantized groups are
   never requantized (append-only); only `crop` into the quantized prefix brings a group back (dequantized) into the
-  residual.
+  residual;
+* optionally the **sink**: the first `sink_length` tokens of the sequence, kept in the model's dtype for good
+  (attention sinks draw a large share of attention; quantizing their keys shifts every score). Default 0 (plain
+  KIVI grouping).
 
 `update()` returns K/V `[B, H_kv, S, D]` in the input dtype: the quantized prefix dequantized, then the residual and
 the new tokens at full precision (tokens flushed in this very update are returned at full precision once, as
@@ -62,7 +65,7 @@ class LowBitLayer(CacheLayerMixin):
     is_compileable = False
 
     def __init__(self, key_bits: int = 2, value_bits: int = 2, group_size: int = 32, residual_length: int = 128,
-                 one_bit_mode: str = "sign", layer_idx: int | None = None):
+                 one_bit_mode: str = "sign", layer_idx: int | None = None, sink_length: int = 0):
         self.key_bits = check_bits(key_bits, "key_bits")
         self.value_bits = check_bits(value_bits, "value_bits")
         if one_bit_mode not in ONE_BIT_MODES:
@@ -73,6 +76,9 @@ class LowBitLayer(CacheLayerMixin):
             raise ValueError(f"residual_length must be >= 0, not {residual_length}")
         self.group_size = int(group_size)
         self.residual_length = int(residual_length)
+        if sink_length < 0:
+            raise ValueError(f"sink_length must be >= 0, not {sink_length}")
+        self.sink_length = int(sink_length)
         self.one_bit_mode = one_bit_mode
         self.layer_idx = layer_idx
         super().__init__()
@@ -87,6 +93,7 @@ class LowBitLayer(CacheLayerMixin):
         self._qv: QuantizedGroups | None = None
         self._n_quant = 0
         self._res_k = self._res_v = None
+        self._sink_k = self._sink_v = None
 
     # `keys`/`values` are read by some third-party tools: give them the dequantized KV (read-only).
     @property
@@ -130,6 +137,7 @@ class LowBitLayer(CacheLayerMixin):
         self.batch = key_states.shape[0]
         self._res_k = key_states[:, :, :0].clone()
         self._res_v = value_states[:, :, :0].clone()
+        self._sink_k, self._sink_v = self._res_k.clone(), self._res_v.clone()
         self._qk = self._qv = None
         self._n_quant = 0
         self.is_initialized = True
@@ -143,7 +151,7 @@ class LowBitLayer(CacheLayerMixin):
 
     def _full(self) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self._dequantized()
-        return torch.cat([k, self._res_k], -2), torch.cat([v, self._res_v], -2)
+        return (torch.cat([self._sink_k, k, self._res_k], -2), torch.cat([self._sink_v, v, self._res_v], -2))
 
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize whole groups `k`, `v` `[B, H, n * G, D]` and append them to the quantized prefix."""
@@ -161,7 +169,14 @@ class LowBitLayer(CacheLayerMixin):
             raise ValueError(
                 f"layer {self.layer_idx} holds {self.batch} rows of {self._res_k.shape[1]} KV heads; got key states "
                 f"of shape {tuple(key_states.shape)} (reset() the cache before reusing it for another batch)")
+        room = self.sink_length - self._sink_k.shape[-2]
+        if room > 0:  # the first tokens of the sequence go to the full-precision sink
+            self._sink_k = torch.cat([self._sink_k, key_states[:, :, :room].to(self.dtype)], -2)
+            self._sink_v = torch.cat([self._sink_v, value_states[:, :, :room].to(self.dtype)], -2)
+            key_states, value_states = key_states[:, :, room:], value_states[:, :, room:]
         deq_k, deq_v = self._dequantized(key_states.dtype)
+        deq_k = torch.cat([self._sink_k.to(key_states.dtype), deq_k], -2)
+        deq_v = torch.cat([self._sink_v.to(value_states.dtype), deq_v], -2)
         res_k = torch.cat([self._res_k, key_states.to(self.dtype)], -2)
         res_v = torch.cat([self._res_v, value_states.to(self.dtype)], -2)
         g = self.group_size
@@ -177,10 +192,14 @@ class LowBitLayer(CacheLayerMixin):
         values = torch.cat([deq_v, res_v.to(value_states.dtype)], -2)
         return keys, values
 
+    @property
+    def sink_tokens(self) -> int:
+        return 0 if self._sink_k is None else self._sink_k.shape[-2]
+
     def get_seq_length(self) -> int:
         if not self.is_initialized:
             return 0
-        return self._n_quant + self.residual_tokens
+        return self.sink_tokens + self._n_quant + self.residual_tokens
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -200,6 +219,14 @@ class LowBitLayer(CacheLayerMixin):
         if tokens_to_remove == 0 or not self.is_initialized:
             return
         new_len = max(self.get_seq_length() + tokens_to_remove, 0)
+        sink = self.sink_tokens
+        if new_len <= sink:
+            self._sink_k, self._sink_v = self._sink_k[:, :, :new_len].clone(), self._sink_v[:, :, :new_len].clone()
+            self._res_k, self._res_v = self._res_k[:, :, :0].clone(), self._res_v[:, :, :0].clone()
+            self._qk = self._qv = None
+            self._n_quant = 0
+            return
+        new_len -= sink
         if new_len >= self._n_quant:
             keep = new_len - self._n_quant
             self._res_k = self._res_k[:, :, :keep].clone()
@@ -224,6 +251,7 @@ class LowBitLayer(CacheLayerMixin):
         index = index.to(self.device)
         pick = lambda t: t.index_select(0, index)  # noqa: E731
         self._res_k, self._res_v = pick(self._res_k), pick(self._res_v)
+        self._sink_k, self._sink_v = pick(self._sink_k), pick(self._sink_v)
         if self._qk is not None:
             self._qk, self._qv = self._qk.map(pick), self._qv.map(pick)
         self.batch = self._res_k.shape[0]
@@ -248,6 +276,8 @@ class LowBitLayer(CacheLayerMixin):
         if self.is_initialized:
             self._res_k = self._res_k.to(device, non_blocking=True)
             self._res_v = self._res_v.to(device, non_blocking=True)
+            self._sink_k = self._sink_k.to(device, non_blocking=True)
+            self._sink_v = self._sink_v.to(device, non_blocking=True)
             if self._qk is not None:
                 self._qk, self._qv = self._qk.to(device), self._qv.to(device)
 
@@ -263,10 +293,12 @@ class LowBitLayer(CacheLayerMixin):
         """True resident bytes: packed codes, BF16 statistics and the full-precision residual, K and V."""
         tokens = self.get_seq_length()
         out = {"layer": self.layer_idx, "precision": self.precision, "rows": self.batch, "tokens": tokens,
-               "quantized_tokens": self._n_quant, "residual_tokens": self.residual_tokens}
+               "quantized_tokens": self._n_quant, "residual_tokens": self.residual_tokens,
+               "sink_tokens": self.sink_tokens}
         zero = {"key_codes": 0, "key_stats": 0, "value_codes": 0, "value_stats": 0, "residual": 0}
         if self.is_initialized:
-            zero["residual"] = sum(t.numel() * t.element_size() for t in (self._res_k, self._res_v))
+            zero["residual"] = sum(t.numel() * t.element_size()
+                                   for t in (self._res_k, self._res_v, self._sink_k, self._sink_v))
             if self._qk is not None:
                 zero.update(key_codes=self._qk.packed_bytes, key_stats=self._qk.stat_bytes,
                             value_codes=self._qv.packed_bytes, value_stats=self._qv.stat_bytes)
@@ -284,7 +316,8 @@ class LowBitCache(Cache):
     `precision` is a `"K<b>V<b>"` string (bits 1, 2, 4 or 8; mixed such as `"K2V4"` allowed); `key_bits` /
     `value_bits` override its halves. `group_size` tokens (keys, per channel) / channels (values, per token) share
     one BF16 scale and zero-point; `residual_length` recent tokens stay in full precision; 1-bit groups use
-    `one_bit_mode` (`"sign"`: mean +/- mean absolute deviation, or `"minmax"`).
+    `one_bit_mode` (`"sign"`: mean +/- mean absolute deviation, or `"minmax"`); the first `sink_length` tokens
+    stay in full precision (attention sinks; default 0).
 
     With `config=None` every layer is a low-bit layer, created lazily (not for hybrid/sliding models). Pass the cache
     empty to `generate`, and `reset()` it before reusing it for an unrelated prompt.
@@ -292,13 +325,15 @@ class LowBitCache(Cache):
 
     def __init__(self, config=None, precision: str = "K2V2", *, key_bits: int | None = None,
                  value_bits: int | None = None, group_size: int = 32, residual_length: int = 128,
-                 one_bit_mode: str = "sign", offloading: bool = False, offload_only_non_sliding: bool = False):
+                 one_bit_mode: str = "sign", sink_length: int = 0, offloading: bool = False,
+                 offload_only_non_sliding: bool = False):
         kb, vb = parse_precision(precision)
         kb = kb if key_bits is None else check_bits(key_bits, "key_bits")
         vb = vb if value_bits is None else check_bits(value_bits, "value_bits")
         self.config = config
         self.layer_kwargs = dict(key_bits=kb, value_bits=vb, group_size=group_size,
-                                 residual_length=residual_length, one_bit_mode=one_bit_mode)
+                                 residual_length=residual_length, one_bit_mode=one_bit_mode,
+                                 sink_length=sink_length)
         LowBitLayer(**self.layer_kwargs)  # validate the options now, not at the first update
         if config is None:
             super().__init__(layer_class_to_replicate=functools.partial(LowBitLayer, **self.layer_kwargs),
@@ -329,6 +364,7 @@ class LowBitCache(Cache):
             "stat_dtype": "bfloat16", "packing": "uint8, little-end first",
             "minmax": "asymmetric zero + q * scale, statistics rounded outward",
             "sign": "1 bit: mean +/- mean absolute deviation",
+            "sink": "the first sink_length tokens stay in the model dtype",
         }
 
     def stats(self) -> dict:

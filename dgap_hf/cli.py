@@ -83,7 +83,7 @@ def cmd_collect(args) -> None:
         source = f"dataset {args.dataset}" + (f"/{args.dataset_config}" if args.dataset_config else "")
         source += f" [{args.split}]"
     cache_kwargs = {"group_size": args.group_size, "residual_length": args.residual_length,
-                    "one_bit_mode": args.one_bit_mode}
+                    "one_bit_mode": args.one_bit_mode, "sink_length": args.sink_length}
     pos = 0
     for prefix, width in windows.items():
         seqs = stream[pos:pos + width * args.sequences].reshape(args.sequences, width)
@@ -197,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--group-size", type=int, default=32)
     c.add_argument("--residual-length", type=int, default=128)
     c.add_argument("--one-bit-mode", default="sign", choices=["sign", "minmax"])
+    c.add_argument("--sink-length", type=int, default=0, help="first tokens kept in full precision")
     c.add_argument("--dtype", default="bfloat16")
     c.add_argument("--device")
     c.add_argument("--seed", type=int, default=0)

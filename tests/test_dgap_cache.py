@@ -177,3 +177,49 @@ def test_generate_low_bit_runs_and_saves_memory(model):
     out = model.generate(rep, cache=LowBitCache(cfg, "K2V2", group_size=32, residual_length=8),
                          prompt_lookup_num_tokens=4, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert out.shape[1] <= 56
+
+
+@pytest.mark.parametrize("chunks", [[100], [3, 1, 1, 95], [1] * 40 + [60]])
+def test_sink_tokens_stay_exact_whatever_the_update_sizes(chunks):
+    """The first `sink_length` tokens are returned bit-exact forever; the rest is quantized as without a sink."""
+    k, v = _kv(2, sum(chunks))
+    layer = LowBitLayer(key_bits=1, value_bits=1, group_size=8, residual_length=8, sink_length=5)
+    plain = LowBitLayer(key_bits=1, value_bits=1, group_size=8, residual_length=8)
+    pos = 0
+    for n in chunks:
+        layer.update(k[:, :, pos:pos + n], v[:, :, pos:pos + n])
+        pos += n
+    keys, values = layer.update(k[:, :, :0], v[:, :, :0])  # what later steps see
+    assert keys.shape[-2] == layer.get_seq_length() == 100
+    assert torch.equal(keys[:, :, :5], k[:, :, :5]) and torch.equal(values[:, :, :5], v[:, :, :5])
+    pk, pv = plain.update(k[:, :, 5:], v[:, :, 5:])  # the same tokens after the sink, in one update
+    pk, pv = plain.update(k[:, :, :0], v[:, :, :0])
+    assert torch.equal(keys[:, :, 5:], pk) and torch.equal(values[:, :, 5:], pv)
+    assert not torch.equal(keys[:, :, 5:], k[:, :, 5:])  # the rest really is 1-bit
+    st = layer.stats()
+    assert st["sink_tokens"] == 5 and st["quantized_tokens"] + st["residual_tokens"] == 95
+
+
+def test_sink_crop_and_reorder():
+    k, v = _kv(3, 60)
+    layer = LowBitLayer(key_bits=2, value_bits=2, group_size=8, residual_length=8, sink_length=6)
+    layer.update(k, v)
+    layer.crop(-56)  # into the sink
+    assert layer.get_seq_length() == 4 and layer.sink_tokens == 4
+    keys, _ = layer.update(k[:, :, 4:30], v[:, :, 4:30])  # refills the sink first
+    assert layer.sink_tokens == 6 and torch.equal(keys[:, :, :6], k[:, :, :6])
+    layer.reorder_cache(torch.tensor([2, 0, 1]))
+    keys, _ = layer.update(k[:, :, :0], v[:, :, :0])
+    assert torch.equal(keys[:, :, :6], k[[2, 0, 1], :, :6])
+    with pytest.raises(ValueError, match="sink_length"):
+        LowBitLayer(sink_length=-1)
+
+
+def test_generate_with_sink(model):
+    ids = torch.randint(0, VOCAB, (2, 50), generator=torch.Generator().manual_seed(3))
+    cache = LowBitCache(model.config, "K2V2", group_size=8, residual_length=8, sink_length=4)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=10,
+                         do_sample=False)
+    assert out.shape == (2, 60)
+    assert cache.quantizer_spec()["sink_length"] == 4
+    assert all(cache.layers[i].sink_tokens == 4 for i in cache.low_bit_layers)
