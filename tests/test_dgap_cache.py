@@ -6,6 +6,7 @@ from conftest import tiny_llama_config
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import dgap_hf.cache as cache_mod
+from gaac_hf.model_layers import cache_kwarg
 from dgap_hf import LowBitCache, LowBitLayer
 from dgap_hf.precision import UnknownPrecisionError
 from dgap_hf.traces import collect_traces
@@ -147,9 +148,9 @@ def test_generate_k8v8_matches_dynamic_cache(model):
     torch.manual_seed(1)
     ids = torch.randint(0, VOCAB, (1, 40))
     kw = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
-    ref = model.generate(ids, cache=DynamicCache(config=cfg), **kw)
+    ref = model.generate(ids, **{cache_kwarg(model): DynamicCache(config=cfg)}, **kw)
     cache = LowBitCache(cfg, "K8V8", group_size=16, residual_length=0)
-    out = model.generate(ids, cache=cache, **kw)
+    out = model.generate(ids, **{cache_kwarg(model): cache}, **kw)
     assert cache.stats()["layers"][0]["quantized_tokens"] >= 48  # the prompt and part of the answer were quantized
     # teacher-forced on the reference continuation: top-1 agreement of K8V8 with the FP cache
     tr = collect_traces(model, ref, ["K8V8"], prefix_len=40, steps=20, top_m=8,
@@ -164,17 +165,17 @@ def test_generate_low_bit_runs_and_saves_memory(model):
     ids = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(2))
     for precision in ("K2V2", "K1V1", "K2V4"):
         cache = LowBitCache(cfg, precision, group_size=32, residual_length=8)
-        out = model.generate(ids, cache=cache, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        out = model.generate(ids, **{cache_kwarg(model): cache}, max_new_tokens=12, do_sample=False, pad_token_id=0)
         assert out.shape == (2, 60)
         st = cache.stats()
         assert st["precision"] == precision and st["layers"][0]["quantized_tokens"] == 32
         assert st["bytes"]["total"] < 0.75 * 4 * st["elements"]  # vs the float32 DynamicCache
     # beam search (reorder_cache) and prompt lookup (crop) run on the low-bit cache
-    out = model.generate(ids[:1], cache=LowBitCache(cfg, "K2V2", group_size=32, residual_length=8), num_beams=3,
+    out = model.generate(ids[:1], **{cache_kwarg(model): LowBitCache(cfg, "K2V2", group_size=32, residual_length=8)}, num_beams=3,
                          max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 56)
     rep = torch.cat([ids[:1, :24], ids[:1, :24]], -1)
-    out = model.generate(rep, cache=LowBitCache(cfg, "K2V2", group_size=32, residual_length=8),
+    out = model.generate(rep, **{cache_kwarg(model): LowBitCache(cfg, "K2V2", group_size=32, residual_length=8)},
                          prompt_lookup_num_tokens=4, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert out.shape[1] <= 56
 
@@ -218,7 +219,7 @@ def test_sink_crop_and_reorder():
 def test_generate_with_sink(model):
     ids = torch.randint(0, VOCAB, (2, 50), generator=torch.Generator().manual_seed(3))
     cache = LowBitCache(model.config, "K2V2", group_size=8, residual_length=8, sink_length=4)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=10,
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), **{cache_kwarg(model): cache}, max_new_tokens=10,
                          do_sample=False)
     assert out.shape == (2, 60)
     assert cache.quantizer_spec()["sink_length"] == 4

@@ -11,6 +11,7 @@ from conftest import tiny_llama_config
 from huggingface_hub import HfApi
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
+from gaac_hf.model_layers import cache_kwarg
 from dgap_hf import DGAPArtifactError, DGAPLogitsProcessor, DGAPMismatchError, DGAPModel, LowBitCache
 from dgap_hf.features import PHI_NAMES, runtime_features
 from dgap_hf.precision import UnknownPrecisionError
@@ -141,12 +142,12 @@ def test_generate_batch_and_beam_shapes(llama):
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     rec = Recorder(DGAPLogitsProcessor(model, "K2V2"))
     out = llama.generate(ids, logits_processor=LogitsProcessorList([rec]), max_new_tokens=4, do_sample=False,
-                         pad_token_id=0, cache=LowBitCache(llama.config, "K2V2", group_size=32, residual_length=0))
+                         pad_token_id=0, **{cache_kwarg(llama): LowBitCache(llama.config, "K2V2", group_size=32, residual_length=0)})
     assert out.shape == (2, 16) and rec.shapes == [(2, VOCAB)] * 4
     rec = Recorder(DGAPLogitsProcessor(model, "K2V2"))
     out = llama.generate(ids, logits_processor=LogitsProcessorList([rec]), max_new_tokens=4, num_beams=3,
                          num_return_sequences=2, do_sample=False, pad_token_id=0,
-                         cache=LowBitCache(llama.config, "K2V2", group_size=32, residual_length=0))
+                         **{cache_kwarg(llama): LowBitCache(llama.config, "K2V2", group_size=32, residual_length=0)})
     assert out.shape == (4, 16) and rec.shapes == [(6, VOCAB)] * 4
     assert all(torch.allclose(lse, torch.zeros(6), atol=1e-4) for lse in rec.lse)  # beam search: log-probs in
     assert rec.inner.stats()["corrected"] == 24

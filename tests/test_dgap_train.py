@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from conftest import tiny_llama_config
 from transformers import AutoModelForCausalLM
 
+from gaac_hf.model_layers import cache_kwarg
 from dgap_hf import DGAPLogitsProcessor, LowBitCache, TrainConfig, collect_traces, train_dgap
 from dgap_hf.synthetic import synthetic_logits, synthetic_traces
 from dgap_hf.train import calibrate_tau, corrector_loss, detector_loss, window_kl
@@ -106,7 +107,7 @@ def test_pipeline_traces_to_artifact_to_generate(tmp_path):
     assert model.training_info["corpus"] == "random tokens" and model.quantizer["K2V2"]["group_size"] == 16
     model.save_pretrained(tmp_path / "art")
     proc = DGAPLogitsProcessor.from_pretrained(str(tmp_path / "art"), "K2V2", model_config=llama.config)
-    out = llama.generate(ids[:2, :40], cache=LowBitCache(llama.config, "K2V2", **kw), logits_processor=[proc],
+    out = llama.generate(ids[:2, :40], **{cache_kwarg(llama): LowBitCache(llama.config, "K2V2", **kw)}, logits_processor=[proc],
                          max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert out.shape == (2, 44)
 
