@@ -13,6 +13,7 @@ under device_map only). `tiny` is a small Llama for a CPU dry run.
 
     python benchmarks/multi_gpu.py device-map --model llama8b --context 65536 --out results/x.json
     torchrun --nproc-per-node 2 benchmarks/multi_gpu.py tp --model llama8b --model-dir /dev/shm/llama8b ...
+    python benchmarks/multi_gpu.py report benchmarks/results/multi_gpu_*.json --out benchmarks/results/multi_gpu.md
 """
 
 import argparse
@@ -195,9 +196,37 @@ def run(args):
     return out
 
 
+def report(paths, out=None) -> str:
+    """Markdown table of result JSONs (one row per run and rank)."""
+    rows = ["| setup | model | context | rank | lossless | GAAC step ms (p95) | DynamicCache same kernel | "
+            "DynamicCache sdpa default | DynamicCache sdpa cuDNN | KV per GPU GAAC / BF16 (GB) | saved |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for path in paths:
+        with open(path) as f:
+            d = json.load(f)
+        g, dyn = d["GAACCache"], d["DynamicCache"]
+        kv = ", ".join(f"{dev}: {g['kv_bytes_per_device'][dev] / 1e9:.2f} / {b / 1e9:.2f}"
+                       for dev, b in dyn["kv_bytes_per_device"].items() if dev in g["kv_bytes_per_device"])
+
+        def ms(name):
+            r = d.get(name)
+            return f"{r['step_ms_median']:.1f}" if r else "—"
+        setup = f"tp ({d['world_size']} ranks)" if d['mode'] == 'tp' else f"device_map ({len(d['devices'])} GPUs)"
+        rows.append(f"| {setup} | {d['model']} | "
+                    f"{d['context']} | {d['rank']}/{d['world_size']} | {d['lossless']} | {g['step_ms_median']:.1f} "
+                    f"({g['step_ms_p95']:.1f}) | {ms('DynamicCache')} | {ms('DynamicCache+sdpa')} | "
+                    f"{ms('DynamicCache+sdpa-cudnn')} | {kv} | {100 * g['kv_saving']:.1f}% |")
+    table = "\n".join(rows)
+    if out:
+        with open(out, "w") as f:
+            f.write(table + "\n")
+    return table
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["device-map", "tp"])
+    ap.add_argument("mode", choices=["device-map", "tp", "report"])
+    ap.add_argument("results", nargs="*", help="report: result JSON files")
     ap.add_argument("--model", choices=["llama8b", "smollm2", "tiny"], default="llama8b")
     ap.add_argument("--model-dir", help="tp: a saved checkpoint; device-map: save the random model here")
     ap.add_argument("--context", type=int, default=65536)
@@ -207,6 +236,9 @@ def main():
     ap.add_argument("--calibration", help="a saved GAAC calibration (default: calibrate on the model's own KV)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.mode == "report":
+        print(report(args.results, args.out))
+        return
     run(args)
 
 
