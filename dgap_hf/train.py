@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from .features import FEATURE_SPEC, candidate_features, detector_features_from_top
 from .labels import fit_recovery_window, local_drift, risk_labels, window_targets
+from .evaluation import corrected_top1
 from .models import DGAPCorrector, DGAPDetector, DGAPModel
 from .precision import normalize_precision
 from .traces import TracePairs
@@ -172,17 +173,6 @@ def window_kl(z_fp: torch.Tensor, z: torch.Tensor, temperature: float = 1.0) -> 
     return (lp.exp() * (lp - lq)).sum(-1)
 
 
-def _top1(tr: TracePairs, k: int, delta: torch.Tensor | None) -> torch.Tensor:
-    if delta is None:
-        return tr.lb_idx[:, 0].long()
-    z = tr.lb_z[:, :k] + delta
-    best, pos = z.max(-1)
-    top = tr.lb_idx[:, :k].long().gather(-1, pos.unsqueeze(-1)).squeeze(-1)
-    if k < tr.top_m:  # the best token outside the window wins if the corrected window dropped below it
-        top = torch.where(best >= tr.lb_z[:, k], top, tr.lb_idx[:, k].long())
-    return top
-
-
 @torch.no_grad()
 def predict(detector: DGAPDetector, corrector: DGAPCorrector, tr: TracePairs, k: int,
             batch_size: int = 65536) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,8 +250,8 @@ def evaluate(detector: DGAPDetector, corrector: DGAPCorrector, tr: TracePairs, k
         "drift_after": float(d_after.mean()),
         "window_kl_before": float(window_kl(t["z_fp"], t["z_hat"]).mean()),
         "window_kl_after": float(window_kl(t["z_fp"], t["z_hat"] + applied).mean()),
-        "top1_agreement_before": float((_top1(tr, k, None) == fp_top).float().mean()),
-        "top1_agreement_after": float((_top1(tr, k, applied) == fp_top).float().mean()),
+        "top1_agreement_before": float((corrected_top1(tr, k, None) == fp_top).float().mean()),
+        "top1_agreement_after": float((corrected_top1(tr, k, applied) == fp_top).float().mean()),
     }
 
 
