@@ -47,7 +47,11 @@ def main():
     ap.add_argument("--transformer-epochs", type=int, default=10)
     ap.add_argument("--out", default="benchmarks/results/dgap_eval.json")
     ap.add_argument("--plot", default="benchmarks/results/dgap_tau_sweep.png")
+    ap.add_argument("--replot", action="store_true", help="only redraw the plot from --out")
     args = ap.parse_args()
+    if args.replot:
+        plot(json.loads(Path(args.out).read_text())["shipped"], args.plot)
+        return
     torch.manual_seed(0)
     root = Path(args.traces)
     train, val, held = (load_trace_folder(root / s)[0] for s in ("train", "val", "eval"))
@@ -102,24 +106,31 @@ def main():
     print(table)
     Path(args.out).with_suffix(".md").write_text(table + "\n")
     if args.plot:
-        try:
-            import matplotlib
+        plot(shipped, args.plot)
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            return
+
+def plot(shipped: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    if True:
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         for p, r in shipped.items():
             sw = r["tau_sweep"]
             axes[0].plot([s["tau"] for s in sw], [s["drift"] / r["lowbit"]["drift"] for s in sw], label=p)
             axes[1].plot([s["tau"] for s in sw], [s["correction_rate"] for s in sw], label=p)
-        axes[0].set(xlabel="tau", ylabel="local drift / drift without DGAP", title="restoration vs tau")
+        axes[0].set(xlabel="tau", ylabel="local drift / drift without DGAP (log)", title="restoration vs tau",
+                    yscale="log")
+        axes[0].axhline(1.0, color="grey", lw=0.5)
         axes[1].set(xlabel="tau", ylabel="correction rate", title="correction frequency vs tau")
         for a in axes:
             a.legend()
         fig.tight_layout()
-        fig.savefig(args.plot, dpi=100)
+        fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
