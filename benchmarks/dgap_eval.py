@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from dgap_hf.cli import load_trace_folder
-from dgap_hf.evaluation import dgap_delta, evaluate_artifact, gap_closed, quality, reference_quality
+from dgap_hf.evaluation import applied_at, evaluate_artifact, gap_closed, predict_rows, quality
 from dgap_hf.models import DGAPModel
 from dgap_hf.train import TrainConfig, train_dgap
 
@@ -72,16 +72,15 @@ def main():
         m = train_dgap({p: train[p] for p in precisions}, cfg, val_traces={p: val[p] for p in precisions})
         secs = time.time() - t
         for p in precisions:
-            applied, risk, k = dgap_delta(m, p, held[p])
-            q = quality(held[p], k, applied)
+            risk, delta, k = predict_rows(m, p, held[p])
+            q = quality(held[p], k, applied_at(risk, delta, m.precisions[p]["tau"]))
             ablation.setdefault(p, {})[arch] = {"k_b": k, "tau": m.precisions[p]["tau"],
                                                 "correction_rate": float((risk > m.precisions[p]["tau"]).float()
                                                                          .mean()),
                                                 "train_seconds": secs, **fmt(q),
                                                 "validation": m.results[p]["validation"]}
             # the corrector alone, forced on every row (tau = 0): does it restore anything?
-            forced = dgap_delta(m, p, held[p], tau=-1.0)[0]
-            ablation[p][arch]["forced_on_all_rows"] = fmt(quality(held[p], k, forced))
+            ablation[p][arch]["forced_on_all_rows"] = fmt(quality(held[p], k, delta))
     rows = {p: len(tr) for p, tr in held.items()}
     out = {"artifact": args.artifact, "traces": str(root), "held_out_rows": rows,
            "label_params": model.label_params, "shipped": shipped, "ablation": ablation,
@@ -117,20 +116,19 @@ def plot(shipped: dict, path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    if True:
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-        for p, r in shipped.items():
-            sw = r["tau_sweep"]
-            axes[0].plot([s["tau"] for s in sw], [s["drift"] / r["lowbit"]["drift"] for s in sw], label=p)
-            axes[1].plot([s["tau"] for s in sw], [s["correction_rate"] for s in sw], label=p)
-        axes[0].set(xlabel="tau", ylabel="local drift / drift without DGAP (log)", title="restoration vs tau",
-                    yscale="log")
-        axes[0].axhline(1.0, color="grey", lw=0.5)
-        axes[1].set(xlabel="tau", ylabel="correction rate", title="correction frequency vs tau")
-        for a in axes:
-            a.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for p, r in shipped.items():
+        sw = r["tau_sweep"]
+        axes[0].plot([s["tau"] for s in sw], [s["drift"] / r["lowbit"]["drift"] for s in sw], label=p)
+        axes[1].plot([s["tau"] for s in sw], [s["correction_rate"] for s in sw], label=p)
+    axes[0].set(xlabel="tau", ylabel="local drift / drift without DGAP (log)", title="restoration vs tau",
+                yscale="log")
+    axes[0].axhline(1.0, color="grey", lw=0.5)
+    axes[1].set(xlabel="tau", ylabel="correction rate", title="correction frequency vs tau")
+    for a in axes:
+        a.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

@@ -175,8 +175,6 @@ class LowBitLayer(CacheLayerMixin):
             self._sink_v = torch.cat([self._sink_v, value_states[:, :, :room].to(self.dtype)], -2)
             key_states, value_states = key_states[:, :, room:], value_states[:, :, room:]
         deq_k, deq_v = self._dequantized(key_states.dtype)
-        deq_k = torch.cat([self._sink_k.to(key_states.dtype), deq_k], -2)
-        deq_v = torch.cat([self._sink_v.to(value_states.dtype), deq_v], -2)
         res_k = torch.cat([self._res_k, key_states.to(self.dtype)], -2)
         res_v = torch.cat([self._res_v, value_states.to(self.dtype)], -2)
         g = self.group_size
@@ -188,8 +186,9 @@ class LowBitLayer(CacheLayerMixin):
             self._res_v = res_v[:, :, flush:].clone()
         else:
             self._res_k, self._res_v = res_k, res_v
-        keys = torch.cat([deq_k, res_k.to(key_states.dtype)], -2)
-        values = torch.cat([deq_v, res_v.to(value_states.dtype)], -2)
+        # one concatenation per step: sink, dequantized prefix, residual (with the new tokens)
+        keys = torch.cat([self._sink_k.to(key_states.dtype), deq_k, res_k.to(key_states.dtype)], -2)
+        values = torch.cat([self._sink_v.to(value_states.dtype), deq_v, res_v.to(value_states.dtype)], -2)
         return keys, values
 
     @property

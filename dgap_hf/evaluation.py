@@ -83,52 +83,55 @@ def gap_closed(fp: float, before: float, after: float) -> float:
 
 
 @torch.no_grad()
-def dgap_delta(model, precision: str, tr: TracePairs, tau: float | None = None) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                          int]:
-    """`(applied delta [N, K_b], risk [N], K_b)`: what a `DGAPLogitsProcessor` of `model` (a `DGAPModel`) adds to
-    the low-bit top-K_b logits of each trace row (zeros where `risk <= tau`)."""
+def predict_rows(model, precision: str, tr: TracePairs) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """`(risk [N], delta [N, K_b], K_b)` of `model`'s (a `DGAPModel`) detector and corrector on trace rows; the
+    corrector's update is computed for every row, before the detector's mask."""
+    from .precision import normalize_precision
     from .train import predict
 
-    from .precision import normalize_precision
-
-    spec = model.spec(precision)
     name = normalize_precision(precision)
-    k = int(spec["k_b"])
-    tau = float(spec["tau"] if tau is None else tau)
+    k = int(model.spec(precision)["k_b"])
     if k > tr.top_m:
         raise ValueError(f"K_b = {k} exceeds the traces' top-M = {tr.top_m}")
     risk, delta = predict(model.detectors[name], model.correctors[name], tr, k)
-    return delta * (risk > tau).unsqueeze(-1).float(), risk, k
+    return risk, delta, k
+
+
+def applied_at(risk: torch.Tensor, delta: torch.Tensor, tau: float) -> torch.Tensor:
+    """What the processor adds at threshold `tau`: `delta` on rows with `risk > tau`, zeros elsewhere."""
+    return delta * (risk > tau).unsqueeze(-1).float()
+
+
+def dgap_delta(model, precision: str, tr: TracePairs, tau: float | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                          int]:
+    """`(applied delta [N, K_b], risk [N], K_b)`: what a `DGAPLogitsProcessor` of `model` adds to the low-bit top-K_b
+    logits of each trace row at threshold `tau` (default: the artifact's)."""
+    risk, delta, k = predict_rows(model, precision, tr)
+    tau = float(model.spec(precision)["tau"] if tau is None else tau)
+    return applied_at(risk, delta, tau), risk, k
 
 
 def evaluate_artifact(model, traces: dict, taus=None) -> dict:
-    """`{precision: {"bf16", "lowbit", "dgap", "ppl_gap_closed", "drift_ratio", ["tau_sweep"]}}` on held-out traces (`{precision: TracePairs}`)
-    for every precision the artifact has. `taus`: optional list of thresholds for a sweep."""
+    """`{precision: {"bf16", "lowbit", "dgap", "ppl_gap_closed", "drift_ratio", ["tau_sweep"]}}` on held-out traces
+    (`{precision: TracePairs}`) for every precision the artifact has. `taus`: optional list of thresholds for a
+    sweep."""
     out = {}
     for p, tr in traces.items():
         if p not in model.precisions:
             continue
-        applied, risk, k = dgap_delta(model, p, tr)
+        risk, delta, k = predict_rows(model, p, tr)
+        tau = model.precisions[p]["tau"]
         fp, lb = reference_quality(tr), quality(tr, k)
-        dg = {**quality(tr, k, applied), "correction_rate": float((risk > model.precisions[p]["tau"]).float().mean())}
-        row = {"k_b": k, "tau": model.precisions[p]["tau"], "bf16": fp, "lowbit": lb, "dgap": dg,
+        dg = {**quality(tr, k, applied_at(risk, delta, tau)), "correction_rate": float((risk > tau).float().mean())}
+        row = {"k_b": k, "tau": tau, "bf16": fp, "lowbit": lb, "dgap": dg,
                "ppl_gap_closed": gap_closed(fp["ppl"], lb["ppl"], dg["ppl"]),
                "drift_ratio": dg["drift"] / lb["drift"] if lb["drift"] else float("nan")}
         if taus:
-            sweep, full = [], delta_all(model, p, tr)
-            for tau in taus:
-                q = quality(tr, k, applied_at(risk, full, tau))
-                sweep.append({"tau": float(tau), "correction_rate": float((risk > tau).float().mean()),
+            sweep = []
+            for t in taus:
+                q = quality(tr, k, applied_at(risk, delta, t))
+                sweep.append({"tau": float(t), "correction_rate": float((risk > t).float().mean()),
                               **{m: q[m] for m in ("ppl", "top1_agreement", "kl", "drift")}})
             row["tau_sweep"] = sweep
         out[p] = row
     return out
-
-
-def delta_all(model, precision: str, tr: TracePairs) -> torch.Tensor:
-    """The corrector's update on every row (before the detector's mask)."""
-    return dgap_delta(model, precision, tr, tau=-1.0)[0]
-
-
-def applied_at(risk: torch.Tensor, delta: torch.Tensor, tau: float) -> torch.Tensor:
-    return delta * (risk > tau).unsqueeze(-1).float()
