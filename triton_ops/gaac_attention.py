@@ -1,7 +1,7 @@
 """Fused split-K decode attention over GAAC-compressed KV (slots + raw tiles + BF16 tail).
 
 Grid: (batch x kv-head, split). A program reads each KV tile once for all query heads of its GQA group, reconstructs
-BF16 in registers (`tile.load_kv_rows`), and keeps an fp32 online softmax; a second kernel combines the splits.
+BF16 in registers (`tile.tile_rows`), and keeps an fp32 online softmax (base 2); a second kernel combines the splits.
 
 `plain_decode_attention` runs the very same compiled kernel over plain BF16 KV, presented as raw tiles: the lossless
 reference. Reconstruction only changes where the BF16 bits come from, so both give identical output bits.
@@ -14,9 +14,10 @@ import triton
 import triton.language as tl
 
 from .device import on_device_of
-from .tile import load_kv_rows
+from .tile import tile_rows
 
 BLOCK = 16
+LOG2E = 1.4426950408889634
 
 
 def _interpreted() -> bool:
@@ -33,71 +34,56 @@ def _dot(a, b, F32: tl.constexpr):
 
 
 @triton.jit
-def _tile_rows(slot_ptr, raw_ptr, table_ptr, tail_ptr, b3_ptr, b4_ptr, b, hk, j0, end, t, c,
-               s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, H_KV, SLOT_BYTES, RAW_TILE, RAW_ROW, tail_len,
-               KV: tl.constexpr, TILE: tl.constexpr, IN_TAIL: tl.constexpr, NB: tl.constexpr, C: tl.constexpr,
-               TILES: tl.constexpr):
-    """BF16 rows of tile TILE of K (KV=0) or V (KV=1): blocks `[j0, j0 + NB)` (those < end), or the tail."""
-    if IN_TAIL:
-        ptrs = tail_ptr + b.to(tl.int64) * s_ab + hk * s_ah + t.to(tl.int64)[:, None] * s_at + TILE * C + c[None, :]
-        rows = tl.load(ptrs, mask=(t < tail_len)[:, None], other=0.0)
-    else:
-        blk = j0 + tl.arange(0, NB)
-        ok = blk < end
-        entry = tl.load(table_ptr + b.to(tl.int64) * s_tb + blk.to(tl.int64) * s_tn + KV * s_tkv + hk * s_th + TILE,
-                        mask=ok, other=0)
-        kind = (KV * H_KV + hk) * TILES + TILE
-        b3 = tl.load(b3_ptr + kind * C + c).to(tl.int32)
-        b4 = tl.load(b4_ptr + kind * C + c).to(tl.int32)
-        rows = load_kv_rows(slot_ptr, raw_ptr, entry, ok, b3, b4, SLOT_BYTES, RAW_TILE, RAW_ROW, NB, C)
-    return rows
+def _bases(b3_ptr, b4_ptr, KV: tl.constexpr, TILE: tl.constexpr, hk, H_KV, C: tl.constexpr, TILES: tl.constexpr):
+    c = tl.arange(0, C)[None, None, :]
+    kind = (KV * H_KV + hk) * TILES + TILE
+    return tl.load(b3_ptr + kind * C + c).to(tl.uint32), tl.load(b4_ptr + kind * C + c).to(tl.uint32)
 
 
 @triton.jit
-def _attend(q0, q1, m_i, l_i, acc0, acc1, slot_ptr, raw_ptr, table_ptr, tailk_ptr, tailv_ptr, b3_ptr, b4_ptr,
-            mask_ptr, b, hk, j0, end, blk, t, valid, c, scale, s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, s_mb, H_KV,
-            SLOT_BYTES, RAW_TILE, RAW_ROW, tail_len, IN_TAIL: tl.constexpr, NB: tl.constexpr, C: tl.constexpr,
-            TILES: tl.constexpr, HAS_MASK: tl.constexpr, F32: tl.constexpr):
-    """One online-softmax step over the token rows (`blk`, `t`) (`valid`: rows that exist)."""
-    if HAS_MASK:
-        pos = blk * 16 + t
-        valid = valid & (tl.load(mask_ptr + b.to(tl.int64) * s_mb + pos, mask=valid, other=0) != 0)
-    k0 = _tile_rows(slot_ptr, raw_ptr, table_ptr, tailk_ptr, b3_ptr, b4_ptr, b, hk, j0, end, t, c,
-                    s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, H_KV, SLOT_BYTES, RAW_TILE, RAW_ROW, tail_len,
-                    0, 0, IN_TAIL, NB, C, TILES)
-    s = _dot(q0, tl.trans(k0), F32)
-    if TILES == 2:
-        k1 = _tile_rows(slot_ptr, raw_ptr, table_ptr, tailk_ptr, b3_ptr, b4_ptr, b, hk, j0, end, t, c,
-                        s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, H_KV, SLOT_BYTES, RAW_TILE, RAW_ROW, tail_len,
-                        0, 1, IN_TAIL, NB, C, TILES)
-        s += _dot(q1, tl.trans(k1), F32)
-    s = tl.where(valid[None, :], s * scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp(s - m_safe[:, None])
-    alpha = tl.exp(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    pb = p.to(tl.bfloat16)
-    v0 = _tile_rows(slot_ptr, raw_ptr, table_ptr, tailv_ptr, b3_ptr, b4_ptr, b, hk, j0, end, t, c,
-                    s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, H_KV, SLOT_BYTES, RAW_TILE, RAW_ROW, tail_len,
-                    1, 0, IN_TAIL, NB, C, TILES)
-    acc0 = acc0 * alpha[:, None] + _dot(pb, v0, F32)
-    if TILES == 2:
-        v1 = _tile_rows(slot_ptr, raw_ptr, table_ptr, tailv_ptr, b3_ptr, b4_ptr, b, hk, j0, end, t, c,
-                        s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, H_KV, SLOT_BYTES, RAW_TILE, RAW_ROW, tail_len,
-                        1, 1, IN_TAIL, NB, C, TILES)
-        acc1 = acc1 * alpha[:, None] + _dot(pb, v1, F32)
-    return m_new, l_i, acc0, acc1
+def _rows(slot_ptr, raw_ptr, table_ptr, toff, live, b3, b4, SLOT_BYTES, RAW_TILE, RAW_ROW,
+          NB: tl.constexpr, C: tl.constexpr, RECON: tl.constexpr):
+    """`[16 NB, C]` BF16 rows of the tiles whose table entries sit at `table_ptr + toff` (`[2NB, 1, 1]`)."""
+    entry = tl.load(table_ptr + toff, mask=live, other=0)
+    rows = tile_rows(slot_ptr, raw_ptr, entry, live, b3, b4, SLOT_BYTES, RAW_TILE, RAW_ROW, NB, C, RECON)
+    return tl.reshape(rows, [16 * NB, C])
+
+
+@triton.jit
+def _attend(q0, q1, m_i, l_i, acc0, acc1, k0, k1, v0, v1, valid, qk_scale, TILES: tl.constexpr, F32: tl.constexpr,
+            MATH: tl.constexpr):
+    """One online-softmax step (base 2) over BF16 rows k*, v* `[R, C]`; `valid` `[R]`: rows that take part."""
+    if MATH:
+        s = _dot(q0, tl.trans(k0), F32)
+        if TILES == 2:
+            s += _dot(q1, tl.trans(k1), F32)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        pb = p.to(tl.bfloat16)
+        acc0 = acc0 * alpha[:, None] + _dot(pb, v0, F32)
+        if TILES == 2:
+            acc1 = acc1 * alpha[:, None] + _dot(pb, v1, F32)
+        m_i = m_new
+    else:  # benchmark variant: the rows are read and reconstructed, no attention math
+        acc0 += tl.sum(k0.to(tl.float32) + v0.to(tl.float32), axis=0)[None, :]
+        if TILES == 2:
+            acc1 += tl.sum(k1.to(tl.float32) + v1.to(tl.float32), axis=0)[None, :]
+    return m_i, l_i, acc0, acc1
 
 
 # Lengths change every decode step: specializing on them (== 1, % 16 == 0) would recompile the kernel as they move.
 @triton.jit(do_not_specialize=["n_blocks", "tail_len", "blocks_per_split"])
 def _split_kernel(q_ptr, slot_ptr, raw_ptr, table_ptr, tailk_ptr, tailv_ptr, b3_ptr, b4_ptr, mask_ptr,
-                  m_out, l_out, acc_out, scale, n_blocks, tail_len, blocks_per_split,
+                  m_out, l_out, acc_out, qk_scale, n_blocks, tail_len, blocks_per_split,
                   s_qb, s_qh, s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, s_mb, H_KV, SPLITS,
                   SLOT_BYTES, RAW_TILE, RAW_ROW,
                   NREP: tl.constexpr, NREP_PAD: tl.constexpr, C: tl.constexpr, TILES: tl.constexpr,
-                  NB: tl.constexpr, HAS_MASK: tl.constexpr, F32: tl.constexpr):
+                  NB: tl.constexpr, HAS_MASK: tl.constexpr, F32: tl.constexpr, RECON: tl.constexpr,
+                  MATH: tl.constexpr):
     D: tl.constexpr = C * TILES
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -115,24 +101,55 @@ def _split_kernel(q_ptr, slot_ptr, raw_ptr, table_ptr, tailk_ptr, tailv_ptr, b3_
     l_i = tl.zeros([NREP_PAD], tl.float32)
     acc0 = tl.zeros([NREP_PAD, C], tl.float32)
     acc1 = tl.zeros([NREP_PAD, C], tl.float32)
+    b3k0, b4k0 = _bases(b3_ptr, b4_ptr, 0, 0, hk, H_KV, C, TILES)
+    b3v0, b4v0 = _bases(b3_ptr, b4_ptr, 1, 0, hk, H_KV, C, TILES)
+    b3k1, b4k1, b3v1, b4v1 = b3k0, b4k0, b3v0, b4v0
+    if TILES == 2:
+        b3k1, b4k1 = _bases(b3_ptr, b4_ptr, 0, 1, hk, H_KV, C, TILES)
+        b3v1, b4v1 = _bases(b3_ptr, b4_ptr, 1, 1, hk, H_KV, C, TILES)
 
-    rows = tl.arange(0, NB * 16)
-    t = rows % 16
+    gq = tl.arange(0, 2 * NB)[:, None, None]  # group rows: block gq // 2 of the chunk
+    rows = tl.arange(0, 16 * NB)  # token rows: block rows // 16
+    tbase = b.to(tl.int64) * s_tb + hk * s_th
     start = split * blocks_per_split
     end = tl.minimum(start + blocks_per_split, n_blocks)
     for j0 in range(start, end, NB):
+        blk_q = j0 + gq // 2
+        live = blk_q < end
+        toff = tbase + blk_q.to(tl.int64) * s_tn
+        # K and V of the chunk are both requested before any math, so their loads overlap
+        k0 = _rows(slot_ptr, raw_ptr, table_ptr, toff, live, b3k0, b4k0, SLOT_BYTES, RAW_TILE, RAW_ROW, NB, C, RECON)
+        v0 = _rows(slot_ptr, raw_ptr, table_ptr, toff + s_tkv, live, b3v0, b4v0, SLOT_BYTES, RAW_TILE, RAW_ROW,
+                   NB, C, RECON)
+        k1, v1 = k0, v0
+        if TILES == 2:
+            k1 = _rows(slot_ptr, raw_ptr, table_ptr, toff + 1, live, b3k1, b4k1, SLOT_BYTES, RAW_TILE, RAW_ROW,
+                       NB, C, RECON)
+            v1 = _rows(slot_ptr, raw_ptr, table_ptr, toff + s_tkv + 1, live, b3v1, b4v1, SLOT_BYTES, RAW_TILE,
+                       RAW_ROW, NB, C, RECON)
         blk = j0 + rows // 16
-        m_i, l_i, acc0, acc1 = _attend(
-            q0, q1, m_i, l_i, acc0, acc1, slot_ptr, raw_ptr, table_ptr, tailk_ptr, tailv_ptr, b3_ptr, b4_ptr,
-            mask_ptr, b, hk, j0, end, blk, t, blk < end, c, scale, s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, s_mb,
-            H_KV, SLOT_BYTES, RAW_TILE, RAW_ROW, tail_len, False, NB, C, TILES, HAS_MASK, F32)
+        valid = blk < end
+        if HAS_MASK:
+            pos = blk * 16 + rows % 16
+            valid = valid & (tl.load(mask_ptr + b.to(tl.int64) * s_mb + pos, mask=valid, other=0) != 0)
+        m_i, l_i, acc0, acc1 = _attend(q0, q1, m_i, l_i, acc0, acc1, k0, k1, v0, v1, valid, qk_scale, TILES, F32,
+                                       MATH)
     if (split == SPLITS - 1) & (tail_len > 0):
         tt = tl.arange(0, 16)
-        blk = n_blocks + tt * 0
-        m_i, l_i, acc0, acc1 = _attend(
-            q0, q1, m_i, l_i, acc0, acc1, slot_ptr, raw_ptr, table_ptr, tailk_ptr, tailv_ptr, b3_ptr, b4_ptr,
-            mask_ptr, b, hk, n_blocks, n_blocks, blk, tt, tt < tail_len, c, scale, s_tb, s_tn, s_tkv, s_th, s_ab,
-            s_ah, s_at, s_mb, H_KV, SLOT_BYTES, RAW_TILE, RAW_ROW, tail_len, True, 1, C, TILES, HAS_MASK, F32)
+        okt = tt < tail_len
+        toff2 = b.to(tl.int64) * s_ab + hk * s_ah + tt.to(tl.int64)[:, None] * s_at + c[None, :]
+        k0 = tl.load(tailk_ptr + toff2, mask=okt[:, None], other=0.0)
+        v0 = tl.load(tailv_ptr + toff2, mask=okt[:, None], other=0.0)
+        k1, v1 = k0, v0
+        if TILES == 2:
+            k1 = tl.load(tailk_ptr + toff2 + C, mask=okt[:, None], other=0.0)
+            v1 = tl.load(tailv_ptr + toff2 + C, mask=okt[:, None], other=0.0)
+        valid = okt
+        if HAS_MASK:
+            pos = n_blocks * 16 + tt
+            valid = valid & (tl.load(mask_ptr + b.to(tl.int64) * s_mb + pos, mask=valid, other=0) != 0)
+        m_i, l_i, acc0, acc1 = _attend(q0, q1, m_i, l_i, acc0, acc1, k0, k1, v0, v1, valid, qk_scale, TILES, F32,
+                                       MATH)
     out = (b * H_KV * NREP + heads).to(tl.int64) * SPLITS + split
     ok = r < NREP
     tl.store(m_out + out, m_i, mask=ok)
@@ -152,7 +169,7 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, S_PAD: tl.constexpr,
     l = tl.load(l_ptr + pid * SPLITS + s, mask=ok, other=0.0)
     big = tl.max(m, axis=0)
     big = tl.where(big == float("-inf"), 0.0, big)
-    w = tl.exp(m - big)
+    w = tl.exp2(m - big)
     total = tl.sum(l * w, axis=0)
     acc = tl.load(acc_ptr + (pid * SPLITS + s)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
     o = tl.sum(acc * w[:, None], axis=0)
@@ -160,16 +177,17 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, S_PAD: tl.constexpr,
     tl.store(out_ptr + pid * D + d, o.to(tl.bfloat16))
 
 
-def _num_splits(batch_heads: int, n_blocks: int, nb: int, device: torch.device) -> int:
+def _num_splits(batch_heads: int, n_blocks: int, nb: int, device: torch.device, programs_per_sm: int) -> int:
     if device.type != "cuda":
         return max(1, min(4, triton.cdiv(n_blocks, nb)))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = triton.cdiv(2 * sms, max(batch_heads, 1))
+    want = triton.cdiv(programs_per_sm * sms, max(batch_heads, 1))
     return max(1, min(want, triton.cdiv(n_blocks, nb)))
 
 
 def _launch(query, slot_pool, raw_pool, raw_tile, raw_row, table, tail_k, tail_v, base3, base4, scale, mask,
-            num_splits, blocks_per_iter, num_warps=4, num_stages=1):
+            num_splits=None, blocks_per_iter=4, num_warps=4, num_stages=1, programs_per_sm=4,
+            stages=("recon", "math")):
     if query.dtype != torch.bfloat16 or query.dim() != 3 or query.stride(-1) != 1:
         raise ValueError("query must be BF16 [B, H_q, D] with a contiguous last dim")
     b, hq, d = query.shape
@@ -184,7 +202,7 @@ def _launch(query, slot_pool, raw_pool, raw_tile, raw_row, table, tail_k, tail_v
         tail_k, tail_v = tail_k.contiguous(), tail_v.contiguous()
     nrep = hq // h_kv
     nb = blocks_per_iter
-    splits = num_splits or _num_splits(b * h_kv, n_blocks, nb, query.device)
+    splits = num_splits or _num_splits(b * h_kv, n_blocks, nb, query.device, programs_per_sm)
     per_split = triton.cdiv(triton.cdiv(max(n_blocks, 1), splits), nb) * nb
     splits = max(1, triton.cdiv(max(n_blocks, 1), per_split))
     f32 = dict(dtype=torch.float32, device=query.device)
@@ -197,12 +215,13 @@ def _launch(query, slot_pool, raw_pool, raw_tile, raw_row, table, tail_k, tail_v
     with on_device_of(query):
         _split_kernel[(b * h_kv, splits)](
             query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, mask if mask is not None else query,
-            m_out, l_out, acc_out, scale, n_blocks, tail_k.shape[2], per_split,
+            m_out, l_out, acc_out, scale * LOG2E, n_blocks, tail_k.shape[2], per_split,
             query.stride(0), query.stride(1), *t_strides,
             tail_k.stride(0), tail_k.stride(1), tail_k.stride(2), mask.stride(0) if mask is not None else 0,
             h_kv, splits, slot_pool.shape[-1], raw_tile, raw_row,
             NREP=nrep, NREP_PAD=max(16, triton.next_power_of_2(nrep)), C=channels, TILES=tiles, NB=nb,
-            HAS_MASK=mask is not None, F32=_interpreted(), num_warps=num_warps, num_stages=num_stages,
+            HAS_MASK=mask is not None, F32=_interpreted(), RECON="recon" in stages, MATH="math" in stages,
+            num_warps=num_warps, num_stages=num_stages,
         )
         _combine_kernel[(b * hq,)](m_out, l_out, acc_out, out, splits, S_PAD=triton.next_power_of_2(splits), D=d)
     return out
@@ -211,17 +230,19 @@ def _launch(query, slot_pool, raw_pool, raw_tile, raw_row, table, tail_k, tail_v
 def gaac_decode_attention(query: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor,
                           table: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor, base3: torch.Tensor,
                           base4: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
-                          num_splits: int | None = None, blocks_per_iter: int = 4, num_warps: int = 4,
-                          num_stages: int = 1) -> torch.Tensor:
+                          **tuning) -> torch.Tensor:
     """Single-token attention over GAAC-compressed KV.
 
     query `[B, H_q, D]` BF16; slot_pool uint8 `[N, slot_bytes]`; raw_pool BF16 `[R, 16, C]`; table int32
     `[B, n_blocks, 2, H_kv, tiles]`; tail_k/v BF16 `[B, H_kv, T < 16, D]`; base3/base4 uint8 `[2, H_kv, D]`;
     mask `[B, n_blocks * 16 + T]` (True = attend) or None. Returns `[B, H_q, D]` BF16.
+
+    `tuning` (launch configuration, see `_launch`): num_splits, blocks_per_iter, num_warps, num_stages,
+    programs_per_sm, and `stages`, which benchmarks use to leave out reconstruction or attention math.
     """
     c = raw_pool.shape[-1]
     return _launch(query, slot_pool, raw_pool, 16 * c, c, table, tail_k, tail_v, base3.contiguous(),
-                   base4.contiguous(), scale, mask, num_splits, blocks_per_iter, num_warps, num_stages)
+                   base4.contiguous(), scale, mask, **tuning)
 
 
 def plain_as_raw_tiles(key: torch.Tensor, value: torch.Tensor):
@@ -244,9 +265,7 @@ def plain_as_raw_tiles(key: torch.Tensor, value: torch.Tensor):
 
 
 def plain_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                           mask: torch.Tensor | None = None, num_splits: int | None = None,
-                           blocks_per_iter: int = 4, plain=None, num_warps: int = 4,
-                           num_stages: int = 1) -> torch.Tensor:
+                           mask: torch.Tensor | None = None, plain=None, **tuning) -> torch.Tensor:
     """The same kernel over plain BF16 KV `[B, H_kv, S, D]`: bit-identical to `gaac_decode_attention` on the
     compressed form of the same KV. `plain` may pass a precomputed `plain_as_raw_tiles(key, value)`."""
     raw, table, tail_k, tail_v = plain if plain is not None else plain_as_raw_tiles(key, value)
@@ -255,4 +274,4 @@ def plain_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     dummy_slots = torch.zeros(1, 16, dtype=torch.uint8, device=query.device)  # 16: same specialization as a slot
     dummy_bases = torch.zeros(2, key.shape[1], d, dtype=torch.uint8, device=query.device)
     return _launch(query, dummy_slots, raw, c, d, table, tail_k, tail_v, dummy_bases, dummy_bases, scale, mask,
-                   num_splits, blocks_per_iter, num_warps, num_stages)
+                   **tuning)

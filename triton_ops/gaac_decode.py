@@ -5,22 +5,22 @@ import triton
 import triton.language as tl
 
 from .device import on_device_of
-from .tile import load_kv_rows
+from .tile import tile_rows
 
 
 @triton.jit
 def _decode_kernel(entry_ptr, slot_ptr, raw_ptr, b3_ptr, b4_ptr, out_ptr, PERIOD, SLOT_BYTES,
                    C: tl.constexpr):
     pid = tl.program_id(0)
-    t = tl.arange(0, 16)
-    c = tl.arange(0, C)
-    one = tl.arange(0, 1)
-    entry = tl.load(entry_ptr + pid + one)
+    gq = tl.arange(0, 2)[:, None, None]  # the two halves of the block
+    i = tl.arange(0, 8)[None, :, None]
+    c = tl.arange(0, C)[None, None, :]
+    entry = tl.load(entry_ptr + pid + gq * 0)
     kind = pid % PERIOD  # which (K|V, head, tile) this entry belongs to: selects the bases
-    b3 = tl.load(b3_ptr + kind * C + c).to(tl.int32)
-    b4 = tl.load(b4_ptr + kind * C + c).to(tl.int32)
-    rows = load_kv_rows(slot_ptr, raw_ptr, entry, one < 1, b3, b4, SLOT_BYTES, 16 * C, C, 1, C)
-    tl.store(out_ptr + pid.to(tl.int64) * 16 * C + t[:, None] * C + c[None, :], rows)
+    b3 = tl.load(b3_ptr + kind * C + c).to(tl.uint32)
+    b4 = tl.load(b4_ptr + kind * C + c).to(tl.uint32)
+    rows = tile_rows(slot_ptr, raw_ptr, entry, gq < 2, b3, b4, SLOT_BYTES, 16 * C, C, 1, C)
+    tl.store(out_ptr + pid.to(tl.int64) * 16 * C + (gq * 8 + i) * C + c, rows)
 
 
 def gaac_decode(table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor, base3: torch.Tensor,
