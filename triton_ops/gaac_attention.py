@@ -1,7 +1,7 @@
 """Fused split-K decode attention over GAAC-compressed KV (slots + raw tiles + BF16 tail).
 
 Grid: (batch x kv-head, split). A program reads each KV tile once for all query heads of its GQA group, reconstructs
-BF16 in registers (`tile.tile_rows`), and keeps an fp32 online softmax (base 2); a second kernel combines the splits.
+BF16 in registers (`tile.chunk_words`, `tile.token_rows`), and keeps an fp32 online softmax (base 2); a second kernel combines the splits.
 
 `plain_decode_attention` runs the very same compiled kernel over plain BF16 KV, presented as raw tiles: the lossless
 reference. Reconstruction only changes where the BF16 bits come from, so both give identical output bits.
@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .device import on_device_of
-from .tile import tile_rows
+from .tile import chunk_words, prefetch_tiles, token_rows
 
 BLOCK = 16
 LOG2E = 1.4426950408889634
@@ -34,19 +34,29 @@ def _dot(a, b, F32: tl.constexpr):
 
 
 @triton.jit
-def _bases(b3_ptr, b4_ptr, KV: tl.constexpr, TILE: tl.constexpr, hk, H_KV, C: tl.constexpr, TILES: tl.constexpr):
-    c = tl.arange(0, C)[None, None, :]
+def _base_words(b3_ptr, b4_ptr, KV: tl.constexpr, TILE: tl.constexpr, hk, H_KV, C: tl.constexpr,
+                TILES: tl.constexpr):
+    """Bases of (K|V, head, tile) as `[1, C/2]` words: word w holds channels (4w) % C .. + 3 (see tile.chunk_words)."""
+    w = tl.arange(0, C // 2)[None, :]
     kind = (KV * H_KV + hk) * TILES + TILE
-    return tl.load(b3_ptr + kind * C + c).to(tl.uint32), tl.load(b4_ptr + kind * C + c).to(tl.uint32)
+    at = kind * (C // 4) + w % (C // 4)
+    return tl.load(b3_ptr + at).to(tl.uint32, bitcast=True), tl.load(b4_ptr + at).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
-def _rows(slot_ptr, raw_ptr, table_ptr, toff, live, b3, b4, SLOT_BYTES, RAW_TILE, RAW_ROW,
-          NB: tl.constexpr, C: tl.constexpr, RECON: tl.constexpr):
-    """`[16 NB, C]` BF16 rows of the tiles whose table entries sit at `table_ptr + toff` (`[2NB, 1, 1]`)."""
-    entry = tl.load(table_ptr + toff, mask=live, other=0)
-    rows = tile_rows(slot_ptr, raw_ptr, entry, live, b3, b4, SLOT_BYTES, RAW_TILE, RAW_ROW, NB, C, RECON)
-    return tl.reshape(rows, [16 * NB, C])
+def _chunk(slot_ptr, slot_w_ptr, entry, live, b3w, b4w, SLOT_BYTES, NB: tl.constexpr, C: tl.constexpr):
+    """Classify the table entries of NB blocks (`entry` `[NB, 1]`) and, where any is a slot, load their
+    group-level words."""
+    in_slot = live & (entry >= 0)
+    in_raw = live & (entry < 0)
+    any_slot = tl.max(tl.max(in_slot.to(tl.int32), axis=1), axis=0) > 0
+    any_raw = tl.max(tl.max(in_raw.to(tl.int32), axis=1), axis=0) > 0
+    z = tl.zeros([NB, C // 2], tl.uint32)
+    p0, p1, p2, p3, p4, p5, p6, p7, base, has_raw = z, z, z, z, z, z, z, z, z, any_slot != any_slot
+    if any_slot:
+        p0, p1, p2, p3, p4, p5, p6, p7, base, has_raw = chunk_words(slot_ptr, slot_w_ptr, entry, in_slot, b3w, b4w,
+                                                                    SLOT_BYTES, C)
+    return entry, in_slot, in_raw, any_slot, any_raw, p0, p1, p2, p3, p4, p5, p6, p7, base, has_raw
 
 
 @triton.jit
@@ -77,13 +87,13 @@ def _attend(q0, q1, m_i, l_i, acc0, acc1, k0, k1, v0, v1, valid, qk_scale, TILES
 
 # Lengths change every decode step: specializing on them (== 1, % 16 == 0) would recompile the kernel as they move.
 @triton.jit(do_not_specialize=["n_blocks", "tail_len", "blocks_per_split"])
-def _split_kernel(q_ptr, slot_ptr, raw_ptr, table_ptr, tailk_ptr, tailv_ptr, b3_ptr, b4_ptr, mask_ptr,
+def _split_kernel(q_ptr, slot_ptr, slot_w_ptr, raw_ptr, raw_w_ptr, table_ptr, tailk_ptr, tailv_ptr, b3_ptr, b4_ptr, mask_ptr,
                   m_out, l_out, acc_out, qk_scale, n_blocks, tail_len, blocks_per_split,
                   s_qb, s_qh, s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, s_mb, H_KV, SPLITS,
                   SLOT_BYTES, RAW_TILE, RAW_ROW,
                   NREP: tl.constexpr, NREP_PAD: tl.constexpr, C: tl.constexpr, TILES: tl.constexpr,
                   NB: tl.constexpr, HAS_MASK: tl.constexpr, F32: tl.constexpr, RECON: tl.constexpr,
-                  MATH: tl.constexpr):
+                  MATH: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, SLOT_LINES: tl.constexpr):
     D: tl.constexpr = C * TILES
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -101,39 +111,70 @@ def _split_kernel(q_ptr, slot_ptr, raw_ptr, table_ptr, tailk_ptr, tailv_ptr, b3_
     l_i = tl.zeros([NREP_PAD], tl.float32)
     acc0 = tl.zeros([NREP_PAD, C], tl.float32)
     acc1 = tl.zeros([NREP_PAD, C], tl.float32)
-    b3k0, b4k0 = _bases(b3_ptr, b4_ptr, 0, 0, hk, H_KV, C, TILES)
-    b3v0, b4v0 = _bases(b3_ptr, b4_ptr, 1, 0, hk, H_KV, C, TILES)
+    b3k0, b4k0 = _base_words(b3_ptr, b4_ptr, 0, 0, hk, H_KV, C, TILES)
+    b3v0, b4v0 = _base_words(b3_ptr, b4_ptr, 1, 0, hk, H_KV, C, TILES)
     b3k1, b4k1, b3v1, b4v1 = b3k0, b4k0, b3v0, b4v0
     if TILES == 2:
-        b3k1, b4k1 = _bases(b3_ptr, b4_ptr, 0, 1, hk, H_KV, C, TILES)
-        b3v1, b4v1 = _bases(b3_ptr, b4_ptr, 1, 1, hk, H_KV, C, TILES)
+        b3k1, b4k1 = _base_words(b3_ptr, b4_ptr, 0, 1, hk, H_KV, C, TILES)
+        b3v1, b4v1 = _base_words(b3_ptr, b4_ptr, 1, 1, hk, H_KV, C, TILES)
 
-    gq = tl.arange(0, 2 * NB)[:, None, None]  # group rows: block gq // 2 of the chunk
-    rows = tl.arange(0, 16 * NB)  # token rows: block rows // 16
+    nb = tl.arange(0, NB)[:, None]
+    rows = tl.arange(0, 2 * NB)  # row 2j + h of a token slice: token 8h + I of block j
     tbase = b.to(tl.int64) * s_tb + hk * s_th
     start = split * blocks_per_split
     end = tl.minimum(start + blocks_per_split, n_blocks)
+    # the next chunk's table entries are loaded one iteration ahead, and its tiles prefetched into L2
+    nlive = start + nb < end
+    noff = tbase + (start + nb).to(tl.int64) * s_tn
+    nek = tl.load(table_ptr + noff, mask=nlive, other=0)
+    nev = tl.load(table_ptr + noff + s_tkv, mask=nlive, other=0)
+    nek1, nev1 = nek, nev
+    if TILES == 2:
+        nek1 = tl.load(table_ptr + noff + 1, mask=nlive, other=0)
+        nev1 = tl.load(table_ptr + noff + s_tkv + 1, mask=nlive, other=0)
     for j0 in range(start, end, NB):
-        blk_q = j0 + gq // 2
-        live = blk_q < end
-        toff = tbase + blk_q.to(tl.int64) * s_tn
-        # K and V of the chunk are both requested before any math, so their loads overlap
-        k0 = _rows(slot_ptr, raw_ptr, table_ptr, toff, live, b3k0, b4k0, SLOT_BYTES, RAW_TILE, RAW_ROW, NB, C, RECON)
-        v0 = _rows(slot_ptr, raw_ptr, table_ptr, toff + s_tkv, live, b3v0, b4v0, SLOT_BYTES, RAW_TILE, RAW_ROW,
-                   NB, C, RECON)
-        k1, v1 = k0, v0
+        live = nlive
+        cek, cev, cek1, cev1 = nek, nev, nek1, nev1
+        nlive = j0 + NB + nb < end
+        noff = tbase + (j0 + NB + nb).to(tl.int64) * s_tn
+        nek = tl.load(table_ptr + noff, mask=nlive, other=0)
+        nev = tl.load(table_ptr + noff + s_tkv, mask=nlive, other=0)
         if TILES == 2:
-            k1 = _rows(slot_ptr, raw_ptr, table_ptr, toff + 1, live, b3k1, b4k1, SLOT_BYTES, RAW_TILE, RAW_ROW,
-                       NB, C, RECON)
-            v1 = _rows(slot_ptr, raw_ptr, table_ptr, toff + s_tkv + 1, live, b3v1, b4v1, SLOT_BYTES, RAW_TILE,
-                       RAW_ROW, NB, C, RECON)
-        blk = j0 + rows // 16
-        valid = blk < end
-        if HAS_MASK:
-            pos = blk * 16 + rows % 16
-            valid = valid & (tl.load(mask_ptr + b.to(tl.int64) * s_mb + pos, mask=valid, other=0) != 0)
-        m_i, l_i, acc0, acc1 = _attend(q0, q1, m_i, l_i, acc0, acc1, k0, k1, v0, v1, valid, qk_scale, TILES, F32,
-                                       MATH)
+            nek1 = tl.load(table_ptr + noff + 1, mask=nlive, other=0)
+            nev1 = tl.load(table_ptr + noff + s_tkv + 1, mask=nlive, other=0)
+        ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb, krw = _chunk(
+            slot_ptr, slot_w_ptr, cek, live, b3k0, b4k0, SLOT_BYTES, NB, C)
+        ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_, vb, vrw = _chunk(
+            slot_ptr, slot_w_ptr, cev, live, b3v0, b4v0, SLOT_BYTES, NB, C)
+        if TILES == 2:
+            ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1 = _chunk(
+                slot_ptr, slot_w_ptr, cek1, live, b3k1, b4k1, SLOT_BYTES, NB, C)
+            ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1 = _chunk(
+                slot_ptr, slot_w_ptr, cev1, live, b3v1, b4v1, SLOT_BYTES, NB, C)
+        if PREFETCH:
+            prefetch_tiles(slot_ptr, raw_ptr, nek, nlive, SLOT_BYTES, RAW_TILE, RAW_ROW, C, SLOT_LINES)
+            prefetch_tiles(slot_ptr, raw_ptr, nev, nlive, SLOT_BYTES, RAW_TILE, RAW_ROW, C, SLOT_LINES)
+            if TILES == 2:
+                prefetch_tiles(slot_ptr, raw_ptr, nek1, nlive, SLOT_BYTES, RAW_TILE, RAW_ROW, C, SLOT_LINES)
+                prefetch_tiles(slot_ptr, raw_ptr, nev1, nlive, SLOT_BYTES, RAW_TILE, RAW_ROW, C, SLOT_LINES)
+        for I in tl.static_range(8):
+            k0 = token_rows(slot_w_ptr, raw_w_ptr, ek, live, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_,
+                            k7_, kb, krw, SLOT_BYTES, RAW_TILE, RAW_ROW, I, NB, C, ASM, RECON)
+            v0 = token_rows(slot_w_ptr, raw_w_ptr, ev, live, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_,
+                            v7_, vb, vrw, SLOT_BYTES, RAW_TILE, RAW_ROW, I, NB, C, ASM, RECON)
+            k1, v1 = k0, v0
+            if TILES == 2:
+                k1 = token_rows(slot_w_ptr, raw_w_ptr, ek1, live, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14,
+                                k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE, RAW_ROW, I, NB, C, ASM, RECON)
+                v1 = token_rows(slot_w_ptr, raw_w_ptr, ev1, live, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14,
+                                v15, v16, v17, vb1, vrw1, SLOT_BYTES, RAW_TILE, RAW_ROW, I, NB, C, ASM, RECON)
+            blk = j0 + rows // 2
+            valid = blk < end
+            if HAS_MASK:
+                pos = blk * 16 + (rows % 2) * 8 + I
+                valid = valid & (tl.load(mask_ptr + b.to(tl.int64) * s_mb + pos, mask=valid, other=0) != 0)
+            m_i, l_i, acc0, acc1 = _attend(q0, q1, m_i, l_i, acc0, acc1, k0, k1, v0, v1, valid, qk_scale, TILES,
+                                           F32, MATH)
     if (split == SPLITS - 1) & (tail_len > 0):
         tt = tl.arange(0, 16)
         okt = tt < tail_len
@@ -186,8 +227,8 @@ def _num_splits(batch_heads: int, n_blocks: int, nb: int, device: torch.device, 
 
 
 def _launch(query, slot_pool, raw_pool, raw_tile, raw_row, table, tail_k, tail_v, base3, base4, scale, mask,
-            num_splits=None, blocks_per_iter=4, num_warps=4, num_stages=1, programs_per_sm=4,
-            stages=("recon", "math")):
+            num_splits=None, blocks_per_iter=8, num_warps=4, num_stages=1, programs_per_sm=4,
+            stages=("recon", "math"), prefetch=True):
     if query.dtype != torch.bfloat16 or query.dim() != 3 or query.stride(-1) != 1:
         raise ValueError("query must be BF16 [B, H_q, D] with a contiguous last dim")
     b, hq, d = query.shape
@@ -202,6 +243,9 @@ def _launch(query, slot_pool, raw_pool, raw_tile, raw_row, table, tail_k, tail_v
         tail_k, tail_v = tail_k.contiguous(), tail_v.contiguous()
     nrep = hq // h_kv
     nb = blocks_per_iter
+    if nb < 8 or nb & (nb - 1):
+        raise ValueError(f"blocks_per_iter must be a power of two >= 8 (a token slice of 2 x {nb} rows is the "
+                         f"K dimension of a tensor-core product), got {nb}")
     splits = num_splits or _num_splits(b * h_kv, n_blocks, nb, query.device, programs_per_sm)
     per_split = triton.cdiv(triton.cdiv(max(n_blocks, 1), splits), nb) * nb
     splits = max(1, triton.cdiv(max(n_blocks, 1), per_split))
@@ -214,13 +258,16 @@ def _launch(query, slot_pool, raw_pool, raw_tile, raw_row, table, tail_k, tail_v
     out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=query.device)
     with on_device_of(query):
         _split_kernel[(b * h_kv, splits)](
-            query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, mask if mask is not None else query,
+            query, slot_pool, slot_pool.view(torch.int32), raw_pool, raw_pool.view(torch.int32), table, tail_k, tail_v,
+            base3.view(torch.int32), base4.view(torch.int32), mask if mask is not None else query,
             m_out, l_out, acc_out, scale * LOG2E, n_blocks, tail_k.shape[2], per_split,
             query.stride(0), query.stride(1), *t_strides,
             tail_k.stride(0), tail_k.stride(1), tail_k.stride(2), mask.stride(0) if mask is not None else 0,
             h_kv, splits, slot_pool.shape[-1], raw_tile, raw_row,
             NREP=nrep, NREP_PAD=max(16, triton.next_power_of_2(nrep)), C=channels, TILES=tiles, NB=nb,
             HAS_MASK=mask is not None, F32=_interpreted(), RECON="recon" in stages, MATH="math" in stages,
+            ASM=not _interpreted(), PREFETCH=prefetch and not _interpreted(),
+            SLOT_LINES=triton.next_power_of_2(triton.cdiv(slot_pool.shape[-1], 128)),
             num_warps=num_warps, num_stages=num_stages,
         )
         _combine_kernel[(b * hq,)](m_out, l_out, acc_out, out, splits, S_PAD=triton.next_power_of_2(splits), D=d)

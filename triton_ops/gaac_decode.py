@@ -1,26 +1,39 @@
 """Decode kernel: GAAC block-table entries -> BF16 tiles (for prefill over cached history and other attentions)."""
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from .device import on_device_of
-from .tile import tile_rows
+from .tile import chunk_words, token_rows
 
 
 @triton.jit
-def _decode_kernel(entry_ptr, slot_ptr, raw_ptr, b3_ptr, b4_ptr, out_ptr, PERIOD, SLOT_BYTES,
-                   C: tl.constexpr):
+def _decode_kernel(entry_ptr, slot_ptr, slot_w_ptr, raw_w_ptr, b3_ptr, b4_ptr, out_ptr, PERIOD, SLOT_BYTES,
+                   C: tl.constexpr, ASM: tl.constexpr):
     pid = tl.program_id(0)
-    gq = tl.arange(0, 2)[:, None, None]  # the two halves of the block
-    i = tl.arange(0, 8)[None, :, None]
-    c = tl.arange(0, C)[None, None, :]
-    entry = tl.load(entry_ptr + pid + gq * 0)
+    one = tl.arange(0, 1)[:, None]
+    w = tl.arange(0, C // 2)[None, :]
+    c = tl.arange(0, C)[None, :]
+    h = tl.arange(0, 2)[:, None]
+    entry = tl.load(entry_ptr + pid + one)
+    live = one < 1
+    in_slot = live & (entry >= 0)
+    in_raw = live & (entry < 0)
+    any_slot = tl.max(tl.max(in_slot.to(tl.int32), axis=1), axis=0) > 0
+    any_raw = tl.max(tl.max(in_raw.to(tl.int32), axis=1), axis=0) > 0
     kind = pid % PERIOD  # which (K|V, head, tile) this entry belongs to: selects the bases
-    b3 = tl.load(b3_ptr + kind * C + c).to(tl.uint32)
-    b4 = tl.load(b4_ptr + kind * C + c).to(tl.uint32)
-    rows = tile_rows(slot_ptr, raw_ptr, entry, gq < 2, b3, b4, SLOT_BYTES, 16 * C, C, 1, C)
-    tl.store(out_ptr + pid.to(tl.int64) * 16 * C + (gq * 8 + i) * C + c, rows)
+    at = kind * (C // 4) + w % (C // 4)
+    b3 = tl.load(b3_ptr + at).to(tl.uint32, bitcast=True)
+    b4 = tl.load(b4_ptr + at).to(tl.uint32, bitcast=True)
+    p0, p1, p2, p3, p4, p5, p6, p7, base, has_raw = chunk_words(slot_ptr, slot_w_ptr, entry, in_slot, b3, b4,
+                                                                SLOT_BYTES, C)
+    for I in tl.static_range(8):
+        rows = token_rows(slot_w_ptr, raw_w_ptr, entry, live, in_slot, in_raw, any_slot, any_raw, p0, p1, p2, p3, p4,
+                          p5, p6, p7, base, has_raw, SLOT_BYTES, 16 * C, C, I, 1, C, ASM, True)
+        tl.store(out_ptr + pid.to(tl.int64) * 16 * C + (h * 8 + I) * C + c, rows)
 
 
 def gaac_decode(table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor, base3: torch.Tensor,
@@ -37,6 +50,8 @@ def gaac_decode(table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Te
     out = torch.empty(*table.shape, 16, channels, dtype=torch.bfloat16, device=table.device)
     if entries.numel():
         with on_device_of(entries):
-            _decode_kernel[(entries.numel(),)](entries, slot_pool, raw_pool, base3.contiguous(), base4.contiguous(), out,
-                                               period, slot_pool.shape[-1], C=channels)
+            _decode_kernel[(entries.numel(),)](
+                entries, slot_pool, slot_pool.view(torch.int32), raw_pool.view(torch.int32),
+                base3.contiguous().view(torch.int32), base4.contiguous().view(torch.int32), out, period,
+                slot_pool.shape[-1], C=channels, ASM=os.environ.get("TRITON_INTERPRET", "0") != "1")
     return out

@@ -1,96 +1,176 @@
 """Device-side reconstruction of GAAC tiles, shared by the decode and the fused attention kernels.
 
-Bitstream: docs/format.md (format version 1). `tile_rows` returns the BF16 rows of NB consecutive 16-token blocks of
-one (batch row, K|V, kv-head, tile) as `[2 * NB, 8, C]`: axis 0 is a group row (block `q // 2`, half `q % 2`),
-axis 1 the token within the half block (the element of the group), axis 2 the channel. In that shape everything a
-group shares (its code-plane bytes, mode, base and escape bytes) is a `[2 * NB, 1, C]` tensor that broadcasts over
-axis 1 without moving data, and the per-element work is a handful of 32-bit integer operations:
+Bitstream: docs/format.md (format version 1). The kernels work on 32-bit words of four consecutive channels, so one
+integer instruction handles four elements:
 
-    x    = (word >> i) & 0x01010101          word: code planes 0-3 of the group in bytes 0-3; i: element index
-    e24  = x * 0x01020408 + (base << 24)     the multiply gathers bits 0, 8, 16, 24 into bits 24-27
-    bf16 = (sm * 0x101) & 0x807F | (e24 >> 17) & 0x7F80
+* `chunk_words` reads, for NB blocks of one (batch row, K|V, kv-head, tile), everything a group shares, as
+  `[NB, C/2]` uint32 words (word w holds groups 4w..4w+3 of the tile, one per byte lane): code planes 0-7 (planes
+  0-2 straight from the slot; plane 3 and planes 4-7 gathered from the escape area at offsets from an exclusive
+  prefix sum over the mode tags) and the bases (base3, base4 or 0 by mode).
+* `token_rows` then builds token `I` of both halves of every block (`[2NB, C]` BF16). With I a compile-time
+  constant, bit I of plane p moves to bit p of each byte lane with one constant shift and one masked OR, the base is
+  one add (no lane overflows: a code plus its base is the exponent, at most 255), and two byte permutes per pair of
+  channels merge exponents with the stored sign+mantissa bytes into BF16 pairs (`prmt` on the GPU; the same
+  function in plain integer operations under the Triton interpreter).
 
-(`sm * 0x101` puts the sign at bit 15 and the mantissa at bits 0-6.) Raw groups, rare, add planes 4-7 the same way
-in a branch taken only when the NB blocks hold one. The exclusive prefix sum of escape bytes is done per group.
+Raw tiles (entry < 0) are read as BF16 pairs from the raw pool in the same shapes, so compressed and plain KV go
+through the same code from the merged words on.
 """
 
 import triton
 import triton.language as tl
 
-GATHER = 0x01020408  # bits 0, 8, 16, 24 of a word -> bits 24, 25, 26, 27 of the product (no carries)
+LANE0 = tl.constexpr(0x01010101)  # bit 0 of each byte lane
 
 
 @triton.jit
-def _u32(ptr, mask):
-    return tl.load(ptr, mask=mask, other=0).to(tl.uint32)
+def _w(ptr, mask):
+    return tl.load(ptr, mask=mask, other=0).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
-def _slot_rows(slot_ptr, entry, live, b3, b4, SLOT_BYTES, NB: tl.constexpr, C: tl.constexpr,
-               RECON: tl.constexpr):
-    """BF16 bits (uint32) `[2NB, 8, C]` of slot tiles; `entry`, `live` `[2NB, 1, 1]`; `b3`, `b4` uint32 `[1, 1, C]`."""
-    G: tl.constexpr = 2 * C
+def _spread4(n):
+    """Bits 0-3 of `n` -> bit 0 of byte lanes 0-3 (the partial products land on distinct bits: no carries)."""
+    return (n * 0x00204081) & LANE0
+
+
+@triton.jit
+def chunk_words(slot_ptr, slot_w_ptr, entry, live, b3w, b4w, SLOT_BYTES, C: tl.constexpr):
+    """Group-level words of the slot tiles at `entry` `[NB, 1]` (`live`: take part and are slots).
+
+    `slot_ptr` / `slot_w_ptr`: the slot pool as bytes / as int32 words. `b3w`, `b4w` `[1, C/2]` uint32: the bases of
+    the tile's channels for each word (channel `(4w) % C`). Returns planes P0..P7, the base word and whether any
+    group is raw (planes 4-7 are zero otherwise)."""
+    GW: tl.constexpr = C // 2  # words per tile row of groups (G = 2C groups, 4 per word)
     PLANES: tl.constexpr = 16 * C
+    G: tl.constexpr = 2 * C
     TAGS: tl.constexpr = PLANES + 3 * G
-    TAG_PLANE: tl.constexpr = G // 8
-    ESC: tl.constexpr = TAGS + 2 * TAG_PLANE
-    gq = tl.arange(0, 2 * NB)[:, None, None]
-    i = tl.arange(0, 8)[None, :, None].to(tl.uint32)
-    c = tl.arange(0, C)[None, None, :]
-    half = gq % 2
-    base = slot_ptr + tl.where(live, entry, 0).to(tl.int64) * SLOT_BYTES  # [2NB, 1, 1]
-    g = half * C + c  # group index within the tile, [2NB, 1, C]
-    word = _u32(base + PLANES + g, live) | (_u32(base + PLANES + G + g, live) << 8) \
-        | (_u32(base + PLANES + 2 * G + g, live) << 16)
-    sh = (g % 8).to(tl.uint32)
-    wide = (_u32(base + TAGS + g // 8, live) >> sh) & 1
-    raw = (_u32(base + TAGS + TAG_PLANE + g // 8, live) >> sh) & 1
-    w = wide + 4 * raw  # escape bytes of each group: 0, 1 or 5
-    # escape bytes of all half-0 groups of the block, needed by its half-1 row
-    c0 = c + 0 * half
-    sh0 = (c0 % 8).to(tl.uint32)
-    w0 = ((_u32(base + TAGS + c0 // 8, live) >> sh0) & 1) + 4 * ((_u32(base + TAGS + TAG_PLANE + c0 // 8, live) >> sh0) & 1)
-    off = tl.cumsum(w, axis=2) - w + half.to(tl.uint32) * tl.sum(w0, axis=2, keep_dims=True)
-    esc = base + ESC + off
-    word |= _u32(esc, live & (wide == 1)) << 24
-    sm = _u32(base + (half * 8 + i) * C + c, live)  # [2NB, 8, C]
-    if RECON:
-        bias = tl.where(raw == 1, 0, tl.where(wide == 1, b4, b3)) << 24
-        e24 = ((word >> i) & 0x01010101) * GATHER + bias
-        if tl.max(tl.max(tl.max(raw, axis=2), axis=1), axis=0) > 0:  # planes 4-7 of raw groups
-            m = live & (raw == 1)
-            word2 = _u32(esc + 1, m) | (_u32(esc + 2, m) << 8) | (_u32(esc + 3, m) << 16) | (_u32(esc + 4, m) << 24)
-            e24 += (((word2 >> i) & 0x01010101) * GATHER) << 4
-        bits = ((sm * 0x101) & 0x807F) | ((e24 >> 17) & 0x7F80)
-    else:  # benchmark variant: the same bytes read, no per-element reconstruction
-        mix = word ^ (word >> 8) ^ (word >> 16) ^ (word >> 24)
-        bits = sm | ((mix & 0x3F) << 8)
-    return bits
+    ESC: tl.constexpr = TAGS + G // 4
+    w = tl.arange(0, GW)[None, :]
+    slot = tl.where(live, entry, 0).to(tl.int64)
+    sw = slot_w_ptr + slot * (SLOT_BYTES // 4)  # [NB, 1]
+    p0 = _w(sw + PLANES // 4 + w, live)
+    p1 = _w(sw + (PLANES + G) // 4 + w, live)
+    p2 = _w(sw + (PLANES + 2 * G) // 4 + w, live)
+    sh = ((w % 8) * 4).to(tl.uint32)  # groups 4w..4w+3 are bits 4(w%8).. of tag word w//8
+    wide = _spread4((_w(sw + TAGS // 4 + w // 8, live) >> sh) & 0xF)
+    raw = _spread4((_w(sw + (TAGS + G // 8) // 4 + w // 8, live) >> sh) & 0xF)
+    lanes = wide + 4 * raw  # escape bytes of each group (0, 1 or 5) in its byte lane
+    total = (lanes * LANE0) >> 24
+    first = tl.cumsum(total, axis=1) - total  # escape offset of the word's first group
+    before = lanes * 0x01010100  # byte k: escape bytes of lanes < k of the word
+    esc = slot_ptr + slot * SLOT_BYTES + ESC + first  # [NB, GW]
+    p3 = tl.zeros_like(p0)
+    for k in tl.static_range(4):
+        on = live & (((wide >> (8 * k)) & 1) == 1)
+        p3 |= tl.load(esc + ((before >> (8 * k)) & 0xFF), mask=on, other=0).to(tl.uint32) << (8 * k)
+    keep = (wide * 0xFF) ^ 0xFFFFFFFF
+    base = ((b3w & keep) | (b4w & (wide * 0xFF))) & ((raw * 0xFF) ^ 0xFFFFFFFF)
+    p4 = tl.zeros_like(p0)
+    p5 = tl.zeros_like(p0)
+    p6 = tl.zeros_like(p0)
+    p7 = tl.zeros_like(p0)
+    has_raw = tl.max(tl.max(raw, axis=1), axis=0) > 0
+    if has_raw:
+        for k in tl.static_range(4):
+            on = live & (((raw >> (8 * k)) & 1) == 1)
+            at = esc + ((before >> (8 * k)) & 0xFF)
+            p4 |= tl.load(at + 1, mask=on, other=0).to(tl.uint32) << (8 * k)
+            p5 |= tl.load(at + 2, mask=on, other=0).to(tl.uint32) << (8 * k)
+            p6 |= tl.load(at + 3, mask=on, other=0).to(tl.uint32) << (8 * k)
+            p7 |= tl.load(at + 4, mask=on, other=0).to(tl.uint32) << (8 * k)
+    return p0, p1, p2, p3, p4, p5, p6, p7, base, has_raw
 
 
 @triton.jit
-def tile_rows(slot_ptr, raw_ptr, entry, live, b3, b4, SLOT_BYTES, RAW_TILE, RAW_ROW,
-              NB: tl.constexpr, C: tl.constexpr, RECON: tl.constexpr = True):
-    """BF16 `[2NB, 8, C]` rows of NB blocks whose tile-table entries are `entry` `[2NB, 1, 1]` (one per group row;
-    `live`: the block exists).
+def _bit(p, I: tl.constexpr, P: tl.constexpr):
+    """Bit I of every byte lane of plane word `p`, moved to bit P of the lane."""
+    if I >= P:
+        x = p >> (I - P)
+    else:
+        x = p << (P - I)
+    return x & (LANE0 << P)
 
-    `b3`, `b4` `[1, 1, C]` uint32: the bases of this (K|V, head, tile). A slot tile (entry >= 0) is decoded; a raw
-    tile (entry < 0, raw index `-1 - entry`) is read at `raw_ptr + index * RAW_TILE + t * RAW_ROW + c` (elements).
-    Slot and raw geometry are run-time values, so the kernel compiled for compressed KV is the very one that reads
-    plain KV presented as raw tiles.
-    """
-    gq = tl.arange(0, 2 * NB)[:, None, None]
-    i = tl.arange(0, 8)[None, :, None]
-    c = tl.arange(0, C)[None, None, :]
-    in_slot = live & (entry >= 0)
-    in_raw = live & (entry < 0)
-    out = tl.zeros([2 * NB, 8, C], tl.bfloat16)
-    if tl.max(tl.max(tl.max(in_slot.to(tl.int32), axis=2), axis=1), axis=0) > 0:
-        bits = _slot_rows(slot_ptr, entry, in_slot, b3, b4, SLOT_BYTES, NB, C, RECON)
-        out = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    if tl.max(tl.max(tl.max(in_raw.to(tl.int32), axis=2), axis=1), axis=0) > 0:
-        rb = tl.where(in_raw, -1 - entry, 0).to(tl.int64) * RAW_TILE
-        rows = ((gq % 2) * 8 + i).to(tl.int64) * RAW_ROW
-        rawv = tl.load(raw_ptr + rb + rows + c, mask=in_raw, other=0.0)
-        out = tl.where(in_raw, rawv, out)
-    return out
+
+@triton.jit
+def _merge(s, e, ASM: tl.constexpr):
+    """Sign+mantissa bytes `s` and exponent bytes `e` of four channels -> two words of BF16 pairs."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            """
+            {
+            .reg .b32 a, b, z;
+            mov.b32 z, 0;
+            prmt.b32 a, $2, z, 0x1100;
+            prmt.b32 b, $3, z, 0x1404;
+            shr.b32 b, b, 1;
+            lop3.b32 $0, a, 0x807F807F, b, 0xEA;
+            prmt.b32 a, $2, z, 0x3322;
+            prmt.b32 b, $3, z, 0x3424;
+            shr.b32 b, b, 1;
+            lop3.b32 $1, a, 0x807F807F, b, 0xEA;
+            }
+            """, "=r,=r,r,r", [s, e], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+    else:
+        lo = (((s & 0xFF) | ((s & 0xFF00) << 8)) * 0x101 & 0x807F807F) \
+            | (((e & 0xFF) | ((e & 0xFF00) << 8)) << 7)
+        hi = ((((s >> 16) & 0xFF) | ((s >> 8) & 0xFF0000)) * 0x101 & 0x807F807F) \
+            | ((((e >> 16) & 0xFF) | ((e >> 8) & 0xFF0000)) << 7)
+    return lo, hi
+
+
+@triton.jit
+def token_rows(slot_w_ptr, raw_w_ptr, entry, live, in_slot, in_raw, any_slot, any_raw,
+               p0, p1, p2, p3, p4, p5, p6, p7, base, has_raw, SLOT_BYTES, RAW_TILE, RAW_ROW,
+               I: tl.constexpr, NB: tl.constexpr, C: tl.constexpr, ASM: tl.constexpr, RECON: tl.constexpr):
+    """BF16 `[2NB, C]`: token I of half 0 (even rows) and half 1 (odd rows) of each of the NB blocks.
+
+    Row `2j + h` is token `8h + I` of block j. Raw tiles are read at `raw + index * RAW_TILE + t * RAW_ROW + c`
+    (BF16 elements; `raw_w_ptr` is the raw pool as int32 words)."""
+    GW: tl.constexpr = C // 2
+    QW: tl.constexpr = C // 4  # words per token row of a tile
+    w = tl.arange(0, GW)[None, :]
+    half = w // QW
+    lo = tl.zeros([NB, GW], tl.uint32)
+    hi = tl.zeros([NB, GW], tl.uint32)
+    if any_slot:
+        slot = tl.where(in_slot, entry, 0).to(tl.int64)
+        s = _w(slot_w_ptr + slot * (SLOT_BYTES // 4) + (half * 8 + I) * QW + w % QW, in_slot)
+        if RECON:
+            e = _bit(p0, I, 0) | _bit(p1, I, 1) | _bit(p2, I, 2) | _bit(p3, I, 3)
+            if has_raw:
+                e |= _bit(p4, I, 4) | _bit(p5, I, 5) | _bit(p6, I, 6) | _bit(p7, I, 7)
+            lo, hi = _merge(s, e + base, ASM)
+        else:  # benchmark variant: the same words read, no per-element reconstruction
+            lo = s ^ p0 ^ p2 ^ base
+            hi = s ^ p1 ^ p3
+    if any_raw:
+        ri = tl.where(in_raw, -1 - entry, 0).to(tl.int64)
+        at = raw_w_ptr + ri * (RAW_TILE // 2) + (half * 8 + I) * (RAW_ROW // 2) + (w % QW) * 2
+        lo = tl.where(in_raw, _w(at, in_raw), lo)
+        hi = tl.where(in_raw, _w(at + 1, in_raw), hi)
+    pairs = tl.reshape(tl.join(lo, hi), [NB, C])  # word j: channels 2j, 2j + 1 in group order
+    halves = tl.join((pairs & 0xFFFF).to(tl.uint16), (pairs >> 16).to(tl.uint16))
+    return tl.reshape(halves, [2 * NB, C]).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _prefetch_l2(ptrs, on):
+    """`prefetch.global.L2` of the lines at `ptrs` where `on`: the bytes start moving without holding registers."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+        "=r,l,r", [ptrs, on.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_tiles(slot_ptr, raw_ptr, entry, live, SLOT_BYTES, RAW_TILE, RAW_ROW, C: tl.constexpr,
+                   SLOT_LINES: tl.constexpr):
+    """Ask L2 for every 128-byte line of the tiles at `entry` `[NB, 1]` (slot or raw, as the entry says)."""
+    k = tl.arange(0, SLOT_LINES)[None, :]
+    slot = tl.where(live & (entry >= 0), entry, 0).to(tl.int64)
+    _prefetch_l2(slot_ptr + slot * SLOT_BYTES + k * 128, live & (entry >= 0) & (k * 128 < SLOT_BYTES))
+    LPR: tl.constexpr = (2 * C) // 128  # lines per BF16 row of the tile (C = 64 or 128)
+    r = tl.arange(0, 16 * LPR)[None, :]
+    ri = tl.where(live & (entry < 0), -1 - entry, 0).to(tl.int64)
+    at = raw_ptr + ri * RAW_TILE + (r // LPR) * RAW_ROW + (r % LPR) * 64  # raw_ptr: BF16 elements
+    _prefetch_l2(at, live & (entry < 0))
