@@ -36,6 +36,7 @@ def main():
     p.add_argument("--stages", default="1,3")
     p.add_argument("--per-sm", default="2,4,8")
     p.add_argument("--prefetch", default="1")
+    p.add_argument("--hoist", default="1")
     p.add_argument("--buffers", type=int, default=3)
     args = p.parse_args()
     dev = torch.device("cuda")
@@ -62,10 +63,10 @@ def main():
         return lambda i: plain_decode_attention(q, bufs[i][1], bufs[i][2], scale, plain=plains[i], **cfg)
 
     grid = itertools.product(*(map(int, x.split(",")) for x in (args.blocks, args.warps, args.stages, args.per_sm,
-                                                                   args.prefetch)))
-    for nb, warps, stages, per_sm, prefetch in grid:
+                                                                   args.prefetch, args.hoist)))
+    for nb, warps, stages, per_sm, prefetch, hoist in grid:
         cfg = dict(blocks_per_iter=nb, num_warps=warps, num_stages=stages, programs_per_sm=per_sm,
-                   prefetch=bool(prefetch))
+                   prefetch=bool(prefetch), hoist=bool(hoist))
         row = dict(cfg)
         try:
             got, want = gaac(cfg)(0), plain(cfg)(0)
@@ -79,7 +80,7 @@ def main():
         print(row, flush=True)
     ok = [r for r in res["configs"] if "gaac_us" in r]
     best = min(ok, key=lambda r: r["gaac_us"])
-    cfg = {k2: best[k2] for k2 in ("blocks_per_iter", "num_warps", "num_stages", "programs_per_sm", "prefetch")}
+    cfg = {k2: best[k2] for k2 in ("blocks_per_iter", "num_warps", "num_stages", "programs_per_sm", "prefetch", "hoist")}
     breakdown = {}
     for label, stages in (("full", ("recon", "math")), ("no_recon", ("math",)), ("no_math", ("recon",)),
                           ("load_only", ())):
@@ -96,7 +97,7 @@ def main():
     print(f"{name} {b}x{s}: {gaac_bytes / 1e6:.1f} MB compressed, {bf16_bytes / 1e6:.1f} MB BF16")
     for r in sorted(ok, key=lambda r: r["gaac_us"])[:12]:
         print(f"NB={r['blocks_per_iter']} warps={r['num_warps']} stages={r['num_stages']} per_sm={r['programs_per_sm']}"
-              f" prefetch={r['prefetch']}"
+              f" prefetch={r['prefetch']} hoist={r['hoist']}"
               f" gaac {r['gaac_us']:.1f}us ({gaac_bytes / r['gaac_us'] / 1e3:.0f} GB/s) plain {r['plain_us']:.1f}us"
               f" identical={r['identical']}")
     print("best", cfg, {k2: f"{v2:.1f}" for k2, v2 in breakdown.items()})

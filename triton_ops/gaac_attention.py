@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .device import on_device_of
-from .tile import chunk_words, prefetch_tiles, token_rows
+from .tile import chunk_words, prefetch_tiles, slot_row_words, token_rows
 
 BLOCK = 16
 LOG2E = 1.4426950408889634
@@ -85,6 +85,58 @@ def _attend(q0, q1, m_i, l_i, acc0, acc1, k0, k1, v0, v1, valid, qk_scale, TILES
     return m_i, l_i, acc0, acc1
 
 
+@triton.jit
+def _slice_scores(q0, q1, slot_w_ptr, raw_w_ptr, live, ea, sa, ra, asa, ara, a0, a1, a2, a3, a4, a5, a6, a7, ab,
+                  arw, eb, sb, rb, asb, arb, b0, b1, b2, b3, b4, b5, b6, b7, bb, brw, SLOT_BYTES, RAW_TILE, RAW_ROW,
+                  j0, end, bq, s_mb, mask_ptr, qk_scale, I: tl.constexpr, NB: tl.constexpr, C: tl.constexpr,
+                  TILES: tl.constexpr, HAS_MASK: tl.constexpr, F32: tl.constexpr, ASM: tl.constexpr,
+                  RECON: tl.constexpr, MATH: tl.constexpr, wa=None, wb=None):
+    """Scaled, masked scores `[NREP_PAD, 2NB]` of token slice I (row 2j + h: token 8h + I of block j0 + j)."""
+    k0 = token_rows(slot_w_ptr, raw_w_ptr, ea, live, sa, ra, asa, ara, a0, a1, a2, a3, a4, a5, a6, a7, ab, arw,
+                    SLOT_BYTES, RAW_TILE, RAW_ROW, I, NB, C, ASM, RECON, wa)
+    if MATH:
+        s = _dot(q0, tl.trans(k0), F32)
+    else:  # benchmark variant: the rows are read and reconstructed, no tensor-core product
+        s = tl.zeros([q0.shape[0], 2 * NB], tl.float32) + tl.sum(k0.to(tl.float32), axis=1)[None, :]
+    if TILES == 2:
+        k1 = token_rows(slot_w_ptr, raw_w_ptr, eb, live, sb, rb, asb, arb, b0, b1, b2, b3, b4, b5, b6, b7, bb, brw,
+                        SLOT_BYTES, RAW_TILE, RAW_ROW, I, NB, C, ASM, RECON, wb)
+        if MATH:
+            s += _dot(q1, tl.trans(k1), F32)
+        else:
+            s += tl.sum(k1.to(tl.float32), axis=1)[None, :]
+    rows = tl.arange(0, 2 * NB)
+    blk = j0 + rows // 2
+    valid = blk < end
+    if HAS_MASK:
+        pos = blk * 16 + (rows % 2) * 8 + I
+        valid = valid & (tl.load(mask_ptr + bq.to(tl.int64) * s_mb + pos, mask=valid, other=0) != 0)
+    return tl.where(valid[None, :], s * qk_scale, float("-inf"))
+
+
+@triton.jit
+def _slice_values(acc0, acc1, p, slot_w_ptr, raw_w_ptr, live, ea, sa, ra, asa, ara, a0, a1, a2, a3, a4, a5, a6, a7,
+                  ab, arw, eb, sb, rb, asb, arb, b0, b1, b2, b3, b4, b5, b6, b7, bb, brw, SLOT_BYTES, RAW_TILE,
+                  RAW_ROW, I: tl.constexpr, NB: tl.constexpr, C: tl.constexpr, TILES: tl.constexpr,
+                  F32: tl.constexpr, ASM: tl.constexpr, RECON: tl.constexpr, MATH: tl.constexpr, wa=None,
+                  wb=None):
+    """acc += p @ V rows of token slice I."""
+    v0 = token_rows(slot_w_ptr, raw_w_ptr, ea, live, sa, ra, asa, ara, a0, a1, a2, a3, a4, a5, a6, a7, ab, arw,
+                    SLOT_BYTES, RAW_TILE, RAW_ROW, I, NB, C, ASM, RECON, wa)
+    if MATH:
+        acc0 += _dot(p.to(tl.bfloat16), v0, F32)
+    else:
+        acc0 += tl.sum(v0.to(tl.float32), axis=0)[None, :]
+    if TILES == 2:
+        v1 = token_rows(slot_w_ptr, raw_w_ptr, eb, live, sb, rb, asb, arb, b0, b1, b2, b3, b4, b5, b6, b7, bb, brw,
+                        SLOT_BYTES, RAW_TILE, RAW_ROW, I, NB, C, ASM, RECON, wb)
+        if MATH:
+            acc1 += _dot(p.to(tl.bfloat16), v1, F32)
+        else:
+            acc1 += tl.sum(v1.to(tl.float32), axis=0)[None, :]
+    return acc0, acc1
+
+
 # Lengths change every decode step: specializing on them (== 1, % 16 == 0) would recompile the kernel as they move.
 @triton.jit(do_not_specialize=["n_blocks", "tail_len", "blocks_per_split"])
 def _split_kernel(q_ptr, slot_ptr, slot_w_ptr, raw_ptr, raw_w_ptr, table_ptr, tailk_ptr, tailv_ptr, b3_ptr, b4_ptr, mask_ptr,
@@ -93,7 +145,8 @@ def _split_kernel(q_ptr, slot_ptr, slot_w_ptr, raw_ptr, raw_w_ptr, table_ptr, ta
                   SLOT_BYTES, RAW_TILE, RAW_ROW,
                   NREP: tl.constexpr, NREP_PAD: tl.constexpr, C: tl.constexpr, TILES: tl.constexpr,
                   NB: tl.constexpr, HAS_MASK: tl.constexpr, F32: tl.constexpr, RECON: tl.constexpr,
-                  MATH: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, SLOT_LINES: tl.constexpr):
+                  MATH: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, SLOT_LINES: tl.constexpr,
+                  HOIST: tl.constexpr):
     D: tl.constexpr = C * TILES
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -144,37 +197,87 @@ def _split_kernel(q_ptr, slot_ptr, slot_w_ptr, raw_ptr, raw_w_ptr, table_ptr, ta
             nev1 = tl.load(table_ptr + noff + s_tkv + 1, mask=nlive, other=0)
         ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb, krw = _chunk(
             slot_ptr, slot_w_ptr, cek, live, b3k0, b4k0, SLOT_BYTES, NB, C)
-        ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_, vb, vrw = _chunk(
-            slot_ptr, slot_w_ptr, cev, live, b3v0, b4v0, SLOT_BYTES, NB, C)
+        ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1 = \
+            ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb, krw
         if TILES == 2:
             ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1 = _chunk(
                 slot_ptr, slot_w_ptr, cek1, live, b3k1, b4k1, SLOT_BYTES, NB, C)
-            ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1 = _chunk(
-                slot_ptr, slot_w_ptr, cev1, live, b3v1, b4v1, SLOT_BYTES, NB, C)
         if PREFETCH:
             prefetch_tiles(slot_ptr, raw_ptr, nek, nlive, SLOT_BYTES, RAW_TILE, RAW_ROW, C, SLOT_LINES)
             prefetch_tiles(slot_ptr, raw_ptr, nev, nlive, SLOT_BYTES, RAW_TILE, RAW_ROW, C, SLOT_LINES)
             if TILES == 2:
                 prefetch_tiles(slot_ptr, raw_ptr, nek1, nlive, SLOT_BYTES, RAW_TILE, RAW_ROW, C, SLOT_LINES)
                 prefetch_tiles(slot_ptr, raw_ptr, nev1, nlive, SLOT_BYTES, RAW_TILE, RAW_ROW, C, SLOT_LINES)
-        for I in tl.static_range(8):
-            k0 = token_rows(slot_w_ptr, raw_w_ptr, ek, live, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_,
-                            k7_, kb, krw, SLOT_BYTES, RAW_TILE, RAW_ROW, I, NB, C, ASM, RECON)
-            v0 = token_rows(slot_w_ptr, raw_w_ptr, ev, live, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_,
-                            v7_, vb, vrw, SLOT_BYTES, RAW_TILE, RAW_ROW, I, NB, C, ASM, RECON)
-            k1, v1 = k0, v0
-            if TILES == 2:
-                k1 = token_rows(slot_w_ptr, raw_w_ptr, ek1, live, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14,
-                                k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE, RAW_ROW, I, NB, C, ASM, RECON)
-                v1 = token_rows(slot_w_ptr, raw_w_ptr, ev1, live, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14,
-                                v15, v16, v17, vb1, vrw1, SLOT_BYTES, RAW_TILE, RAW_ROW, I, NB, C, ASM, RECON)
-            blk = j0 + rows // 2
-            valid = blk < end
-            if HAS_MASK:
-                pos = blk * 16 + (rows % 2) * 8 + I
-                valid = valid & (tl.load(mask_ptr + b.to(tl.int64) * s_mb + pos, mask=valid, other=0) != 0)
-            m_i, l_i, acc0, acc1 = _attend(q0, q1, m_i, l_i, acc0, acc1, k0, k1, v0, v1, valid, qk_scale, TILES,
-                                           F32, MATH)
+        ka0, ka1, ka2, ka3, ka4, ka5, ka6, ka7 = None, None, None, None, None, None, None, None
+        if HOIST:  # every slice's sign+mantissa loads in flight before the first use
+            ka0 = slot_row_words(slot_w_ptr, ek, sk, SLOT_BYTES, 0, NB, C)
+            ka1 = slot_row_words(slot_w_ptr, ek, sk, SLOT_BYTES, 1, NB, C)
+            ka2 = slot_row_words(slot_w_ptr, ek, sk, SLOT_BYTES, 2, NB, C)
+            ka3 = slot_row_words(slot_w_ptr, ek, sk, SLOT_BYTES, 3, NB, C)
+            ka4 = slot_row_words(slot_w_ptr, ek, sk, SLOT_BYTES, 4, NB, C)
+            ka5 = slot_row_words(slot_w_ptr, ek, sk, SLOT_BYTES, 5, NB, C)
+            ka6 = slot_row_words(slot_w_ptr, ek, sk, SLOT_BYTES, 6, NB, C)
+            ka7 = slot_row_words(slot_w_ptr, ek, sk, SLOT_BYTES, 7, NB, C)
+        # K phase: the scores of the chunk's 8 token slices; then one softmax update; then the V phase
+        s0 = _slice_scores(q0, q1, slot_w_ptr, raw_w_ptr, live, ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb, krw, ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE, RAW_ROW, j0, end, b, s_mb, mask_ptr, qk_scale, 0, NB, C, TILES,
+                           HAS_MASK, F32, ASM, RECON, MATH, ka0)
+        s1 = _slice_scores(q0, q1, slot_w_ptr, raw_w_ptr, live, ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb, krw, ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE, RAW_ROW, j0, end, b, s_mb, mask_ptr, qk_scale, 1, NB, C, TILES,
+                           HAS_MASK, F32, ASM, RECON, MATH, ka1)
+        s2 = _slice_scores(q0, q1, slot_w_ptr, raw_w_ptr, live, ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb, krw, ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE, RAW_ROW, j0, end, b, s_mb, mask_ptr, qk_scale, 2, NB, C, TILES,
+                           HAS_MASK, F32, ASM, RECON, MATH, ka2)
+        s3 = _slice_scores(q0, q1, slot_w_ptr, raw_w_ptr, live, ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb, krw, ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE, RAW_ROW, j0, end, b, s_mb, mask_ptr, qk_scale, 3, NB, C, TILES,
+                           HAS_MASK, F32, ASM, RECON, MATH, ka3)
+        s4 = _slice_scores(q0, q1, slot_w_ptr, raw_w_ptr, live, ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb, krw, ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE, RAW_ROW, j0, end, b, s_mb, mask_ptr, qk_scale, 4, NB, C, TILES,
+                           HAS_MASK, F32, ASM, RECON, MATH, ka4)
+        s5 = _slice_scores(q0, q1, slot_w_ptr, raw_w_ptr, live, ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb, krw, ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE, RAW_ROW, j0, end, b, s_mb, mask_ptr, qk_scale, 5, NB, C, TILES,
+                           HAS_MASK, F32, ASM, RECON, MATH, ka5)
+        s6 = _slice_scores(q0, q1, slot_w_ptr, raw_w_ptr, live, ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb, krw, ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE, RAW_ROW, j0, end, b, s_mb, mask_ptr, qk_scale, 6, NB, C, TILES,
+                           HAS_MASK, F32, ASM, RECON, MATH, ka6)
+        s7 = _slice_scores(q0, q1, slot_w_ptr, raw_w_ptr, live, ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb, krw, ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE, RAW_ROW, j0, end, b, s_mb, mask_ptr, qk_scale, 7, NB, C, TILES,
+                           HAS_MASK, F32, ASM, RECON, MATH, ka7)
+        top = tl.maximum(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)),
+                         tl.maximum(tl.maximum(s4, s5), tl.maximum(s6, s7)))
+        m_new = tl.maximum(m_i, tl.max(top, axis=1))
+        m_row = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_row)
+        m_safe = m_row[:, None]
+        p0 = tl.exp2(s0 - m_safe)
+        p1 = tl.exp2(s1 - m_safe)
+        p2 = tl.exp2(s2 - m_safe)
+        p3 = tl.exp2(s3 - m_safe)
+        p4 = tl.exp2(s4 - m_safe)
+        p5 = tl.exp2(s5 - m_safe)
+        p6 = tl.exp2(s6 - m_safe)
+        p7 = tl.exp2(s7 - m_safe)
+        l_i = l_i * alpha + tl.sum(((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)), axis=1)
+        m_i = m_new
+        ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_, vb, vrw = _chunk(
+            slot_ptr, slot_w_ptr, cev, live, b3v0, b4v0, SLOT_BYTES, NB, C)
+        ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1 = \
+            ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_, vb, vrw
+        if TILES == 2:
+            ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1 = _chunk(
+                slot_ptr, slot_w_ptr, cev1, live, b3v1, b4v1, SLOT_BYTES, NB, C)
+        va0, va1, va2, va3, va4, va5, va6, va7 = None, None, None, None, None, None, None, None
+        if HOIST:
+            va0 = slot_row_words(slot_w_ptr, ev, sv, SLOT_BYTES, 0, NB, C)
+            va1 = slot_row_words(slot_w_ptr, ev, sv, SLOT_BYTES, 1, NB, C)
+            va2 = slot_row_words(slot_w_ptr, ev, sv, SLOT_BYTES, 2, NB, C)
+            va3 = slot_row_words(slot_w_ptr, ev, sv, SLOT_BYTES, 3, NB, C)
+            va4 = slot_row_words(slot_w_ptr, ev, sv, SLOT_BYTES, 4, NB, C)
+            va5 = slot_row_words(slot_w_ptr, ev, sv, SLOT_BYTES, 5, NB, C)
+            va6 = slot_row_words(slot_w_ptr, ev, sv, SLOT_BYTES, 6, NB, C)
+            va7 = slot_row_words(slot_w_ptr, ev, sv, SLOT_BYTES, 7, NB, C)
+        acc0 = acc0 * alpha[:, None]
+        acc1 = acc1 * alpha[:, None]
+        acc0, acc1 = _slice_values(acc0, acc1, p0, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_, vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES, RAW_TILE, RAW_ROW, 0, NB, C, TILES, F32, ASM, RECON, MATH, va0)
+        acc0, acc1 = _slice_values(acc0, acc1, p1, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_, vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES, RAW_TILE, RAW_ROW, 1, NB, C, TILES, F32, ASM, RECON, MATH, va1)
+        acc0, acc1 = _slice_values(acc0, acc1, p2, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_, vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES, RAW_TILE, RAW_ROW, 2, NB, C, TILES, F32, ASM, RECON, MATH, va2)
+        acc0, acc1 = _slice_values(acc0, acc1, p3, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_, vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES, RAW_TILE, RAW_ROW, 3, NB, C, TILES, F32, ASM, RECON, MATH, va3)
+        acc0, acc1 = _slice_values(acc0, acc1, p4, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_, vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES, RAW_TILE, RAW_ROW, 4, NB, C, TILES, F32, ASM, RECON, MATH, va4)
+        acc0, acc1 = _slice_values(acc0, acc1, p5, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_, vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES, RAW_TILE, RAW_ROW, 5, NB, C, TILES, F32, ASM, RECON, MATH, va5)
+        acc0, acc1 = _slice_values(acc0, acc1, p6, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_, vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES, RAW_TILE, RAW_ROW, 6, NB, C, TILES, F32, ASM, RECON, MATH, va6)
+        acc0, acc1 = _slice_values(acc0, acc1, p7, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_, vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES, RAW_TILE, RAW_ROW, 7, NB, C, TILES, F32, ASM, RECON, MATH, va7)
     if (split == SPLITS - 1) & (tail_len > 0):
         tt = tl.arange(0, 16)
         okt = tt < tail_len
@@ -228,7 +331,7 @@ def _num_splits(batch_heads: int, n_blocks: int, nb: int, device: torch.device, 
 
 def _launch(query, slot_pool, raw_pool, raw_tile, raw_row, table, tail_k, tail_v, base3, base4, scale, mask,
             num_splits=None, blocks_per_iter=8, num_warps=4, num_stages=1, programs_per_sm=4,
-            stages=("recon", "math"), prefetch=True):
+            stages=("recon", "math"), prefetch=True, hoist=True):
     if query.dtype != torch.bfloat16 or query.dim() != 3 or query.stride(-1) != 1:
         raise ValueError("query must be BF16 [B, H_q, D] with a contiguous last dim")
     b, hq, d = query.shape
@@ -267,7 +370,7 @@ def _launch(query, slot_pool, raw_pool, raw_tile, raw_row, table, tail_k, tail_v
             NREP=nrep, NREP_PAD=max(16, triton.next_power_of_2(nrep)), C=channels, TILES=tiles, NB=nb,
             HAS_MASK=mask is not None, F32=_interpreted(), RECON="recon" in stages, MATH="math" in stages,
             ASM=not _interpreted(), PREFETCH=prefetch and not _interpreted(),
-            SLOT_LINES=triton.next_power_of_2(triton.cdiv(slot_pool.shape[-1], 128)),
+            SLOT_LINES=triton.next_power_of_2(triton.cdiv(slot_pool.shape[-1], 128)), HOIST=hoist,
             num_warps=num_warps, num_stages=num_stages,
         )
         _combine_kernel[(b * hq,)](m_out, l_out, acc_out, out, splits, S_PAD=triton.next_power_of_2(splits), D=d)

@@ -120,22 +120,32 @@ def _merge(s, e, ASM: tl.constexpr):
 
 
 @triton.jit
-def token_rows(slot_w_ptr, raw_w_ptr, entry, live, in_slot, in_raw, any_slot, any_raw,
-               p0, p1, p2, p3, p4, p5, p6, p7, base, has_raw, SLOT_BYTES, RAW_TILE, RAW_ROW,
-               I: tl.constexpr, NB: tl.constexpr, C: tl.constexpr, ASM: tl.constexpr, RECON: tl.constexpr):
-    """BF16 `[2NB, C]`: token I of half 0 (even rows) and half 1 (odd rows) of each of the NB blocks.
-
-    Row `2j + h` is token `8h + I` of block j. Raw tiles are read at `raw + index * RAW_TILE + t * RAW_ROW + c`
-    (BF16 elements; `raw_w_ptr` is the raw pool as int32 words)."""
+def slot_row_words(slot_w_ptr, entry, in_slot, SLOT_BYTES, I: tl.constexpr, NB: tl.constexpr, C: tl.constexpr):
+    """Sign+mantissa words `[NB, C/2]` of token I of both halves of the slot tiles at `entry` (zero elsewhere)."""
     GW: tl.constexpr = C // 2
     QW: tl.constexpr = C // 4  # words per token row of a tile
     w = tl.arange(0, GW)[None, :]
-    half = w // QW
+    slot = tl.where(in_slot, entry, 0).to(tl.int64)
+    return _w(slot_w_ptr + slot * (SLOT_BYTES // 4) + ((w // QW) * 8 + I) * QW + w % QW, in_slot)
+
+
+@triton.jit
+def token_rows(slot_w_ptr, raw_w_ptr, entry, live, in_slot, in_raw, any_slot, any_raw,
+               p0, p1, p2, p3, p4, p5, p6, p7, base, has_raw, SLOT_BYTES, RAW_TILE, RAW_ROW,
+               I: tl.constexpr, NB: tl.constexpr, C: tl.constexpr, ASM: tl.constexpr, RECON: tl.constexpr,
+               s=None):
+    """BF16 `[2NB, C]`: token I of half 0 (even rows) and half 1 (odd rows) of each of the NB blocks.
+
+    Row `2j + h` is token `8h + I` of block j. `s`: this slice's `slot_row_words`, if already loaded. Raw tiles are
+    read at `raw + index * RAW_TILE + t * RAW_ROW + c` (BF16 elements; `raw_w_ptr` is the raw pool as int32 words)."""
+    GW: tl.constexpr = C // 2
+    QW: tl.constexpr = C // 4
+    w = tl.arange(0, GW)[None, :]
     lo = tl.zeros([NB, GW], tl.uint32)
     hi = tl.zeros([NB, GW], tl.uint32)
+    if s is None:
+        s = slot_row_words(slot_w_ptr, entry, in_slot, SLOT_BYTES, I, NB, C)
     if any_slot:
-        slot = tl.where(in_slot, entry, 0).to(tl.int64)
-        s = _w(slot_w_ptr + slot * (SLOT_BYTES // 4) + (half * 8 + I) * QW + w % QW, in_slot)
         if RECON:
             e = _bit(p0, I, 0) | _bit(p1, I, 1) | _bit(p2, I, 2) | _bit(p3, I, 3)
             if has_raw:
@@ -146,7 +156,7 @@ def token_rows(slot_w_ptr, raw_w_ptr, entry, live, in_slot, in_raw, any_slot, an
             hi = s ^ p1 ^ p3
     if any_raw:
         ri = tl.where(in_raw, -1 - entry, 0).to(tl.int64)
-        at = raw_w_ptr + ri * (RAW_TILE // 2) + (half * 8 + I) * (RAW_ROW // 2) + (w % QW) * 2
+        at = raw_w_ptr + ri * (RAW_TILE // 2) + ((w // QW) * 8 + I) * (RAW_ROW // 2) + (w % QW) * 2
         lo = tl.where(in_raw, _w(at, in_raw), lo)
         hi = tl.where(in_raw, _w(at + 1, in_raw), hi)
     pairs = tl.reshape(tl.join(lo, hi), [NB, C])  # word j: channels 2j, 2j + 1 in group order
