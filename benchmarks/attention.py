@@ -103,7 +103,9 @@ def main():
     p.add_argument("--out", default="benchmarks/results/attention.json")
     p.add_argument("--buffers", type=int, default=3)
     p.add_argument("--shapes", default="all")
-    p.add_argument("--sweep", action="store_true", help="also time launch configurations on the first shape")
+    p.add_argument("--flex-shapes", default="0,2,3,8", help="indices of SHAPES that also time FlexAttention "
+                   "(each needs a torch.compile)")
+    p.add_argument("--breakdown-shape", type=int, default=2, help="shape for the leave-one-stage-out breakdown")
     args = p.parse_args()
     dev = torch.device("cuda")
     pool = load_file(args.real_kv)["kv"].to(dev)
@@ -165,52 +167,94 @@ def main():
                     "cudnn_sdpa": (sdpa(SDPBackend.CUDNN_ATTENTION), bf16_bytes),
                     "flash_sdpa": (sdpa(SDPBackend.FLASH_ATTENTION), bf16_bytes),
                     "decompress_then_cudnn": (run_decomp, gaac_bytes)}
+        shape_index = SHAPES.index((name, hq, hkv, d, b, s))
+        variants.update(external_baselines(q, bufs, scale, bf16_bytes, b,
+                                           shape_index in {int(x) for x in args.flex_shapes.split(",") if x}))
         for vname, (fn, nbytes) in variants.items():
             try:
                 us = bench(fn, args.buffers)
                 times[vname] = {"us": us, "GBps": nbytes / us / 1e3}
             except Exception as e:  # a backend may not support a shape
                 times[vname] = {"error": f"{type(e).__name__}: {e}"[:200]}
-        base = min(t["us"] for kname, t in times.items() if "us" in t and kname in ("cudnn_sdpa", "flash_sdpa"))
+        base = min(t["us"] for kname, t in times.items() if "us" in t and kname in BASELINES)
+        best_name = min((kname for kname in BASELINES if "us" in times.get(kname, {})), key=lambda k2: times[k2]["us"])
         row = {"model": name, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "batch": b, "context": s,
                "bit_identical_to_plain": identical, "rel_err_vs_fp32": rel, "bf16_bytes": bf16_bytes,
                "gaac_bytes": gaac_bytes, **info, "times": times,
+               "best_baseline": best_name,
                "speedup_vs_best_baseline": base / times["gaac_fused"]["us"] if "us" in times["gaac_fused"] else None}
-        if args.sweep and not results.get("sweep"):
-            sweep = []
-            for nb in (2, 4, 8):
-                for warps in (4, 8):
-                    for stages in (1, 2):
-                        cfg = dict(blocks_per_iter=nb, num_warps=warps, num_stages=stages)
-                        entry = dict(cfg)
-                        for vname, fn in (
-                                ("gaac", lambda i: gaac_decode_attention(q, *bufs[i][0][:5], bufs[i][0][5],
-                                                                         bufs[i][0][6], scale, **cfg)),
-                                ("plain", lambda i: plain_decode_attention(q, bufs[i][1], bufs[i][2], scale,
-                                                                           plain=plains[i], **cfg))):
-                            try:
-                                entry[vname + "_us"] = bench(fn, args.buffers)
-                            except Exception as e:
-                                entry[vname + "_us"] = f"{type(e).__name__}"
-                        sweep.append(entry)
-                        print("sweep", entry, flush=True)
-            results["sweep"] = {"shape": [name, hq, hkv, d, b, s], "configs": sweep}
+        if shape_index == args.breakdown_shape:
+            row["breakdown_us"] = {
+                label: bench(lambda i, st=st: gaac_decode_attention(q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6],
+                                                                    scale, stages=st), args.buffers)
+                for label, st in (("full", ("recon", "math")), ("no_reconstruction", ("math",)),
+                                  ("no_math", ("recon",)), ("loads_only", ()))}
         results["rows"].append(row)
         tm = {k2: (f"{t['us']:.1f}us {t['GBps']:.0f}GB/s" if "us" in t else "err") for k2, t in times.items()}
         print(f"{name} {b}x{s} ok={identical} err={rel:.1e} ratio={bf16_bytes / gaac_bytes:.3f} {tm} "
               f"speedup={row['speedup_vs_best_baseline']:.3f} ({time.time() - t0:.0f}s)", flush=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
         bufs = plains = k = v = packed = None  # free before the next shape
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
-    print("| shape | GAAC µs (GB/s) | cuDNN µs (GB/s) | flash µs | same kernel BF16 µs | decompress+cuDNN µs | speedup |")
-    print("|---|---|---|---|---|---|---|")
+    print(table(results))
+
+
+BASELINES = ("cudnn_sdpa", "flash_sdpa", "fa3", "flashinfer", "flex_attention")
+
+
+def table(results) -> str:
+    cols = ["gaac_fused", "cudnn_sdpa", "flash_sdpa", "fa3", "flashinfer", "flex_attention",
+            "triton_same_kernel_bf16", "decompress_then_cudnn"]
+    out = ["| q/kv/dim, batch x context | " + " | ".join(f"{c} µs (GB/s)" for c in cols) + " | GAAC vs best |",
+           "|---" * (len(cols) + 2) + "|"]
     for r in results["rows"]:
         t = r["times"]
-        f = lambda k: f"{t[k]['us']:.1f}" if "us" in t[k] else "err"  # noqa: E731
-        print(f"| {r['model']} {r['batch']}x{r['context'] // 1024}K | {f('gaac_fused')} ({t['gaac_fused'].get('GBps', 0):.0f}) | "
-              f"{f('cudnn_sdpa')} ({t['cudnn_sdpa'].get('GBps', 0):.0f}) | {f('flash_sdpa')} | "
-              f"{f('triton_same_kernel_bf16')} | {f('decompress_then_cudnn')} | {r['speedup_vs_best_baseline']:.3f}x |")
+        cell = lambda k: f"{t[k]['us']:.1f} ({t[k]['GBps']:.0f})" if "us" in t.get(k, {}) else "-"  # noqa: E731
+        out.append(f"| {r['q_heads']}/{r['kv_heads']}/{r['head_dim']}, {r['batch']} x {r['context'] // 1024}K | "
+                   + " | ".join(cell(c) for c in cols)
+                   + f" | {r['speedup_vs_best_baseline']:.2f}x ({r['best_baseline']}) |")
+    return "\n".join(out)
+
+
+def external_baselines(q, bufs, scale, nbytes, batch, flex: bool) -> dict:
+    """FA3, FlashInfer and FlexAttention on the same BF16 KV, where installed (see ../shared/gpu/README.md)."""
+    out = {}
+    try:
+        import fa3_fwd_interface
+        nhd = [(bk.transpose(1, 2).contiguous(), bv.transpose(1, 2).contiguous()) for _, bk, bv in bufs]
+        q_nhd = q[:, None]
+
+        def fa3(i):
+            fa3_fwd_interface.flash_attn_with_kvcache(q_nhd, nhd[i][0], nhd[i][1], softmax_scale=scale, causal=False)
+        out["fa3"] = (fa3, nbytes)
+    except Exception as e:  # noqa: BLE001 - not installed, or the shape is unsupported
+        print("fa3 unavailable:", type(e).__name__, str(e)[:120])
+    if batch == 1:
+        try:
+            import flashinfer
+            nhd1 = [(bk[0].transpose(0, 1).contiguous(), bv[0].transpose(0, 1).contiguous()) for _, bk, bv in bufs]
+
+            def fi(i):
+                flashinfer.single_decode_with_kv_cache(q[0], nhd1[i][0], nhd1[i][1], kv_layout="NHD",
+                                                       sm_scale=scale)
+            out["flashinfer"] = (fi, nbytes)
+        except Exception as e:  # noqa: BLE001
+            print("flashinfer unavailable:", type(e).__name__, str(e)[:120])
+    if flex:
+        try:
+            from torch.nn.attention.flex_attention import flex_attention
+            compiled = torch.compile(flex_attention, dynamic=False)
+            q4 = q[:, :, None]
+
+            def fx(i):
+                compiled(q4, bufs[i][1], bufs[i][2], scale=scale, enable_gqa=True)
+            out["flex_attention"] = (fx, nbytes)
+        except Exception as e:  # noqa: BLE001
+            print("flex unavailable:", type(e).__name__, str(e)[:120])
+    return out
 
 
 if __name__ == "__main__":

@@ -80,7 +80,8 @@ def main():
         print(row, flush=True)
     ok = [r for r in res["configs"] if "gaac_us" in r]
     best = min(ok, key=lambda r: r["gaac_us"])
-    cfg = {k2: best[k2] for k2 in ("blocks_per_iter", "num_warps", "num_stages", "programs_per_sm", "prefetch", "hoist")}
+    knobs = ("blocks_per_iter", "num_warps", "num_stages", "programs_per_sm", "prefetch", "hoist")
+    cfg = {k2: best[k2] for k2 in knobs}
     breakdown = {}
     for label, stages in (("full", ("recon", "math")), ("no_recon", ("math",)), ("no_math", ("recon",)),
                           ("load_only", ())):

@@ -1,7 +1,11 @@
 """Fused split-K decode attention over GAAC-compressed KV (slots + raw tiles + BF16 tail).
 
 Grid: (batch x kv-head, split). A program reads each KV tile once for all query heads of its GQA group, reconstructs
-BF16 in registers (`tile.chunk_words`, `tile.token_rows`), and keeps an fp32 online softmax (base 2); a second kernel combines the splits.
+BF16 in registers (`tile.chunk_words`, `tile.token_rows`) and keeps an fp32 online softmax (base 2); a second kernel
+combines the splits. A chunk is NB blocks (16 NB tokens) of one (batch row, kv-head): its group-level words are read
+once, then its 8 token slices (token I of each half block, 2 NB rows each) are reconstructed and multiplied one after
+another: first all K slices (scores), one softmax update for the chunk, then all V slices. The next chunk's tiles are
+prefetched into L2 meanwhile.
 
 `plain_decode_attention` runs the very same compiled kernel over plain BF16 KV, presented as raw tiles: the lossless
 reference. Reconstruction only changes where the BF16 bits come from, so both give identical output bits.
@@ -139,7 +143,8 @@ def _slice_values(acc0, acc1, p, slot_w_ptr, raw_w_ptr, live, ea, sa, ra, asa, a
 
 # Lengths change every decode step: specializing on them (== 1, % 16 == 0) would recompile the kernel as they move.
 @triton.jit(do_not_specialize=["n_blocks", "tail_len", "blocks_per_split"])
-def _split_kernel(q_ptr, slot_ptr, slot_w_ptr, raw_ptr, raw_w_ptr, table_ptr, tailk_ptr, tailv_ptr, b3_ptr, b4_ptr, mask_ptr,
+def _split_kernel(q_ptr, slot_ptr, slot_w_ptr, raw_ptr, raw_w_ptr, table_ptr, tailk_ptr, tailv_ptr, b3_ptr, b4_ptr,
+                  mask_ptr,
                   m_out, l_out, acc_out, qk_scale, n_blocks, tail_len, blocks_per_split,
                   s_qb, s_qh, s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, s_mb, H_KV, SPLITS,
                   SLOT_BYTES, RAW_TILE, RAW_ROW,
@@ -219,22 +224,38 @@ def _split_kernel(q_ptr, slot_ptr, slot_w_ptr, raw_ptr, raw_w_ptr, table_ptr, ta
             ka6 = slot_row_words(slot_w_ptr, ek, sk, SLOT_BYTES, 6, NB, C)
             ka7 = slot_row_words(slot_w_ptr, ek, sk, SLOT_BYTES, 7, NB, C)
         # K phase: the scores of the chunk's 8 token slices; then one softmax update; then the V phase
-        s0 = _slice_scores(q0, q1, slot_w_ptr, raw_w_ptr, live, ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb, krw, ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE, RAW_ROW, j0, end, b, s_mb, mask_ptr, qk_scale, 0, NB, C, TILES,
-                           HAS_MASK, F32, ASM, RECON, MATH, ka0)
-        s1 = _slice_scores(q0, q1, slot_w_ptr, raw_w_ptr, live, ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb, krw, ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE, RAW_ROW, j0, end, b, s_mb, mask_ptr, qk_scale, 1, NB, C, TILES,
-                           HAS_MASK, F32, ASM, RECON, MATH, ka1)
-        s2 = _slice_scores(q0, q1, slot_w_ptr, raw_w_ptr, live, ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb, krw, ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE, RAW_ROW, j0, end, b, s_mb, mask_ptr, qk_scale, 2, NB, C, TILES,
-                           HAS_MASK, F32, ASM, RECON, MATH, ka2)
-        s3 = _slice_scores(q0, q1, slot_w_ptr, raw_w_ptr, live, ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb, krw, ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE, RAW_ROW, j0, end, b, s_mb, mask_ptr, qk_scale, 3, NB, C, TILES,
-                           HAS_MASK, F32, ASM, RECON, MATH, ka3)
-        s4 = _slice_scores(q0, q1, slot_w_ptr, raw_w_ptr, live, ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb, krw, ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE, RAW_ROW, j0, end, b, s_mb, mask_ptr, qk_scale, 4, NB, C, TILES,
-                           HAS_MASK, F32, ASM, RECON, MATH, ka4)
-        s5 = _slice_scores(q0, q1, slot_w_ptr, raw_w_ptr, live, ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb, krw, ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE, RAW_ROW, j0, end, b, s_mb, mask_ptr, qk_scale, 5, NB, C, TILES,
-                           HAS_MASK, F32, ASM, RECON, MATH, ka5)
-        s6 = _slice_scores(q0, q1, slot_w_ptr, raw_w_ptr, live, ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb, krw, ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE, RAW_ROW, j0, end, b, s_mb, mask_ptr, qk_scale, 6, NB, C, TILES,
-                           HAS_MASK, F32, ASM, RECON, MATH, ka6)
-        s7 = _slice_scores(q0, q1, slot_w_ptr, raw_w_ptr, live, ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb, krw, ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE, RAW_ROW, j0, end, b, s_mb, mask_ptr, qk_scale, 7, NB, C, TILES,
-                           HAS_MASK, F32, ASM, RECON, MATH, ka7)
+        s0 = _slice_scores(
+            q0, q1, slot_w_ptr, raw_w_ptr, live, ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb,
+            krw, ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE,
+            RAW_ROW, j0, end, b, s_mb, mask_ptr, qk_scale, 0, NB, C, TILES, HAS_MASK, F32, ASM, RECON, MATH, ka0)
+        s1 = _slice_scores(
+            q0, q1, slot_w_ptr, raw_w_ptr, live, ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb,
+            krw, ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE,
+            RAW_ROW, j0, end, b, s_mb, mask_ptr, qk_scale, 1, NB, C, TILES, HAS_MASK, F32, ASM, RECON, MATH, ka1)
+        s2 = _slice_scores(
+            q0, q1, slot_w_ptr, raw_w_ptr, live, ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb,
+            krw, ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE,
+            RAW_ROW, j0, end, b, s_mb, mask_ptr, qk_scale, 2, NB, C, TILES, HAS_MASK, F32, ASM, RECON, MATH, ka2)
+        s3 = _slice_scores(
+            q0, q1, slot_w_ptr, raw_w_ptr, live, ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb,
+            krw, ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE,
+            RAW_ROW, j0, end, b, s_mb, mask_ptr, qk_scale, 3, NB, C, TILES, HAS_MASK, F32, ASM, RECON, MATH, ka3)
+        s4 = _slice_scores(
+            q0, q1, slot_w_ptr, raw_w_ptr, live, ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb,
+            krw, ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE,
+            RAW_ROW, j0, end, b, s_mb, mask_ptr, qk_scale, 4, NB, C, TILES, HAS_MASK, F32, ASM, RECON, MATH, ka4)
+        s5 = _slice_scores(
+            q0, q1, slot_w_ptr, raw_w_ptr, live, ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb,
+            krw, ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE,
+            RAW_ROW, j0, end, b, s_mb, mask_ptr, qk_scale, 5, NB, C, TILES, HAS_MASK, F32, ASM, RECON, MATH, ka5)
+        s6 = _slice_scores(
+            q0, q1, slot_w_ptr, raw_w_ptr, live, ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb,
+            krw, ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE,
+            RAW_ROW, j0, end, b, s_mb, mask_ptr, qk_scale, 6, NB, C, TILES, HAS_MASK, F32, ASM, RECON, MATH, ka6)
+        s7 = _slice_scores(
+            q0, q1, slot_w_ptr, raw_w_ptr, live, ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb,
+            krw, ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE,
+            RAW_ROW, j0, end, b, s_mb, mask_ptr, qk_scale, 7, NB, C, TILES, HAS_MASK, F32, ASM, RECON, MATH, ka7)
         top = tl.maximum(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)),
                          tl.maximum(tl.maximum(s4, s5), tl.maximum(s6, s7)))
         m_new = tl.maximum(m_i, tl.max(top, axis=1))
@@ -270,14 +291,38 @@ def _split_kernel(q_ptr, slot_ptr, slot_w_ptr, raw_ptr, raw_w_ptr, table_ptr, ta
             va7 = slot_row_words(slot_w_ptr, ev, sv, SLOT_BYTES, 7, NB, C)
         acc0 = acc0 * alpha[:, None]
         acc1 = acc1 * alpha[:, None]
-        acc0, acc1 = _slice_values(acc0, acc1, p0, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_, vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES, RAW_TILE, RAW_ROW, 0, NB, C, TILES, F32, ASM, RECON, MATH, va0)
-        acc0, acc1 = _slice_values(acc0, acc1, p1, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_, vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES, RAW_TILE, RAW_ROW, 1, NB, C, TILES, F32, ASM, RECON, MATH, va1)
-        acc0, acc1 = _slice_values(acc0, acc1, p2, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_, vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES, RAW_TILE, RAW_ROW, 2, NB, C, TILES, F32, ASM, RECON, MATH, va2)
-        acc0, acc1 = _slice_values(acc0, acc1, p3, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_, vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES, RAW_TILE, RAW_ROW, 3, NB, C, TILES, F32, ASM, RECON, MATH, va3)
-        acc0, acc1 = _slice_values(acc0, acc1, p4, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_, vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES, RAW_TILE, RAW_ROW, 4, NB, C, TILES, F32, ASM, RECON, MATH, va4)
-        acc0, acc1 = _slice_values(acc0, acc1, p5, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_, vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES, RAW_TILE, RAW_ROW, 5, NB, C, TILES, F32, ASM, RECON, MATH, va5)
-        acc0, acc1 = _slice_values(acc0, acc1, p6, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_, vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES, RAW_TILE, RAW_ROW, 6, NB, C, TILES, F32, ASM, RECON, MATH, va6)
-        acc0, acc1 = _slice_values(acc0, acc1, p7, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_, vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES, RAW_TILE, RAW_ROW, 7, NB, C, TILES, F32, ASM, RECON, MATH, va7)
+        acc0, acc1 = _slice_values(
+            acc0, acc1, p0, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_,
+            vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES,
+            RAW_TILE, RAW_ROW, 0, NB, C, TILES, F32, ASM, RECON, MATH, va0)
+        acc0, acc1 = _slice_values(
+            acc0, acc1, p1, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_,
+            vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES,
+            RAW_TILE, RAW_ROW, 1, NB, C, TILES, F32, ASM, RECON, MATH, va1)
+        acc0, acc1 = _slice_values(
+            acc0, acc1, p2, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_,
+            vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES,
+            RAW_TILE, RAW_ROW, 2, NB, C, TILES, F32, ASM, RECON, MATH, va2)
+        acc0, acc1 = _slice_values(
+            acc0, acc1, p3, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_,
+            vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES,
+            RAW_TILE, RAW_ROW, 3, NB, C, TILES, F32, ASM, RECON, MATH, va3)
+        acc0, acc1 = _slice_values(
+            acc0, acc1, p4, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_,
+            vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES,
+            RAW_TILE, RAW_ROW, 4, NB, C, TILES, F32, ASM, RECON, MATH, va4)
+        acc0, acc1 = _slice_values(
+            acc0, acc1, p5, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_,
+            vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES,
+            RAW_TILE, RAW_ROW, 5, NB, C, TILES, F32, ASM, RECON, MATH, va5)
+        acc0, acc1 = _slice_values(
+            acc0, acc1, p6, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_,
+            vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES,
+            RAW_TILE, RAW_ROW, 6, NB, C, TILES, F32, ASM, RECON, MATH, va6)
+        acc0, acc1 = _slice_values(
+            acc0, acc1, p7, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_,
+            vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES,
+            RAW_TILE, RAW_ROW, 7, NB, C, TILES, F32, ASM, RECON, MATH, va7)
     if (split == SPLITS - 1) & (tail_len > 0):
         tt = tl.arange(0, 16)
         okt = tt < tail_len
