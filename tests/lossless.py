@@ -7,6 +7,22 @@ from gaac_hf import GAACCache
 from gaac_hf.model_layers import cache_kwarg
 
 
+def gqa_model_and_calibration(device):
+    """A 3-layer BF16 Llama (8 query / 2 KV heads, head_dim 128) on `device`, GAAC-calibrated on its own KV."""
+    from conftest import tiny_llama_config
+    from transformers import AutoModelForCausalLM
+
+    from gaac_hf.calibrate import calibrate
+
+    torch.manual_seed(0)
+    cfg = tiny_llama_config(num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                            hidden_size=256)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).to(device).eval()
+    gen = torch.Generator().manual_seed(1)
+    calibration = calibrate(model, [torch.randint(0, 512, (1024,), generator=gen)], "random ids")
+    return model, calibration
+
+
 def generate_both(model, calibration, batch: int, prompt: int, pad: int, new_tokens: int, device, seed: int = 2):
     """Greedy-generate a left-padded random batch with DynamicCache and with GAACCache; return
     `(gaac_out, dynamic_out, cache)` (outputs with `.sequences` and `.scores`)."""

@@ -5,26 +5,17 @@ import contextlib
 
 import pytest
 import torch
-from conftest import tiny_llama_config
-from lossless import generate_both, same_generation
+from lossless import generate_both, gqa_model_and_calibration, same_generation
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import AutoModelForCausalLM
 
 import gaac_hf  # noqa: F401  (registers "gaac")
-from gaac_hf.calibrate import calibrate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.fixture(scope="module")
 def model_and_calibration():
-    torch.manual_seed(0)
-    cfg = tiny_llama_config(num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-                            hidden_size=256)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
-    gen = torch.Generator().manual_seed(1)
-    calibration = calibrate(model, [torch.randint(0, 512, (1024,), generator=gen)], "random ids")
-    return model, calibration
+    return gqa_model_and_calibration("cuda")
 
 
 @pytest.mark.parametrize("attn", ["gaac", "sdpa"])

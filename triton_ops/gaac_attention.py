@@ -223,7 +223,8 @@ def _split_kernel(q_ptr, slot_ptr, slot_w_ptr, raw_ptr, raw_w_ptr, table_ptr, ta
             ka5 = slot_row_words(slot_w_ptr, ek, sk, SLOT_BYTES, 5, NB, C)
             ka6 = slot_row_words(slot_w_ptr, ek, sk, SLOT_BYTES, 6, NB, C)
             ka7 = slot_row_words(slot_w_ptr, ek, sk, SLOT_BYTES, 7, NB, C)
-        # K phase: the scores of the chunk's 8 token slices; then one softmax update; then the V phase
+        # K phase: the scores of the chunk's 8 token slices; then one softmax update; then the V phase. The slices are
+        # spelled out (s0..s7, p0..p7) because a Triton kernel cannot index a list of tensors by a loop variable.
         s0 = _slice_scores(
             q0, q1, slot_w_ptr, raw_w_ptr, live, ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb,
             krw, ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1, SLOT_BYTES, RAW_TILE,

@@ -10,14 +10,10 @@ import sys
 import torch
 
 sys.path.insert(0, "tests")
-from conftest import tiny_llama_config  # noqa: E402
-from lossless import generate_both, same_generation  # noqa: E402
-from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
+from lossless import generate_both, gqa_model_and_calibration, same_generation  # noqa: E402
 
 import gaac_hf  # noqa: E402,F401
-from gaac_hf.calibrate import calibrate  # noqa: E402
 from gaac_hf.codec import decode_tiles  # noqa: E402
-from gaac_hf.model_layers import cache_kwarg  # noqa: E402
 
 
 def diff(a, b):
@@ -28,12 +24,7 @@ def diff(a, b):
     return f"tokens differ {tok}, score steps differ {len(steps)} first {rows}"
 
 
-torch.manual_seed(0)
-cfg = tiny_llama_config(num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-                        hidden_size=256)
-model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
-gen = torch.Generator().manual_seed(1)
-calibration = calibrate(model, [torch.randint(0, 512, (1024,), generator=gen)], "random ids")
+model, calibration = gqa_model_and_calibration("cuda")
 for attn in ("sdpa", "gaac"):
     model.set_attn_implementation(attn)
     for pad in (0, 37):
