@@ -11,25 +11,19 @@ prefetched into L2 meanwhile.
 reference. Reconstruction only changes where the BF16 bits come from, so both give identical output bits.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .device import on_device_of
+from .device import interpreted, on_device_of
 from .tile import chunk_words, prefetch_tiles, slot_row_words, token_rows
 
 BLOCK = 16
 LOG2E = 1.4426950408889634
 
 
-def _interpreted() -> bool:
-    # Triton's CPU interpreter multiplies BF16 operands of tl.dot as raw integers (seen with triton 3.9), so under
-    # TRITON_INTERPRET=1 the products run in fp32 instead; on a GPU they are BF16 tensor-core products.
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
+# Triton's CPU interpreter multiplies BF16 operands of tl.dot as raw integers (seen with triton 3.9), so under
+# TRITON_INTERPRET=1 the products run in fp32 (F32); on a GPU they are BF16 tensor-core products.
 @triton.jit
 def _dot(a, b, F32: tl.constexpr):
     if F32:
@@ -50,7 +44,7 @@ def _base_words(b3_ptr, b4_ptr, KV: tl.constexpr, TILE: tl.constexpr, hk, H_KV, 
 @triton.jit
 def _chunk(slot_ptr, slot_w_ptr, entry, live, b3w, b4w, SLOT_BYTES, NB: tl.constexpr, C: tl.constexpr):
     """Classify the table entries of NB blocks (`entry` `[NB, 1]`) and, where any is a slot, load their
-    group-level words."""
+    group-level words: `(in_slot, in_raw, any_slot, any_raw, p0..p7, base, has_raw)`."""
     in_slot = live & (entry >= 0)
     in_raw = live & (entry < 0)
     any_slot = tl.max(tl.max(in_slot.to(tl.int32), axis=1), axis=0) > 0
@@ -60,7 +54,7 @@ def _chunk(slot_ptr, slot_w_ptr, entry, live, b3w, b4w, SLOT_BYTES, NB: tl.const
     if any_slot:
         p0, p1, p2, p3, p4, p5, p6, p7, base, has_raw = chunk_words(slot_ptr, slot_w_ptr, entry, in_slot, b3w, b4w,
                                                                     SLOT_BYTES, C)
-    return entry, in_slot, in_raw, any_slot, any_raw, p0, p1, p2, p3, p4, p5, p6, p7, base, has_raw
+    return in_slot, in_raw, any_slot, any_raw, p0, p1, p2, p3, p4, p5, p6, p7, base, has_raw
 
 
 @triton.jit
@@ -192,7 +186,7 @@ def _split_kernel(q_ptr, slot_ptr, slot_w_ptr, raw_ptr, raw_w_ptr, table_ptr, ta
         nev1 = tl.load(table_ptr + noff + s_tkv + 1, mask=nlive, other=0)
     for j0 in range(start, end, NB):
         live = nlive
-        cek, cev, cek1, cev1 = nek, nev, nek1, nev1
+        ek, ev, ek1, ev1 = nek, nev, nek1, nev1
         nlive = j0 + NB + nb < end
         noff = tbase + (j0 + NB + nb).to(tl.int64) * s_tn
         nek = tl.load(table_ptr + noff, mask=nlive, other=0)
@@ -200,13 +194,13 @@ def _split_kernel(q_ptr, slot_ptr, slot_w_ptr, raw_ptr, raw_w_ptr, table_ptr, ta
         if TILES == 2:
             nek1 = tl.load(table_ptr + noff + 1, mask=nlive, other=0)
             nev1 = tl.load(table_ptr + noff + s_tkv + 1, mask=nlive, other=0)
-        ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb, krw = _chunk(
-            slot_ptr, slot_w_ptr, cek, live, b3k0, b4k0, SLOT_BYTES, NB, C)
-        ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1 = \
-            ek, sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb, krw
+        sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb, krw = _chunk(
+            slot_ptr, slot_w_ptr, ek, live, b3k0, b4k0, SLOT_BYTES, NB, C)
+        sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1 = \
+            sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb, krw
         if TILES == 2:
-            ek1, sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1 = _chunk(
-                slot_ptr, slot_w_ptr, cek1, live, b3k1, b4k1, SLOT_BYTES, NB, C)
+            sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1 = _chunk(
+                slot_ptr, slot_w_ptr, ek1, live, b3k1, b4k1, SLOT_BYTES, NB, C)
         if PREFETCH:
             prefetch_tiles(slot_ptr, raw_ptr, nek, nlive, SLOT_BYTES, RAW_TILE, RAW_ROW, C, SLOT_LINES)
             prefetch_tiles(slot_ptr, raw_ptr, nev, nlive, SLOT_BYTES, RAW_TILE, RAW_ROW, C, SLOT_LINES)
@@ -273,13 +267,13 @@ def _split_kernel(q_ptr, slot_ptr, slot_w_ptr, raw_ptr, raw_w_ptr, table_ptr, ta
         p7 = tl.exp2(s7 - m_safe)
         l_i = l_i * alpha + tl.sum(((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)), axis=1)
         m_i = m_new
-        ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_, vb, vrw = _chunk(
-            slot_ptr, slot_w_ptr, cev, live, b3v0, b4v0, SLOT_BYTES, NB, C)
-        ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1 = \
-            ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_, vb, vrw
+        sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_, vb, vrw = _chunk(
+            slot_ptr, slot_w_ptr, ev, live, b3v0, b4v0, SLOT_BYTES, NB, C)
+        sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1 = \
+            sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_, vb, vrw
         if TILES == 2:
-            ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1 = _chunk(
-                slot_ptr, slot_w_ptr, cev1, live, b3v1, b4v1, SLOT_BYTES, NB, C)
+            sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1 = _chunk(
+                slot_ptr, slot_w_ptr, ev1, live, b3v1, b4v1, SLOT_BYTES, NB, C)
         va0, va1, va2, va3, va4, va5, va6, va7 = None, None, None, None, None, None, None, None
         if HOIST:
             va0 = slot_row_words(slot_w_ptr, ev, sv, SLOT_BYTES, 0, NB, C)
@@ -414,8 +408,8 @@ def _launch(query, slot_pool, raw_pool, raw_tile, raw_row, table, tail_k, tail_v
             tail_k.stride(0), tail_k.stride(1), tail_k.stride(2), mask.stride(0) if mask is not None else 0,
             h_kv, splits, slot_pool.shape[-1], raw_tile, raw_row,
             NREP=nrep, NREP_PAD=max(16, triton.next_power_of_2(nrep)), C=channels, TILES=tiles, NB=nb,
-            HAS_MASK=mask is not None, F32=_interpreted(), RECON="recon" in stages, MATH="math" in stages,
-            ASM=not _interpreted(), PREFETCH=prefetch and not _interpreted(),
+            HAS_MASK=mask is not None, F32=interpreted(), RECON="recon" in stages, MATH="math" in stages,
+            ASM=not interpreted(), PREFETCH=prefetch and not interpreted(),
             SLOT_LINES=triton.next_power_of_2(triton.cdiv(slot_pool.shape[-1], 128)), HOIST=hoist,
             num_warps=num_warps, num_stages=num_stages,
         )

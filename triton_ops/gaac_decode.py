@@ -1,12 +1,10 @@
 """Decode kernel: GAAC block-table entries -> BF16 tiles (for prefill over cached history and other attentions)."""
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .device import on_device_of
+from .device import interpreted, on_device_of
 from .tile import chunk_words, token_rows
 
 
@@ -53,5 +51,5 @@ def gaac_decode(table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Te
             _decode_kernel[(entries.numel(),)](
                 entries, slot_pool, slot_pool.view(torch.int32), raw_pool.view(torch.int32),
                 base3.contiguous().view(torch.int32), base4.contiguous().view(torch.int32), out, period,
-                slot_pool.shape[-1], C=channels, ASM=os.environ.get("TRITON_INTERPRET", "0") != "1")
+                slot_pool.shape[-1], C=channels, ASM=not interpreted())
     return out
