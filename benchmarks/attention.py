@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from gaac_hf.calibrate import choose_escape_capacity, exponent_histogram, windows_from_histogram
 from gaac_hf.codec import encode_tiles, escape_bytes, group_modes, split_fields, split_head
 from gaac_hf.format import TileLayout
+import gaac_cuda
 from triton_ops.gaac_attention import gaac_decode_attention, plain_as_raw_tiles, plain_decode_attention
 from triton_ops.gaac_decode import gaac_decode
 
@@ -106,6 +107,8 @@ def main():
     p.add_argument("--flex-shapes", default="0,2,3,8", help="indices of SHAPES that also time FlexAttention "
                    "(each needs a torch.compile)")
     p.add_argument("--breakdown-shape", type=int, default=2, help="shape for the leave-one-stage-out breakdown")
+    p.add_argument("--cuda-sweep", action="store_true", help="sweep the CUDA kernel's ring depth, warps and splits")
+    p.add_argument("--no-triton", action="store_true", help="skip the Triton kernel (fused, twin, breakdown)")
     args = p.parse_args()
     dev = torch.device("cuda")
     pool = load_file(args.real_kv)["kv"].to(dev)
@@ -122,16 +125,18 @@ def main():
         scale = d ** -0.5
         q = torch.randn(b, hq, d, device=dev).to(torch.bfloat16)
         # correctness on this data
-        got = gaac_decode_attention(q, *packed[:5], packed[5], packed[6], scale)
-        plain = plain_decode_attention(q, k, v, scale)
-        identical = torch.equal(got.view(torch.int16), plain.view(torch.int16))
         ref = torch.nn.functional.scaled_dot_product_attention(
             q.float()[:, :, None], k.float(), v.float(), scale=scale, enable_gqa=True)[:, :, 0]
-        rel = ((got.float() - ref).norm() / ref.norm()).item()
+        identical = rel = None
+        if not args.no_triton:
+            got = gaac_decode_attention(q, *packed[:5], packed[5], packed[6], scale)
+            plain = plain_decode_attention(q, k, v, scale)
+            identical = torch.equal(got.view(torch.int16), plain.view(torch.int16))
+            rel = ((got.float() - ref).norm() / ref.norm()).item()
         # rotating buffers: copies at other addresses
         bufs = [(packed, k, v)] + [(tuple(x.clone() for x in packed), k.clone(), v.clone())
                                    for _ in range(args.buffers - 1)]
-        plains = [plain_as_raw_tiles(bk, bv) for _, bk, bv in bufs]
+        plains = [] if args.no_triton else [plain_as_raw_tiles(bk, bv) for _, bk, bv in bufs]
         q4 = q[:, :, None]
         bf16_bytes = 2 * k.numel() * 2
         gaac_bytes = info["bytes"]
@@ -151,6 +156,7 @@ def main():
                                                                      enable_gqa=True)
             return run
 
+
         def run_decomp(i):
             pk = bufs[i][0]
             slot_pool, raw_pool, table, tk, tv, b3, b4 = pk
@@ -163,10 +169,52 @@ def main():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 torch.nn.functional.scaled_dot_product_attention(q4, kv[:, 0], kv[:, 1], scale=scale, enable_gqa=True)
 
-        variants = {"gaac_fused": (run_gaac, gaac_bytes), "triton_same_kernel_bf16": (run_plain, bf16_bytes),
-                    "cudnn_sdpa": (sdpa(SDPBackend.CUDNN_ATTENTION), bf16_bytes),
-                    "flash_sdpa": (sdpa(SDPBackend.FLASH_ATTENTION), bf16_bytes),
-                    "decompress_then_cudnn": (run_decomp, gaac_bytes)}
+        variants = {}
+        cuda_info = {}
+        if gaac_cuda.available(dev):
+            layout = TileLayout(min(d, 128), info["escape_capacity"])
+            kv_len = torch.full((b,), s, dtype=torch.int32, device=dev)
+            pc = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes)
+            pp = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True)
+            got_c = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout, pc)
+            twin = gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, pp)
+            kc = pc.kernels(dev)[0]
+            cuda_info = {"bit_identical_to_twin": torch.equal(got_c.view(torch.int16), twin.view(torch.int16)),
+                         "rel_err_vs_fp32": ((got_c.float() - ref).norm() / ref.norm()).item(),
+                         "nsplit": pc.nsplit, "registers": kc.registers, "smem_per_cta": pc.smem,
+                         "ctas_per_sm": kc.blocks_per_sm(pc.warps * 32, pc.smem), "stages": pc.stages,
+                         "warps": pc.warps, "twin_registers": pp.kernels(dev)[0].registers}
+
+            def run_cuda(i, pc=pc, layout=layout, kv_len=kv_len):
+                pk = bufs[i][0]
+                gaac_cuda.decode_attention(q, *pk[:5], pk[5], pk[6], kv_len, None, scale, layout, pc)
+
+            def run_twin(i, pp=pp, kv_len=kv_len):
+                gaac_cuda.plain_decode_attention(q, bufs[i][1], bufs[i][2], kv_len, None, scale, pp)
+            variants.update({"gaac_cuda": (run_cuda, gaac_bytes), "cuda_same_kernel_bf16": (run_twin, bf16_bytes)})
+            if args.cuda_sweep and s == 65536 and b == 1 and hq == 32:
+                sweep = {}
+                for stages in (2, 3, 4):
+                    for warps in (4, 8):
+                        try:
+                            pcs = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes,
+                                                 stages=stages, warps=warps)
+                            for mult in (1, 2):
+                                pcm = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes,
+                                                     stages=stages, warps=warps, nsplit=pcs.nsplit * mult)
+                                us = bench(lambda i, pcm=pcm: gaac_cuda.decode_attention(
+                                    q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout,
+                                    pcm), args.buffers)
+                                sweep[f"stages{stages}_warps{warps}_split{pcm.nsplit}"] = us
+                        except Exception as e:  # noqa: BLE001 - a variant may not fit in shared memory
+                            sweep[f"stages{stages}_warps{warps}"] = f"{type(e).__name__}: {e}"[:120]
+                cuda_info["sweep_us"] = sweep
+                print("cuda sweep", sweep, flush=True)
+        if not args.no_triton:
+            variants.update({"gaac_fused": (run_gaac, gaac_bytes), "triton_same_kernel_bf16": (run_plain, bf16_bytes),
+                             "decompress_then_cudnn": (run_decomp, gaac_bytes)})
+        variants.update({"cudnn_sdpa": (sdpa(SDPBackend.CUDNN_ATTENTION), bf16_bytes),
+                         "flash_sdpa": (sdpa(SDPBackend.FLASH_ATTENTION), bf16_bytes)})
         shape_index = SHAPES.index((name, hq, hkv, d, b, s))
         variants.update(external_baselines(q, bufs, scale, bf16_bytes, b,
                                            shape_index in {int(x) for x in args.flex_shapes.split(",") if x}))
@@ -178,12 +226,15 @@ def main():
                 times[vname] = {"error": f"{type(e).__name__}: {e}"[:200]}
         base = min(t["us"] for kname, t in times.items() if "us" in t and kname in BASELINES)
         best_name = min((kname for kname in BASELINES if "us" in times.get(kname, {})), key=lambda k2: times[k2]["us"])
+        ours = "gaac_cuda" if "us" in times.get("gaac_cuda", {}) else "gaac_fused"
         row = {"model": name, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "batch": b, "context": s,
                "bit_identical_to_plain": identical, "rel_err_vs_fp32": rel, "bf16_bytes": bf16_bytes,
-               "gaac_bytes": gaac_bytes, **info, "times": times,
-               "best_baseline": best_name,
-               "speedup_vs_best_baseline": base / times["gaac_fused"]["us"] if "us" in times["gaac_fused"] else None}
-        if shape_index == args.breakdown_shape:
+               "gaac_bytes": gaac_bytes, **info, "cuda": cuda_info, "times": times,
+               "best_baseline": best_name, "gaac_kernel": ours,
+               "speedup_vs_best_baseline": base / times[ours]["us"] if "us" in times[ours] else None}
+        if "us" in times.get("cuda_same_kernel_bf16", {}) and "us" in times.get("cudnn_sdpa", {}):
+            row["twin_vs_cudnn"] = times["cudnn_sdpa"]["us"] / times["cuda_same_kernel_bf16"]["us"]
+        if shape_index == args.breakdown_shape and not args.no_triton:
             row["breakdown_us"] = {
                 label: bench(lambda i, st=st: gaac_decode_attention(q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6],
                                                                     scale, stages=st), args.buffers)
@@ -191,7 +242,7 @@ def main():
                                   ("no_math", ("recon",)), ("loads_only", ()))}
         results["rows"].append(row)
         tm = {k2: (f"{t['us']:.1f}us {t['GBps']:.0f}GB/s" if "us" in t else "err") for k2, t in times.items()}
-        print(f"{name} {b}x{s} ok={identical} err={rel:.1e} ratio={bf16_bytes / gaac_bytes:.3f} {tm} "
+        print(f"{name} {b}x{s} triton_ok={identical} cuda={cuda_info} ratio={bf16_bytes / gaac_bytes:.3f} {tm} "
               f"speedup={row['speedup_vs_best_baseline']:.3f} ({time.time() - t0:.0f}s)", flush=True)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
@@ -206,8 +257,8 @@ BASELINES = ("cudnn_sdpa", "flash_sdpa", "fa3", "flashinfer", "flex_attention")
 
 
 def table(results) -> str:
-    cols = ["gaac_fused", "cudnn_sdpa", "flash_sdpa", "fa3", "flashinfer", "flex_attention",
-            "triton_same_kernel_bf16", "decompress_then_cudnn"]
+    cols = ["gaac_cuda", "gaac_fused", "cudnn_sdpa", "flash_sdpa", "fa3", "flashinfer", "flex_attention",
+            "cuda_same_kernel_bf16", "triton_same_kernel_bf16", "decompress_then_cudnn"]
     out = ["| q/kv/dim, batch x context | " + " | ".join(f"{c} µs (GB/s)" for c in cols) + " | GAAC vs best |",
            "|---" * (len(cols) + 2) + "|"]
     for r in results["rows"]:

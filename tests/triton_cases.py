@@ -17,13 +17,14 @@ def compress_kv(k: torch.Tensor, v: torch.Tensor, base3: torch.Tensor, base4: to
     fits = enc.fits
     slot_pool = enc.slots[fits]
     raw_pool = tiles[~fits]
+    dev = k.device
     if slot_pool.shape[0] == 0:
-        slot_pool = torch.zeros(1, enc.slots.shape[-1], dtype=torch.uint8)
+        slot_pool = torch.zeros(1, enc.slots.shape[-1], dtype=torch.uint8, device=dev)
     if raw_pool.shape[0] == 0:
-        raw_pool = torch.zeros(1, 16, c, dtype=torch.bfloat16)
-    table = torch.empty(fits.shape, dtype=torch.int32)
-    table[fits] = torch.arange(int(fits.sum()), dtype=torch.int32)
-    table[~fits] = -1 - torch.arange(int((~fits).sum()), dtype=torch.int32)
+        raw_pool = torch.zeros(1, 16, c, dtype=torch.bfloat16, device=dev)
+    table = torch.empty(fits.shape, dtype=torch.int32, device=dev)
+    table[fits] = torch.arange(int(fits.sum()), dtype=torch.int32, device=dev)
+    table[~fits] = -1 - torch.arange(int((~fits).sum()), dtype=torch.int32, device=dev)
     return slot_pool, raw_pool, table, k[:, :, n * 16:], v[:, :, n * 16:], fits
 
 

@@ -1,0 +1,218 @@
+"""Thin launcher of the CUDA fused split-K decode attention (`kernels/decode_attention.cu`), plan/run split.
+
+`plan(...)` decides, once per shape, the kernel variant, the split count and the shared-memory ring (host-side
+only: no GPU work, graph-safe to reuse); `decode_attention` / `plain_decode_attention` run it on torch's current
+stream. Lengths are read on the device (`kv_len`, int32 `[B]`), so one plan and one captured graph serve every
+step as the context grows. The slot layout comes from the caller (`gaac_hf.format.TileLayout`): this package knows
+the bitstream only through the offsets it is handed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import nvrtc
+
+_SOURCE_FILE = os.path.join(os.path.dirname(__file__), "kernels", "decode_attention.cu")
+LOG2E = 1.4426950408889634
+BLOCK = 16
+MAX_GROUP_HEADS = 16  # query heads per kv-head in one mma tile
+MIN_UNITS_PER_SPLIT = 4
+
+
+class _Params(ctypes.Structure):  # mirrors `struct Params` in the kernel source
+    _fields_ = ([(n, ctypes.c_void_p) for n in ("q", "slots", "raw", "table", "kv_k", "kv_v", "base3", "base4",
+                                                 "kv_len", "mask", "part_o", "part_ml", "out")]
+                + [(n, ctypes.c_longlong) for n in ("slot_bytes", "table_sb", "kv_sb", "kv_sh", "kv_ss", "mask_sb")]
+                + [(n, ctypes.c_int) for n in ("batch", "heads", "rep", "nsplit", "buf_bytes", "warp_bytes",
+                                               "planes_off", "tags_off", "esc_off")]
+                + [("qk_scale", ctypes.c_float)])
+
+
+def _source() -> str:
+    with open(_SOURCE_FILE) as f:
+        return f.read()
+
+
+def available(device: torch.device | str | int | None = None) -> bool:
+    """The CUDA kernel can run on `device`: a Hopper GPU (sm_90), NVRTC and the driver found,
+    and not switched off with `GAAC_HF_CUDA_KERNEL=0`."""
+    if os.environ.get("GAAC_HF_CUDA_KERNEL", "1") == "0" or not torch.cuda.is_available():
+        return False
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    if dev.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(dev)[0] == 9 and nvrtc.available()
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Launch decisions for one (batch, kv-heads, group size, head dim, storage) shape."""
+
+    batch: int
+    kv_heads: int
+    rep: int
+    head_dim: int
+    plain: bool
+    nsplit: int
+    warps: int
+    stages: int
+    buf_bytes: int
+    warp_bytes: int
+    options: tuple
+
+    @property
+    def items(self) -> int:
+        return self.batch * self.kv_heads * self.nsplit
+
+    @property
+    def grid(self) -> int:
+        return -(-self.items // self.warps)
+
+    @property
+    def smem(self) -> int:
+        return self.warps * self.warp_bytes
+
+    def kernels(self, device):
+        src = _source()
+        return (nvrtc.get_kernel(src, list(self.options), "gaac_decode_split", device),
+                nvrtc.get_kernel(src, list(self.options), "gaac_combine", device))
+
+
+def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, device, *, slot_bytes: int = 0,
+         plain: bool = False, nsplit: int | None = None, warps: int = 4, stages: int = 2) -> DecodePlan:
+    """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
+    spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV)."""
+    if head_dim not in (64, 128, 256):
+        raise ValueError(f"the CUDA decode kernel supports head_dim 64, 128 and 256, not {head_dim}")
+    if not 1 <= rep <= MAX_GROUP_HEADS:
+        raise ValueError(f"the CUDA decode kernel packs at most {MAX_GROUP_HEADS} query heads per kv-head, got {rep}")
+    channels = min(head_dim, 128)
+    tiles = head_dim // channels
+    raw_bytes = 2 * BLOCK * channels
+    buf = raw_bytes if plain else max(raw_bytes, -(-slot_bytes // 16) * 16)
+    scratch = 0 if plain else 12 * channels
+    warp_bytes = -(-(64 + stages * 2 * tiles * buf + scratch) // 128) * 128
+    options = (f"-DGAAC_C={channels}", f"-DGAAC_TILES={tiles}", f"-DGAAC_TWO_ROWS={int(rep > 8)}",
+               f"-DGAAC_PLAIN={int(plain)}", f"-DGAAC_STAGES={stages}", f"-DGAAC_WARPS={warps}")
+    if nsplit is None:
+        units = max(1, -(-max_tokens // BLOCK))
+        probe = DecodePlan(batch, kv_heads, rep, head_dim, plain, 1, warps, stages, buf, warp_bytes, options)
+        split_kernel = probe.kernels(device)[0]
+        per_sm = max(1, split_kernel.blocks_per_sm(warps * 32, probe.smem))
+        sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+        want = math.ceil(sms * per_sm * warps / (batch * kv_heads))
+        nsplit = max(1, min(want, math.ceil(units / MIN_UNITS_PER_SPLIT)))
+    return DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes, options)
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _rows_ok(t: torch.Tensor) -> bool:
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * 2 % 16 == 0 for s in t.stride()[:-1])
+
+
+def _run(p: DecodePlan, query, kv_len, mask, scale, fill) -> torch.Tensor:
+    b, hq, d = query.shape
+    if (b, hq, d) != (p.batch, p.kv_heads * p.rep, p.head_dim):
+        raise ValueError(f"query of shape {tuple(query.shape)} does not match the plan "
+                         f"(batch {p.batch}, {p.kv_heads}x{p.rep} heads, head_dim {p.head_dim})")
+    if query.dtype != torch.bfloat16:
+        raise TypeError(f"the CUDA decode kernel takes BF16 queries, not {query.dtype}")
+    if kv_len.dtype != torch.int32 or kv_len.shape != (b,) or kv_len.device != query.device:
+        raise ValueError("kv_len must be an int32 tensor [batch] on the query's device")
+    query = query.contiguous()
+    dev = query.device
+    part_o = torch.empty(p.items * p.rep * d, dtype=torch.float32, device=dev)
+    part_ml = torch.empty(p.items * p.rep * 2, dtype=torch.float32, device=dev)
+    out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=dev)
+    prm = _Params()
+    prm.q, prm.kv_len, prm.part_o, prm.part_ml, prm.out = (query.data_ptr(), kv_len.data_ptr(), part_o.data_ptr(),
+                                                           part_ml.data_ptr(), out.data_ptr())
+    if mask is not None:
+        if mask.dtype != torch.bool or mask.dim() != 2 or mask.shape[0] != b or mask.stride(-1) != 1:
+            raise ValueError("mask must be bool [batch, tokens] with contiguous tokens")
+        prm.mask, prm.mask_sb = mask.view(torch.uint8).data_ptr(), mask.stride(0)
+    prm.batch, prm.heads, prm.rep, prm.nsplit = b, p.kv_heads, p.rep, p.nsplit
+    prm.buf_bytes, prm.warp_bytes = p.buf_bytes, p.warp_bytes
+    prm.qk_scale = scale * LOG2E
+    keep = fill(prm)  # tensors the launch reads must outlive it
+    split_kernel, combine = p.kernels(dev)
+    with torch.cuda.device(dev):
+        split_kernel.launch(p.grid, p.warps * 32, p.smem, prm)
+        combine.launch(b * hq, d, 0, prm)
+    del keep
+    return out
+
+
+def decode_attention(query: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor, table: torch.Tensor,
+                     tail_k: torch.Tensor, tail_v: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor,
+                     kv_len: torch.Tensor, mask: torch.Tensor | None, scale: float, layout,
+                     plan_: DecodePlan | None = None) -> torch.Tensor:
+    """Single-query attention over GAAC-compressed KV; returns BF16 `[B, H_q, D]`.
+
+    query `[B, H_q, D]` BF16; slot_pool uint8 `[N, slot_bytes]`; raw_pool BF16 `[R, 16, C]`; table int32
+    `[B, NB_cap, 2, H_kv, tiles]` (>= 0 slot, -1 - i raw tile i); tail_k/v BF16 `[B, H_kv, T_cap, D]` holding tokens
+    `kv_len % 16` of the unfinished block in rows 0..; base3/base4 uint8 `[2, H_kv, D]`; kv_len int32 `[B]` (finalized
+    blocks = kv_len // 16, read on the device); mask bool `[B, S]` (True = attend) or None; layout: the tile's slot
+    layout (`gaac_hf.format.TileLayout`: `slot_bytes`, `planes_offset`, `tags_offset`, `escape_offset`).
+    """
+    b, hq, d = query.shape
+    h = tail_k.shape[1]
+    channels = min(d, 128)
+    if plan_ is None:
+        plan_ = plan(b, h, hq // h, d, table.shape[1] * BLOCK + BLOCK, query.device, slot_bytes=layout.slot_bytes)
+    if plan_.plain:
+        raise ValueError("this plan is for plain KV")
+    if slot_pool.dtype != torch.uint8 or slot_pool.shape[-1] != layout.slot_bytes or not slot_pool.is_contiguous():
+        raise ValueError(f"slot_pool must be contiguous uint8 [N, {layout.slot_bytes}]")
+    if raw_pool.dtype != torch.bfloat16 or raw_pool.shape[1:] != (BLOCK, channels) or not raw_pool.is_contiguous():
+        raise ValueError(f"raw_pool must be contiguous BF16 [R, 16, {channels}]")
+    tiles = d // channels
+    if table.dtype != torch.int32 or table.shape[2:] != (2, h, tiles) or table.stride()[1:] != (2 * h * tiles, h * tiles,
+                                                                                               tiles, 1):
+        raise ValueError(f"table must be int32 [B, n, 2, {h}, {tiles}] with contiguous blocks")
+    if tail_k.stride() != tail_v.stride() or not (_rows_ok(tail_k) and _rows_ok(tail_v)):
+        tail_k, tail_v = tail_k.contiguous(), tail_v.contiguous()
+    base3, base4 = base3.contiguous(), base4.contiguous()
+    if slot_pool.shape[0] == 0:  # a pointer the kernel never dereferences
+        slot_pool = torch.zeros(1, layout.slot_bytes, dtype=torch.uint8, device=query.device)
+
+    def fill(prm):
+        prm.slots, prm.raw, prm.table = slot_pool.data_ptr(), raw_pool.data_ptr(), table.data_ptr()
+        prm.kv_k, prm.kv_v, prm.base3, prm.base4 = tail_k.data_ptr(), tail_v.data_ptr(), base3.data_ptr(), base4.data_ptr()
+        prm.slot_bytes, prm.table_sb = layout.slot_bytes, table.stride(0)
+        prm.kv_sb, prm.kv_sh, prm.kv_ss = tail_k.stride(0), tail_k.stride(1), tail_k.stride(2)
+        prm.planes_off, prm.tags_off, prm.esc_off = layout.planes_offset, layout.tags_offset, layout.escape_offset
+        return (slot_pool, raw_pool, table, tail_k, tail_v, base3, base4)
+
+    return _run(plan_, query, kv_len, mask, scale, fill)
+
+
+def plain_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_len: torch.Tensor,
+                           mask: torch.Tensor | None, scale: float, plan_: DecodePlan | None = None) -> torch.Tensor:
+    """The same kernel over plain BF16 K/V `[B, H_kv, S, D]` (rows `kv_len` long): the bit-exact twin."""
+    b, hq, d = query.shape
+    h = key.shape[1]
+    if plan_ is None:
+        plan_ = plan(b, h, hq // h, d, key.shape[2], query.device, plain=True)
+    if not plan_.plain:
+        raise ValueError("this plan is for compressed KV")
+    if key.dtype != torch.bfloat16 or value.dtype != torch.bfloat16:
+        raise TypeError(f"plain KV must be BF16, not {key.dtype}/{value.dtype}")
+    if key.stride() != value.stride() or not (_rows_ok(key) and _rows_ok(value)):
+        key, value = key.contiguous(), value.contiguous()
+
+    def fill(prm):
+        prm.kv_k, prm.kv_v = key.data_ptr(), value.data_ptr()
+        prm.kv_sb, prm.kv_sh, prm.kv_ss = key.stride(0), key.stride(1), key.stride(2)
+        return (key, value)
+
+    return _run(plan_, query, kv_len, mask, scale, fill)

@@ -1,0 +1,538 @@
+// Fused split-K decode attention over GAAC-compressed KV (format version 1), for Hopper (sm_90a).
+//
+// One warp is one split: a contiguous range of "units" (finalized 16-token blocks, then the BF16 tail) of one
+// (batch row, kv-head). Each warp streams its units through its own shared-memory ring: a slot is one
+// `cp.async.bulk` (tags, planes and escapes together), a raw tile / plain block / tail is 16 row copies, all
+// completing on one mbarrier per stage. The warp then rebuilds BF16 straight into mma.sync m16n8k16 fragments:
+//
+//   scores  S[head, token] = Q[head, k] . K[token, k]     Q is operand A (16 rows = query heads of the group),
+//                                                        K^T is operand B (8 tokens of a half block per mma)
+//   output  O[head, ch]   += P[head, token] . V[token, ch] P (the S accumulator, re-packed) is operand A,
+//                                                        V is operand B (8 channels per mma)
+//
+// The reduction index of each mma is permuted consistently on both sides (channel order in Q and K, token order
+// in P and V is natural), so a thread's fragment registers are whole 32-bit words of the slot: 4 consecutive
+// channels of one token (sign+mantissa) and the 4 matching group bytes of each code plane. Reconstruction per
+// word: 4 rotates + 4 masked ORs bring bit `token` of every plane byte to the code, one add applies the base,
+// two shift+select and two byte permutes interleave exponent with sign+mantissa into two BF16 pairs.
+// Per slot, a prepass turns the mode tags into per-group bases and dense plane-3 (and, for raw groups, plane 4-7)
+// bytes in scratch shared memory (escape offsets by warp scan of popcounts).
+//
+// Plain BF16 KV (GAAC_PLAIN) runs the same code from the fragment registers on: the bit-exact twin.
+// Bitstream: docs/format.md; offsets come from the launcher (gaac_hf/format.py is the one definition).
+//
+// Compile-time configuration (NVRTC -D): GAAC_C (64|128 channels per tile), GAAC_TILES (tiles per head: 1|2),
+// GAAC_TWO_ROWS (query heads per kv-head > 8), GAAC_PLAIN (0|1), GAAC_STAGES (ring depth), GAAC_WARPS.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef long long i64;
+
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+#define C GAAC_C
+#define TILES GAAC_TILES
+#define D (C * TILES)
+#define NKS (C / 16)   // k-slices of 16 channels per tile (score mma)
+#define NVW (C / 32)   // V words (4 channels) per thread per tile
+#define NVS (C / 8)    // n-slices of 8 channels per tile (output mma)
+#define G (2 * C)      // groups per tile
+#define GPL (G / 32)   // groups per lane in the prepass
+
+struct Params {
+  const u16* q;        // [B, Hq, D]
+  const u8* slots;     // [n_slots, slot_bytes]
+  const u16* raw;      // [n_raw, 16, C]
+  const int* table;    // [B, NB_cap, 2, H, TILES]
+  const u16* kv_k;     // tail K (compressed) or plain K, [B, H, rows, D] with strides kv_s*
+  const u16* kv_v;
+  const u8* base3;     // [2, H, D]
+  const u8* base4;
+  const int* kv_len;   // [B]
+  const u8* mask;      // [B, mask_len] (1 = attend) or null
+  float* part_o;       // [items, rep, D]
+  float* part_ml;      // [items, rep, 2]
+  u16* out;            // [B, Hq, D]
+  i64 slot_bytes;
+  i64 table_sb;        // table stride per batch row, in int32
+  i64 kv_sb, kv_sh, kv_ss;  // strides of kv_k / kv_v in elements
+  i64 mask_sb;
+  int batch, heads, rep, nsplit;
+  int buf_bytes;       // bytes of one tile buffer in the ring
+  int warp_bytes;      // shared memory per warp
+  int planes_off, tags_off, esc_off;  // slot layout (format.py)
+  float qk_scale;      // softmax scale * log2(e)
+};
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(u32 bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar));
+}
+__device__ __forceinline__ void mbar_expect(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  u32 done;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void fence_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+__device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+__device__ __forceinline__ float exp2_(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ u32 lds(const u8* p) { return *reinterpret_cast<const u32*>(p); }
+
+// Bit `i` of every byte lane of planes 0..NP-1 -> bits 0..NP-1 of that lane (the lane's exponent code).
+template <int NP>
+__device__ __forceinline__ u32 codes(const u32 (&pl)[8], int i) {
+  u32 c = 0;
+#pragma unroll
+  for (int p = 0; p < NP; ++p) c |= __funnelshift_r(pl[p], pl[p], (i - p) & 31) & (0x01010101u << p);
+  return c;
+}
+
+// Exponent bytes + sign|mantissa bytes of 4 channels -> BF16 pairs (channels 0,1) and (2,3).
+__device__ __forceinline__ void merge(u32 e, u32 sm, u32& lo, u32& hi) {
+  const u32 H = (sm & 0x80808080u) | ((e >> 1) & 0x7F7F7F7Fu);
+  const u32 L = ((e << 7) & 0x80808080u) | (sm & 0x7F7F7F7Fu);
+  lo = __byte_perm(L, H, 0x5140);
+  hi = __byte_perm(L, H, 0x7362);
+}
+
+// Byte mask (0xFF per set bit) of the 4 low bits of n, one bit per byte lane.
+__device__ __forceinline__ u32 lane_mask(u32 n) { return ((n * 0x00204081u) & 0x01010101u) * 0xFFu; }
+
+struct Scratch {  // per-warp dense group data of the slot being read
+  u8* base;       // [G] base of each group (base3, base4 or 0 by mode)
+  u8* planes;     // [5][G] planes 3..7 of each group (0 where the mode has no such plane)
+};
+
+// Prepass over one slot in shared memory: bases and dense escape planes per group. Returns "any raw group".
+__device__ __forceinline__ bool prepass(const Params& p, const u8* slot, const Scratch& s, const u32 (&b3)[GPL / 4],
+                                        const u32 (&b4)[GPL / 4], int lane) {
+  u32 wb, rb;
+  if (GPL == 8) {
+    wb = slot[p.tags_off + lane];
+    rb = slot[p.tags_off + G / 8 + lane];
+  } else {
+    wb = (slot[p.tags_off + (lane >> 1)] >> ((lane & 1) * 4)) & 0xF;
+    rb = (slot[p.tags_off + G / 8 + (lane >> 1)] >> ((lane & 1) * 4)) & 0xF;
+  }
+  const u32 cnt = __popc(wb) + 4 * __popc(rb);
+  u32 incl = cnt;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const u32 v = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += v;
+  }
+  const bool any_raw = __any_sync(0xffffffffu, rb != 0);
+  u32 off = incl - cnt;
+  const u8* esc = slot + p.esc_off;
+  const int esc_max = p.buf_bytes - p.esc_off - 5;  // keeps reads inside the buffer whatever the tags say
+  u32 p3[GPL / 4], hi[4][GPL / 4];
+#pragma unroll
+  for (int w = 0; w < GPL / 4; ++w) {
+    p3[w] = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) hi[j][w] = 0;
+  }
+#pragma unroll
+  for (int k = 0; k < GPL; ++k) {
+    const u32 wide = (wb >> k) & 1, raw = (rb >> k) & 1;
+    const int o = min((int)off, esc_max);
+    if (wide) p3[k / 4] |= (u32)esc[o] << (8 * (k % 4));
+    if (any_raw && raw) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) hi[j][k / 4] |= (u32)esc[o + 1 + j] << (8 * (k % 4));
+    }
+    off += wide + 4 * raw;
+  }
+#pragma unroll
+  for (int w = 0; w < GPL / 4; ++w) {
+    const u32 wm = lane_mask((wb >> (4 * w)) & 0xF), rm = lane_mask((rb >> (4 * w)) & 0xF);
+    const int g0 = lane * GPL + 4 * w;
+    *reinterpret_cast<u32*>(s.base + g0) = ((b4[w] & wm) | (b3[w] & ~wm)) & ~rm;
+    *reinterpret_cast<u32*>(s.planes + g0) = p3[w];
+    if (any_raw) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) *reinterpret_cast<u32*>(s.planes + (1 + j) * G + g0) = hi[j][w];
+    }
+  }
+  return any_raw;
+}
+
+// Exponent bytes of word `w` (4 groups) of half `h`, token bit `i`.
+template <int NP>
+__device__ __forceinline__ u32 exponents(const Params& p, const u8* slot, const Scratch& s, int h, int w, int i) {
+  const int g0 = h * C + 4 * w;
+  u32 pl[8];
+  pl[0] = lds(slot + p.planes_off + g0);
+  pl[1] = lds(slot + p.planes_off + G + g0);
+  pl[2] = lds(slot + p.planes_off + 2 * G + g0);
+#pragma unroll
+  for (int j = 3; j < 8; ++j) pl[j] = j < NP ? lds(s.planes + (j - 3) * G + g0) : 0u;
+  return codes<NP>(pl, i) + lds(s.base + g0);
+}
+
+// K fragments (operand B) of tile buffer `buf`: kb[s][0..1] for k-slice s, token 8h+g.
+template <int KIND>  // 0: BF16 rows, 4: slot without raw groups, 8: slot with raw groups
+__device__ __forceinline__ void k_frag(const Params& p, const u8* buf, const Scratch& s, int h, int g, int t,
+                                       int sl, u32& b0, u32& b1) {
+  const int w = t * NKS + sl;
+  const int tok = 8 * h + g;
+  if (KIND == 0) {
+    b0 = lds(buf + tok * 2 * C + 8 * w);
+    b1 = lds(buf + tok * 2 * C + 8 * w + 4);
+  } else {
+    merge(exponents<KIND>(p, buf, s, h, w, g), lds(buf + tok * C + 4 * w), b0, b1);
+  }
+}
+
+// V fragments (operand B) for word j of thread (g, t), half h: four n-slices 4j..4j+3, tokens 8h+2t, 8h+2t+1.
+template <int KIND>
+__device__ __forceinline__ void v_frag(const Params& p, const u8* buf, const Scratch& s, int h, int g, int t, int j,
+                                       u32 (&vb)[4]) {
+  const int w = g * NVW + j;
+  const int ta = 8 * h + 2 * t;
+  u32 a0, a1, c0, c1;
+  if (KIND == 0) {
+    a0 = lds(buf + ta * 2 * C + 8 * w);
+    a1 = lds(buf + ta * 2 * C + 8 * w + 4);
+    c0 = lds(buf + (ta + 1) * 2 * C + 8 * w);
+    c1 = lds(buf + (ta + 1) * 2 * C + 8 * w + 4);
+  } else {
+    const int g0 = h * C + 4 * w;
+    u32 pl[8];
+    pl[0] = lds(buf + p.planes_off + g0);
+    pl[1] = lds(buf + p.planes_off + G + g0);
+    pl[2] = lds(buf + p.planes_off + 2 * G + g0);
+#pragma unroll
+    for (int q = 3; q < 8; ++q) pl[q] = q < KIND ? lds(s.planes + (q - 3) * G + g0) : 0u;
+    const u32 base = lds(s.base + g0);
+    merge(codes<KIND>(pl, 2 * t) + base, lds(buf + ta * C + 4 * w), a0, a1);
+    merge(codes<KIND>(pl, 2 * t + 1) + base, lds(buf + (ta + 1) * C + 4 * w), c0, c1);
+  }
+  vb[0] = __byte_perm(a0, c0, 0x5410);
+  vb[1] = __byte_perm(a0, c0, 0x7632);
+  vb[2] = __byte_perm(a1, c1, 0x5410);
+  vb[3] = __byte_perm(a1, c1, 0x7632);
+}
+
+template <int KIND>
+__device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
+                                       const u32 (&qa)[NKS][4], float (&sc)[2][4]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int sl = 0; sl < NKS; ++sl) {
+      u32 b0, b1;
+      k_frag<KIND>(p, buf, s, h, g, t, sl, b0, b1);
+      mma(sc[h], qa[sl][0], qa[sl][1], qa[sl][2], qa[sl][3], b0, b1);
+    }
+  }
+}
+
+template <int KIND>
+__device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
+                                       const u32 (&pa)[4], float (&o)[NVS][4]) {
+#pragma unroll
+  for (int j = 0; j < NVW; ++j) {
+    u32 v0[4], v1[4];
+    v_frag<KIND>(p, buf, s, 0, g, t, j, v0);
+    v_frag<KIND>(p, buf, s, 1, g, t, j, v1);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) mma(o[4 * j + q], pa[0], pa[1], pa[2], pa[3], v0[q], v1[q]);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32) gaac_decode_split(const Params p) {
+  extern __shared__ __align__(128) u8 smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int item = blockIdx.x * GAAC_WARPS + warp;
+  if (item >= p.batch * p.heads * p.nsplit) return;
+  const int b = item / (p.heads * p.nsplit), hk = (item / p.nsplit) % p.heads, split = item % p.nsplit;
+
+  u8* ws = smem + warp * p.warp_bytes;
+  const u32 bars = smem_u32(ws);
+  u8* ring = ws + 64;
+  Scratch scr;
+  scr.base = ring + GAAC_STAGES * 2 * TILES * p.buf_bytes;
+  scr.planes = scr.base + G;
+
+  const int len = p.kv_len[b];
+  const int nb = len >> 4, tl = len & 15;
+  const int units = nb + (tl > 0 ? 1 : 0);
+  const int per = (units + p.nsplit - 1) / p.nsplit;
+  const int u0 = min(units, split * per), u1 = min(units, u0 + per);
+
+  if (lane == 0) {
+#pragma unroll
+    for (int st = 0; st < GAAC_STAGES; ++st) mbar_init(bars + 8 * st);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncwarp();
+
+  // query fragments (operand A): row g (and g+8) = query head; k pairs = channels 4w..4w+3, w = t*NKS + s
+  u32 qa[TILES][NKS][4];
+  {
+    const int r0 = g, r1 = g + 8;
+    const u16* q0 = p.q + ((i64)b * p.heads * p.rep + (i64)hk * p.rep + r0) * D;
+    const u16* q1 = p.q + ((i64)b * p.heads * p.rep + (i64)hk * p.rep + r1) * D;
+#pragma unroll
+    for (int T = 0; T < TILES; ++T)
+#pragma unroll
+      for (int sl = 0; sl < NKS; ++sl) {
+        const int ch = T * C + 4 * (t * NKS + sl);
+        qa[T][sl][0] = r0 < p.rep ? *reinterpret_cast<const u32*>(q0 + ch) : 0u;
+        qa[T][sl][2] = r0 < p.rep ? *reinterpret_cast<const u32*>(q0 + ch + 2) : 0u;
+        qa[T][sl][1] = (GAAC_TWO_ROWS && r1 < p.rep) ? *reinterpret_cast<const u32*>(q1 + ch) : 0u;
+        qa[T][sl][3] = (GAAC_TWO_ROWS && r1 < p.rep) ? *reinterpret_cast<const u32*>(q1 + ch + 2) : 0u;
+      }
+  }
+  // bases of the prepass lane's groups (channels (lane*GPL) % C ..), per K|V and tile
+  u32 b3[2][TILES][GPL / 4], b4[2][TILES][GPL / 4];
+#pragma unroll
+  for (int kv = 0; kv < 2; ++kv)
+#pragma unroll
+    for (int T = 0; T < TILES; ++T)
+#pragma unroll
+      for (int w = 0; w < GPL / 4; ++w) {
+        const i64 at = ((i64)kv * p.heads + hk) * D + T * C + (lane * GPL + 4 * w) % C;
+        b3[kv][T][w] = GAAC_PLAIN ? 0u : *reinterpret_cast<const u32*>(p.base3 + at);
+        b4[kv][T][w] = GAAC_PLAIN ? 0u : *reinterpret_cast<const u32*>(p.base4 + at);
+      }
+
+  const int* trow = p.table + (i64)b * p.table_sb;
+  const int tstride = 2 * p.heads * TILES;
+  // rows of a BF16 tile: plain blocks at row 16u of the plain KV; the compressed tail at row 0 of the tail
+  auto rows_src = [&](int kv, int u, int T) -> const u16* {
+    const u16* base = kv ? p.kv_v : p.kv_k;
+    const i64 row0 = GAAC_PLAIN ? (i64)16 * u : 0;
+    return base + (i64)b * p.kv_sb + (i64)hk * p.kv_sh + row0 * p.kv_ss + T * C;
+  };
+  auto entry = [&](int u, int kv, int T) -> int {
+    return (GAAC_PLAIN || u >= nb) ? 0 : trow[(i64)u * tstride + (kv * p.heads + hk) * TILES + T];
+  };
+  // kind of a tile: 1 = slot, 0 = BF16 rows (raw tile, plain block, tail)
+  auto issue = [&](int u, int st) {
+    const bool tail = u >= nb;
+    const int valid = tail ? tl : 16;
+    int e[2][TILES];
+    u32 bytes = 0;
+#pragma unroll
+    for (int kv = 0; kv < 2; ++kv)
+#pragma unroll
+      for (int T = 0; T < TILES; ++T) {
+        e[kv][T] = entry(u, kv, T);
+        const bool slot = !GAAC_PLAIN && !tail && e[kv][T] >= 0;
+        bytes += slot ? (u32)p.slot_bytes : (u32)(valid * 2 * C);
+      }
+    fence_async();
+    if (lane == 0) mbar_expect(bars + 8 * st, bytes);
+    __syncwarp();
+#pragma unroll
+    for (int kv = 0; kv < 2; ++kv)
+#pragma unroll
+      for (int T = 0; T < TILES; ++T) {
+        u8* dst = ring + (st * 2 * TILES + kv * TILES + T) * p.buf_bytes;
+        const int ent = e[kv][T];
+        if (!GAAC_PLAIN && !tail && ent >= 0) {
+          if (lane == kv * TILES + T) bulk_copy(smem_u32(dst), p.slots + (i64)ent * p.slot_bytes, (u32)p.slot_bytes,
+                                                bars + 8 * st);
+        } else if (!GAAC_PLAIN && !tail) {
+          if (lane == kv * TILES + T)
+            bulk_copy(smem_u32(dst), p.raw + (i64)(-1 - ent) * 16 * C, 32 * C, bars + 8 * st);
+        } else {
+          const int r = lane & 15;
+          if ((lane >> 4) == 0) {
+            if (r < valid) {
+              bulk_copy(smem_u32(dst + r * 2 * C), rows_src(kv, u, T) + (i64)r * p.kv_ss, 2 * C, bars + 8 * st);
+            } else {
+              uint4* z = reinterpret_cast<uint4*>(dst + r * 2 * C);
+#pragma unroll
+              for (int i = 0; i < 2 * C / 16; ++i) z[i] = make_uint4(0, 0, 0, 0);
+            }
+          }
+        }
+      }
+  };
+
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+  float o[TILES][NVS][4];
+#pragma unroll
+  for (int T = 0; T < TILES; ++T)
+#pragma unroll
+    for (int n = 0; n < NVS; ++n)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) o[T][n][c] = 0.f;
+
+#pragma unroll
+  for (int st = 0; st < GAAC_STAGES - 1; ++st)
+    if (u0 + st < u1) issue(u0 + st, st);
+  u32 phases = 0;
+  const u8* mrow = p.mask ? p.mask + (i64)b * p.mask_sb : nullptr;
+
+  for (int u = u0; u < u1; ++u) {
+    const int st = (u - u0) % GAAC_STAGES;
+    if (u + GAAC_STAGES - 1 < u1) issue(u + GAAC_STAGES - 1, (u - u0 + GAAC_STAGES - 1) % GAAC_STAGES);
+    if (!GAAC_PLAIN && lane == 0 && u + 8 < nb)
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(trow + (i64)(u + 8) * tstride));
+    mbar_wait(bars + 8 * st, (phases >> st) & 1);
+    phases ^= 1u << st;
+    const bool tail = u >= nb;
+    const int valid = tail ? tl : 16;
+
+    float sc[2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) sc[h][c] = 0.f;
+#pragma unroll
+    for (int T = 0; T < TILES; ++T) {
+      const u8* buf = ring + (st * 2 * TILES + T) * p.buf_bytes;
+      if (!GAAC_PLAIN && !tail && entry(u, 0, T) >= 0) {
+        const bool any_raw = prepass(p, buf, scr, b3[0][T], b4[0][T], lane);
+        __syncwarp();
+        if (any_raw) k_tile<8>(p, buf, scr, g, t, qa[T], sc);
+        else k_tile<4>(p, buf, scr, g, t, qa[T], sc);
+        __syncwarp();
+      } else {
+        k_tile<0>(p, buf, scr, g, t, qa[T], sc);
+      }
+    }
+    // online softmax (base 2) over the 16 tokens; thread holds tokens 2t, 2t+1 of each half, rows g and g+8
+    u32 pa[4];
+#pragma unroll
+    for (int r = 0; r < (GAAC_TWO_ROWS ? 2 : 1); ++r) {
+      float x[2][2];
+      float mx = NEG_INF;
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int tok = 8 * h + 2 * t + c;
+          bool ok = tok < valid;
+          if (mrow) ok = ok && mrow[16 * u + tok] != 0;
+          x[h][c] = ok ? sc[h][2 * r + c] * p.qk_scale : NEG_INF;
+          mx = fmaxf(mx, x[h][c]);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mn = fmaxf(m[r], mx);
+      const float ms = mn == NEG_INF ? 0.f : mn;
+      const float alpha = exp2_(m[r] - ms);
+      float pr[2][2];
+      float sum = 0.f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          pr[h][c] = exp2_(x[h][c] - ms);
+          sum += pr[h][c];
+        }
+      l[r] = l[r] * alpha + sum;
+      m[r] = mn;
+#pragma unroll
+      for (int T = 0; T < TILES; ++T)
+#pragma unroll
+        for (int n = 0; n < NVS; ++n) {
+          o[T][n][2 * r] *= alpha;
+          o[T][n][2 * r + 1] *= alpha;
+        }
+      pa[r] = pack_bf16(pr[0][0], pr[0][1]);
+      pa[2 + r] = pack_bf16(pr[1][0], pr[1][1]);
+    }
+    if (!GAAC_TWO_ROWS) pa[1] = pa[3] = 0u;
+#pragma unroll
+    for (int T = 0; T < TILES; ++T) {
+      const u8* buf = ring + (st * 2 * TILES + TILES + T) * p.buf_bytes;
+      if (!GAAC_PLAIN && !tail && entry(u, 1, T) >= 0) {
+        const bool any_raw = prepass(p, buf, scr, b3[1][T], b4[1][T], lane);
+        __syncwarp();
+        if (any_raw) v_tile<8>(p, buf, scr, g, t, pa, o[T]);
+        else v_tile<4>(p, buf, scr, g, t, pa, o[T]);
+      } else {
+        v_tile<0>(p, buf, scr, g, t, pa, o[T]);
+      }
+    }
+    __syncwarp();
+  }
+
+  // partial results of this split
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+#pragma unroll
+  for (int r = 0; r < (GAAC_TWO_ROWS ? 2 : 1); ++r) {
+    const int head = g + 8 * r;
+    if (head >= p.rep) continue;
+    const i64 row = (i64)item * p.rep + head;
+    if (t == 0) {
+      p.part_ml[2 * row] = m[r];
+      p.part_ml[2 * row + 1] = l[r];
+    }
+    float* po = p.part_o + row * D;
+#pragma unroll
+    for (int T = 0; T < TILES; ++T)
+#pragma unroll
+      for (int n = 0; n < NVS; ++n)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int col = 2 * t + c;  // n-column = thread g' of the V fragment
+          po[T * C + 4 * (col * NVW + n / 4) + n % 4] = o[T][n][2 * r + c];
+        }
+  }
+}
+
+// out[b, hq, :] = merge of the nsplit partials of (b, hq): one block of D threads per query head.
+extern "C" __global__ void gaac_combine(const Params p) {
+  const int hq = blockIdx.x % (p.heads * p.rep), b = blockIdx.x / (p.heads * p.rep);
+  const int hk = hq / p.rep, r = hq % p.rep;
+  const int d = threadIdx.x;
+  const i64 item0 = ((i64)b * p.heads + hk) * p.nsplit;
+  float mx = NEG_INF;
+  for (int s = 0; s < p.nsplit; ++s) mx = fmaxf(mx, p.part_ml[2 * ((item0 + s) * p.rep + r)]);
+  float acc = 0.f, den = 0.f;
+  if (mx != NEG_INF) {
+    for (int s = 0; s < p.nsplit; ++s) {
+      const i64 row = (item0 + s) * p.rep + r;
+      const float w = exp2_(p.part_ml[2 * row] - mx);
+      den += p.part_ml[2 * row + 1] * w;
+      acc += p.part_o[row * D + d] * w;
+    }
+  }
+  const float y = den > 0.f ? acc / den : 0.f;
+  u16 bits;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(y));
+  p.out[((i64)b * p.heads * p.rep + hq) * D + d] = bits;
+}

@@ -1,0 +1,197 @@
+"""Compile CUDA C++ at first use with NVRTC and launch it on torch's current stream, through ctypes.
+
+No CUDA toolkit is needed: NVRTC comes with torch's CUDA wheels (`nvidia-cuda-nvrtc`), the driver with the GPU.
+Binaries are cached on disk by (source hash, options, GPU arch, NVRTC version) under `~/.cache/gaac_hf/cubin`
+(`GAAC_HF_CACHE` moves the root). Nothing here runs at import: a machine without a GPU or NVRTC imports fine and
+`available()` says False.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import hashlib
+import os
+import site
+import threading
+
+import torch
+
+_lock = threading.Lock()
+_libs: dict = {}
+_modules: dict = {}
+
+CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 0
+CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3
+CU_FUNC_ATTRIBUTE_NUM_REGS = 4
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+class NVRTCError(RuntimeError):
+    pass
+
+
+def _candidate_nvrtc() -> list[str]:
+    dirs = []
+    roots = list(site.getsitepackages()) + [site.getusersitepackages(), os.path.dirname(os.path.dirname(torch.__file__))]
+    for root in roots:
+        dirs += sorted(glob.glob(os.path.join(root, "nvidia", "cu*", "lib")))
+        dirs += sorted(glob.glob(os.path.join(root, "nvidia", "cuda_nvrtc", "lib")))
+    dirs.append(os.path.join(os.path.dirname(torch.__file__), "lib"))
+    files = []
+    for d in dirs:
+        files += [f for f in sorted(glob.glob(os.path.join(d, "libnvrtc.so*"))) if "builtins" not in f and ".alt." not in f]
+    return files + ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
+
+
+def _load(name: str):
+    with _lock:
+        if name in _libs:
+            return _libs[name]
+        lib = None
+        if name == "nvrtc":
+            for path in _candidate_nvrtc():
+                try:
+                    # NVRTC dlopens its builtins library by name: load it from the same folder first
+                    for builtins in sorted(glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so*"))):
+                        if ".alt." not in builtins:
+                            ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+                    lib = ctypes.CDLL(path)
+                    break
+                except OSError:
+                    continue
+        else:
+            try:
+                lib = ctypes.CDLL("libcuda.so.1")
+            except OSError:
+                lib = None
+        _libs[name] = lib
+        return lib
+
+
+def nvrtc_version() -> tuple[int, int] | None:
+    lib = _load("nvrtc")
+    if lib is None:
+        return None
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    if lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) != 0:
+        return None
+    return major.value, minor.value
+
+
+def available() -> bool:
+    """NVRTC and the CUDA driver can be loaded (says nothing about the GPU's architecture)."""
+    return torch.cuda.is_available() and _load("nvrtc") is not None and _load("cuda") is not None
+
+
+def _check_cu(status: int, what: str) -> None:
+    if status != 0:
+        lib = _load("cuda")
+        msg = ctypes.c_char_p()
+        lib.cuGetErrorString(status, ctypes.byref(msg))
+        raise RuntimeError(f"CUDA driver call {what} failed: {status} {msg.value.decode() if msg.value else ''}")
+
+
+def compile_cubin(source: str, options: list[str], arch: str) -> bytes:
+    """NVRTC-compile `source` for `arch` (e.g. "sm_90a"); cached on disk."""
+    lib = _load("nvrtc")
+    if lib is None:
+        raise NVRTCError("NVRTC (libnvrtc) was not found; install torch's CUDA build (it depends on nvidia-cuda-nvrtc)")
+    version = nvrtc_version()
+    opts = [f"--gpu-architecture={arch}", "-std=c++17", "--device-as-default-execution-space"] + list(options)
+    key = hashlib.sha256("\0".join([source, *opts, str(version)]).encode()).hexdigest()[:24]
+    root = os.environ.get("GAAC_HF_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "gaac_hf")
+    path = os.path.join(root, "cubin", f"{key}.cubin")
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            return f.read()
+    prog = ctypes.c_void_p()
+    status = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"gaac.cu", 0, None, None)
+    if status != 0:
+        raise NVRTCError(f"nvrtcCreateProgram failed ({status})")
+    try:
+        argv = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        status = lib.nvrtcCompileProgram(prog, len(opts), argv)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        if status != 0:
+            raise NVRTCError(f"NVRTC compile failed ({status}) with {opts}:\n{log.value.decode(errors='replace')}")
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        if lib.nvrtcGetCUBIN(prog, cubin) != 0:
+            raise NVRTCError("nvrtcGetCUBIN failed")
+        data = cubin.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+    return data
+
+
+class Kernel:
+    """A loaded kernel function of one module, on one device (CUDA context)."""
+
+    def __init__(self, cubin: bytes, name: str, device: torch.device):
+        cu = _load("cuda")
+        with torch.cuda.device(device):
+            torch.cuda.current_stream(device)  # make sure the primary context is current
+            self._module = ctypes.c_void_p()
+            _check_cu(cu.cuModuleLoadData(ctypes.byref(self._module), cubin), "cuModuleLoadData")
+            self._fn = ctypes.c_void_p()
+            _check_cu(cu.cuModuleGetFunction(ctypes.byref(self._fn), self._module, name.encode()),
+                      "cuModuleGetFunction")
+        self.name, self.device = name, device
+        self._smem_limit = 0
+
+    def attribute(self, attr: int) -> int:
+        v = ctypes.c_int()
+        _check_cu(_load("cuda").cuFuncGetAttribute(ctypes.byref(v), attr, self._fn), "cuFuncGetAttribute")
+        return v.value
+
+    @property
+    def registers(self) -> int:
+        return self.attribute(CU_FUNC_ATTRIBUTE_NUM_REGS)
+
+    @property
+    def local_bytes(self) -> int:
+        return self.attribute(CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)
+
+    def _allow_smem(self, smem: int) -> None:
+        if smem > 48 * 1024 and smem > self._smem_limit:
+            _check_cu(_load("cuda").cuFuncSetAttribute(self._fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
+                      "cuFuncSetAttribute(max dynamic shared memory)")
+            self._smem_limit = smem
+
+    def blocks_per_sm(self, threads: int, smem: int) -> int:
+        self._allow_smem(smem)
+        n = ctypes.c_int()
+        _check_cu(_load("cuda").cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), self._fn, threads,
+                                                                            ctypes.c_size_t(smem)), "occupancy")
+        return n.value
+
+    def launch(self, grid: int, threads: int, smem: int, params: ctypes.Structure) -> None:
+        """Launch on torch's current stream of the kernel's device (captured by CUDA graphs like any launch)."""
+        self._allow_smem(smem)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
+        _check_cu(_load("cuda").cuLaunchKernel(self._fn, grid, 1, 1, threads, 1, 1, smem, ctypes.c_void_p(stream),
+                                               args, None), f"cuLaunchKernel({self.name})")
+
+
+def get_kernel(source: str, options: list[str], name: str, device: torch.device) -> Kernel:
+    """The kernel `name` of `source` compiled with `options` for `device`'s architecture (cached)."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (hashlib.sha256(source.encode()).hexdigest(), tuple(options), name, index)
+    kernel = _modules.get(key)
+    if kernel is None:
+        major, minor = torch.cuda.get_device_capability(index)
+        arch = f"sm_{major}{minor}" + ("a" if major == 9 else "")
+        kernel = Kernel(compile_cubin(source, options, arch), name, torch.device("cuda", index))
+        _modules[key] = kernel
+    return kernel

@@ -1,0 +1,132 @@
+"""The CUDA C++ decode-attention kernel (`gaac_cuda`): bit-exact twin checks on the GPU, compile checks anywhere
+`nvcc` is installed, plan validation on the CPU."""
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from gaac_cuda import available, decode_attention, plain_decode_attention, plan
+from gaac_cuda.decode_attention import _SOURCE_FILE
+from gaac_hf.format import TileLayout
+from triton_cases import compress_kv, realistic_kv
+
+gpu = pytest.mark.skipif(not available(), reason="needs a Hopper GPU with NVRTC")
+CUOBJDUMP = None
+try:
+    import triton
+
+    CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+except ImportError:
+    pass
+
+
+def bits(x):
+    return x.view(torch.int16)
+
+
+def test_plan_rejects_shapes_the_kernel_does_not_cover():
+    with pytest.raises(ValueError, match="head_dim"):
+        plan(1, 8, 4, 80, 1024, "cpu", nsplit=4)
+    with pytest.raises(ValueError, match="query heads per kv-head"):
+        plan(1, 2, 32, 128, 1024, "cpu", nsplit=4)
+    p = plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, slot_bytes=2928)
+    assert (p.items, p.grid, p.buf_bytes) == (2 * 8 * 33, -(-2 * 8 * 33 // p.warps), 4096)
+    assert p.smem <= 227 * 1024
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or CUOBJDUMP is None or not os.path.isfile(CUOBJDUMP or ""),
+                    reason="needs nvcc (CUDA 12.8+) and triton's cuobjdump")
+@pytest.mark.parametrize("config", [(128, 1, 0, 0), (128, 1, 0, 1), (64, 1, 0, 0), (128, 1, 1, 0)])
+def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
+    """Registers and spills of the sm_90a build: no local memory; <= 168 registers (3 CTAs of 4 warps per SM) where
+    a query group fits one 8-row half of the mma tile."""
+    c, tiles, two_rows, plain = config
+    out = tmp_path / "k.cubin"
+    defs = [f"-DGAAC_C={c}", f"-DGAAC_TILES={tiles}", f"-DGAAC_TWO_ROWS={two_rows}", f"-DGAAC_PLAIN={plain}",
+            "-DGAAC_STAGES=2", "-DGAAC_WARPS=4"]
+    subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", *defs, "-x", "cu",
+                    _SOURCE_FILE, "-o", str(out)], check=True, capture_output=True)
+    usage = subprocess.run([CUOBJDUMP, "-res-usage", str(out)], check=True, capture_output=True, text=True).stdout
+    split = [line for line in usage.splitlines() if "REG" in line]
+    fn = usage.split("gaac_decode_split")[1]
+    regs = int(re.search(r"REG:(\d+)", fn).group(1))
+    assert int(re.search(r"STACK:(\d+)", fn).group(1)) == 0 and int(re.search(r"LOCAL:(\d+)", fn).group(1)) == 0, split
+    assert regs <= (255 if two_rows else 168), split
+
+
+def reference_attention(q, k, v, kv_len, mask, scale):
+    b, hq, d = q.shape
+    nrep = hq // k.shape[1]
+    out = torch.zeros(b, hq, d, dtype=torch.float64)
+    for i in range(b):
+        n = int(kv_len[i])
+        kk = k[i, :, :n].double().repeat_interleave(nrep, 0)
+        vv = v[i, :, :n].double().repeat_interleave(nrep, 0)
+        sc = torch.einsum("hd,hsd->hs", q[i].double(), kk) * scale
+        if mask is not None:
+            sc = sc.masked_fill(~mask[i, None, :n], float("-inf"))
+        out[i] = torch.einsum("hs,hsd->hd", sc.softmax(-1), vv)
+    return out
+
+
+def compressed_case(b, h, nrep, lengths, d, kind, capacity, seed, pad=0):
+    """Compressed KV of rows of different lengths (per-row tails, as a static cache keeps them) and its plain twin."""
+    gen = torch.Generator().manual_seed(seed)
+    s = max(lengths)
+    s16 = -(-s // 16) * 16
+    k, v, b3, b4 = realistic_kv(b, h, s16, d, gen, kind)
+    slot_pool, raw_pool, table, _, _, _ = compress_kv(k.cuda(), v.cuda(), b3.cuda(), b4.cuda(), capacity)
+    tail_k = torch.zeros(b, h, 16, d, dtype=torch.bfloat16)
+    tail_v = torch.zeros_like(tail_k)
+    for i, n in enumerate(lengths):
+        f = n // 16 * 16
+        tail_k[i, :, :n - f] = k[i, :, f:n]
+        tail_v[i, :, :n - f] = v[i, :, f:n]
+    q = torch.randn(b, h * nrep, d, generator=gen).to(torch.bfloat16)
+    kv_len = torch.tensor(lengths, dtype=torch.int32)
+    mask = None
+    if pad:
+        mask = torch.ones(b, s16, dtype=torch.bool)
+        mask[0, :pad] = False
+    layout = TileLayout(min(d, 128), capacity)
+    dev = "cuda"
+    t = [x.to(dev) for x in (q, slot_pool, raw_pool, table, tail_k, tail_v, b3, b4, kv_len)]
+    return t, (k.to(dev), v.to(dev)), None if mask is None else mask.to(dev), layout
+
+
+GPU_CASES = [  # (batch, kv heads, q heads per kv head, lengths, head_dim, mode mix, capacity, left pad)
+    (1, 1, 1, [1], 64, "mixed", 32, 0),
+    (2, 2, 3, [15, 9], 64, "mixed", 32, 3),
+    (1, 2, 4, [17], 128, "mixed", 16, 0),
+    (2, 1, 2, [67, 40], 64, "raw", 1280, 5),
+    (1, 1, 9, [50], 64, "4bit", 256, 0),
+    (1, 2, 12, [77], 128, "mixed", 48, 0),
+    (1, 1, 2, [40], 256, "mixed", 48, 0),
+    (2, 3, 3, [100, 1000], 64, "mixed", 0, 7),
+    (2, 2, 4, [1000, 999], 128, "mixed", 32, 1),
+    (2, 8, 4, [65537, 4099], 128, "mixed", 32, 11),
+    (1, 4, 4, [3000], 128, "raw", 1280, 0),
+    (1, 4, 4, [3001], 128, "4bit", 256, 0),
+]
+
+
+@gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
+def test_cuda_compressed_equals_plain_twin(case):
+    b, h, nrep, lengths, d, kind, cap, pad = case
+    (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout = compressed_case(
+        b, h, nrep, lengths, d, kind, cap, seed=sum(lengths) + d, pad=pad)
+    scale = d ** -0.5
+    for nsplit in (1, 3, None):
+        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit)
+        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit)
+        got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
+        twin = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
+        assert torch.equal(bits(got), bits(twin)), f"compressed != plain twin (nsplit {pc.nsplit})"
+    ref = reference_attention(q.cpu(), k.cpu(), v.cpu(), kv_len.cpu(), None if mask is None else mask.cpu(), scale)
+    err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
+    assert err < 1e-2, err
