@@ -192,22 +192,36 @@ def main():
             def run_twin(i, pp=pp, kv_len=kv_len):
                 gaac_cuda.plain_decode_attention(q, bufs[i][1], bufs[i][2], kv_len, None, scale, pp)
             variants.update({"gaac_cuda": (run_cuda, gaac_bytes), "cuda_same_kernel_bf16": (run_twin, bf16_bytes)})
+            if SHAPES.index((name, hq, hkv, d, b, s)) == args.breakdown_shape:
+                def run_variant(skip, combine):
+                    pv = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, skip=skip,
+                                        nsplit=pc.nsplit)
+                    return lambda i: gaac_cuda.decode_attention(q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6],
+                                                                kv_len, None, scale, layout, pv, combine=combine)
+                cuda_info["breakdown_us"] = {
+                    label: bench(run_variant(skip, combine), args.buffers)
+                    for label, skip, combine in (("full", 0, True), ("split_kernel_only", 0, False),
+                                                 ("no_math", 1, False), ("no_reconstruction", 2, False),
+                                                 ("loads_only", 3, False))}
+                print("cuda breakdown", cuda_info["breakdown_us"], flush=True)
             if args.cuda_sweep and s == 65536 and b == 1 and hq == 32:
                 sweep = {}
-                for stages in (2, 3, 4):
-                    for warps in (4, 8):
-                        try:
-                            pcs = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes,
-                                                 stages=stages, warps=warps)
-                            for mult in (1, 2):
-                                pcm = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes,
-                                                     stages=stages, warps=warps, nsplit=pcs.nsplit * mult)
-                                us = bench(lambda i, pcm=pcm: gaac_cuda.decode_attention(
-                                    q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout,
-                                    pcm), args.buffers)
-                                sweep[f"stages{stages}_warps{warps}_split{pcm.nsplit}"] = us
-                        except Exception as e:  # noqa: BLE001 - a variant may not fit in shared memory
-                            sweep[f"stages{stages}_warps{warps}"] = f"{type(e).__name__}: {e}"[:120]
+                for stages, warps, min_ctas, mult in ((2, 4, 1, 1), (2, 4, 1, 2), (2, 4, 3, 1), (3, 4, 1, 1),
+                                                      (3, 4, 3, 1), (2, 8, 1, 1), (3, 8, 1, 1), (4, 4, 1, 1),
+                                                      (2, 4, 1, 0.5)):
+                    key = f"stages{stages}_warps{warps}_minctas{min_ctas}_split{mult}x"
+                    try:
+                        pcs = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes,
+                                             stages=stages, warps=warps, min_ctas=min_ctas)
+                        pcm = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes,
+                                             stages=stages, warps=warps, min_ctas=min_ctas,
+                                             nsplit=max(1, int(pcs.nsplit * mult)))
+                        us = bench(lambda i, pcm=pcm: gaac_cuda.decode_attention(
+                            q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout,
+                            pcm), args.buffers)
+                        sweep[key] = {"us": us, "nsplit": pcm.nsplit, "registers": pcm.kernels(dev)[0].registers}
+                    except Exception as e:  # noqa: BLE001 - a variant may not fit in shared memory
+                        sweep[key] = f"{type(e).__name__}: {e}"[:120]
                 cuda_info["sweep_us"] = sweep
                 print("cuda sweep", sweep, flush=True)
         if not args.no_triton:

@@ -85,9 +85,11 @@ class DecodePlan:
 
 
 def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, device, *, slot_bytes: int = 0,
-         plain: bool = False, nsplit: int | None = None, warps: int = 4, stages: int = 2) -> DecodePlan:
+         plain: bool = False, nsplit: int | None = None, warps: int = 4, stages: int = 2, min_ctas: int = 1,
+         skip: int = 0) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
-    spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV)."""
+    spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
+    variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention."""
     if head_dim not in (64, 128, 256):
         raise ValueError(f"the CUDA decode kernel supports head_dim 64, 128 and 256, not {head_dim}")
     if not 1 <= rep <= MAX_GROUP_HEADS:
@@ -99,7 +101,10 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     scratch = 0 if plain else 12 * channels
     warp_bytes = -(-(64 + stages * 2 * tiles * buf + scratch) // 128) * 128
     options = (f"-DGAAC_C={channels}", f"-DGAAC_TILES={tiles}", f"-DGAAC_TWO_ROWS={int(rep > 8)}",
-               f"-DGAAC_PLAIN={int(plain)}", f"-DGAAC_STAGES={stages}", f"-DGAAC_WARPS={warps}")
+               f"-DGAAC_PLAIN={int(plain)}", f"-DGAAC_STAGES={stages}", f"-DGAAC_WARPS={warps}",
+               f"-DGAAC_MIN_CTAS={min_ctas}")
+    if skip:  # benchmark-only variants of the leave-one-stage-out breakdown (wrong results by design)
+        options += (f"-DGAAC_SKIP={skip}",)
     if nsplit is None:
         units = max(1, -(-max_tokens // BLOCK))
         probe = DecodePlan(batch, kv_heads, rep, head_dim, plain, 1, warps, stages, buf, warp_bytes, options)
@@ -119,7 +124,7 @@ def _rows_ok(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * 2 % 16 == 0 for s in t.stride()[:-1])
 
 
-def _run(p: DecodePlan, query, kv_len, mask, scale, fill) -> torch.Tensor:
+def _run(p: DecodePlan, query, kv_len, mask, scale, fill, combine_too: bool = True) -> torch.Tensor:
     b, hq, d = query.shape
     if (b, hq, d) != (p.batch, p.kv_heads * p.rep, p.head_dim):
         raise ValueError(f"query of shape {tuple(query.shape)} does not match the plan "
@@ -147,7 +152,8 @@ def _run(p: DecodePlan, query, kv_len, mask, scale, fill) -> torch.Tensor:
     split_kernel, combine = p.kernels(dev)
     with torch.cuda.device(dev):
         split_kernel.launch(p.grid, p.warps * 32, p.smem, prm)
-        combine.launch(b * hq, d, 0, prm)
+        if combine_too:
+            combine.launch(b * hq, 256, 0, prm)
     del keep
     return out
 
@@ -155,7 +161,7 @@ def _run(p: DecodePlan, query, kv_len, mask, scale, fill) -> torch.Tensor:
 def decode_attention(query: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor, table: torch.Tensor,
                      tail_k: torch.Tensor, tail_v: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor,
                      kv_len: torch.Tensor, mask: torch.Tensor | None, scale: float, layout,
-                     plan_: DecodePlan | None = None) -> torch.Tensor:
+                     plan_: DecodePlan | None = None, combine: bool = True) -> torch.Tensor:
     """Single-query attention over GAAC-compressed KV; returns BF16 `[B, H_q, D]`.
 
     query `[B, H_q, D]` BF16; slot_pool uint8 `[N, slot_bytes]`; raw_pool BF16 `[R, 16, C]`; table int32
@@ -163,6 +169,7 @@ def decode_attention(query: torch.Tensor, slot_pool: torch.Tensor, raw_pool: tor
     `kv_len % 16` of the unfinished block in rows 0..; base3/base4 uint8 `[2, H_kv, D]`; kv_len int32 `[B]` (finalized
     blocks = kv_len // 16, read on the device); mask bool `[B, S]` (True = attend) or None; layout: the tile's slot
     layout (`gaac_hf.format.TileLayout`: `slot_bytes`, `planes_offset`, `tags_offset`, `escape_offset`).
+    `combine=False` (benchmarks) runs the split kernel alone.
     """
     b, hq, d = query.shape
     h = tail_k.shape[1]
@@ -193,7 +200,7 @@ def decode_attention(query: torch.Tensor, slot_pool: torch.Tensor, raw_pool: tor
         prm.planes_off, prm.tags_off, prm.esc_off = layout.planes_offset, layout.tags_offset, layout.escape_offset
         return (slot_pool, raw_pool, table, tail_k, tail_v, base3, base4)
 
-    return _run(plan_, query, kv_len, mask, scale, fill)
+    return _run(plan_, query, kv_len, mask, scale, fill, combine)
 
 
 def plain_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_len: torch.Tensor,

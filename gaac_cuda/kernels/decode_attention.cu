@@ -22,7 +22,14 @@
 // Bitstream: docs/format.md; offsets come from the launcher (gaac_hf/format.py is the one definition).
 //
 // Compile-time configuration (NVRTC -D): GAAC_C (64|128 channels per tile), GAAC_TILES (tiles per head: 1|2),
-// GAAC_TWO_ROWS (query heads per kv-head > 8), GAAC_PLAIN (0|1), GAAC_STAGES (ring depth), GAAC_WARPS.
+// GAAC_TWO_ROWS (query heads per kv-head > 8), GAAC_PLAIN (0|1), GAAC_STAGES (ring depth), GAAC_WARPS, and for the
+// benchmark's leave-one-stage-out breakdown GAAC_SKIP (bit 0: no tensor-core math, bit 1: no reconstruction).
+#ifndef GAAC_SKIP
+#define GAAC_SKIP 0
+#endif
+#ifndef GAAC_MIN_CTAS  // register budget: CTAs of GAAC_WARPS warps that must fit on one SM
+#define GAAC_MIN_CTAS 1
+#endif
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -92,6 +99,10 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
 __device__ __forceinline__ void fence_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 __device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  if (GAAC_SKIP & 1) {  // breakdown variant: keep the operands alive, no tensor-core work
+    d[0] = __int_as_float(__float_as_int(d[0]) ^ b0 ^ b1);
+    return;
+  }
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -188,91 +199,134 @@ __device__ __forceinline__ bool prepass(const Params& p, const u8* slot, const S
   return any_raw;
 }
 
-// Exponent bytes of word `w` (4 groups) of half `h`, token bit `i`.
-template <int NP>
-__device__ __forceinline__ u32 exponents(const Params& p, const u8* slot, const Scratch& s, int h, int w, int i) {
-  const int g0 = h * C + 4 * w;
-  u32 pl[8];
-  pl[0] = lds(slot + p.planes_off + g0);
-  pl[1] = lds(slot + p.planes_off + G + g0);
-  pl[2] = lds(slot + p.planes_off + 2 * G + g0);
-#pragma unroll
-  for (int j = 3; j < 8; ++j) pl[j] = j < NP ? lds(s.planes + (j - 3) * G + g0) : 0u;
-  return codes<NP>(pl, i) + lds(s.base + g0);
-}
-
-// K fragments (operand B) of tile buffer `buf`: kb[s][0..1] for k-slice s, token 8h+g.
-template <int KIND>  // 0: BF16 rows, 4: slot without raw groups, 8: slot with raw groups
-__device__ __forceinline__ void k_frag(const Params& p, const u8* buf, const Scratch& s, int h, int g, int t,
-                                       int sl, u32& b0, u32& b1) {
-  const int w = t * NKS + sl;
-  const int tok = 8 * h + g;
-  if (KIND == 0) {
-    b0 = lds(buf + tok * 2 * C + 8 * w);
-    b1 = lds(buf + tok * 2 * C + 8 * w + 4);
+// N consecutive 32-bit words from shared memory in one vector load (the caller guarantees 4N-byte alignment).
+template <int N>
+__device__ __forceinline__ void ldv(const u8* ptr, u32 (&w)[N]) {
+  if (N == 8) {
+    const uint4 v = *reinterpret_cast<const uint4*>(ptr), x = *reinterpret_cast<const uint4*>(ptr + 16);
+    w[0] = v.x, w[1] = v.y, w[2 % N] = v.z, w[3 % N] = v.w, w[4 % N] = x.x, w[5 % N] = x.y, w[6 % N] = x.z,
+    w[7 % N] = x.w;
+  } else if (N == 4) {
+    const uint4 v = *reinterpret_cast<const uint4*>(ptr);
+    w[0] = v.x, w[1] = v.y, w[2 % N] = v.z, w[3 % N] = v.w;
+  } else if (N == 2) {
+    const uint2 v = *reinterpret_cast<const uint2*>(ptr);
+    w[0] = v.x, w[1 % N] = v.y;
   } else {
-    merge(exponents<KIND>(p, buf, s, h, w, g), lds(buf + tok * C + 4 * w), b0, b1);
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = lds(ptr + 4 * i);
   }
 }
 
-// V fragments (operand B) for word j of thread (g, t), half h: four n-slices 4j..4j+3, tokens 8h+2t, 8h+2t+1.
-template <int KIND>
-__device__ __forceinline__ void v_frag(const Params& p, const u8* buf, const Scratch& s, int h, int g, int t, int j,
-                                       u32 (&vb)[4]) {
-  const int w = g * NVW + j;
-  const int ta = 8 * h + 2 * t;
-  u32 a0, a1, c0, c1;
-  if (KIND == 0) {
-    a0 = lds(buf + ta * 2 * C + 8 * w);
-    a1 = lds(buf + ta * 2 * C + 8 * w + 4);
-    c0 = lds(buf + (ta + 1) * 2 * C + 8 * w);
-    c1 = lds(buf + (ta + 1) * 2 * C + 8 * w + 4);
-  } else {
-    const int g0 = h * C + 4 * w;
-    u32 pl[8];
-    pl[0] = lds(buf + p.planes_off + g0);
-    pl[1] = lds(buf + p.planes_off + G + g0);
-    pl[2] = lds(buf + p.planes_off + 2 * G + g0);
+// Group-level words of N consecutive words (4 groups each) from group `g0` on: planes 0..NP-1 and bases.
+template <int NP, int N>
+struct GroupWords {
+  u32 pl[8][N];
+  u32 base[N];
+  __device__ __forceinline__ GroupWords(const Params& p, const u8* slot, const Scratch& s, int g0) {
+    ldv<N>(slot + p.planes_off + g0, pl[0]);
+    ldv<N>(slot + p.planes_off + G + g0, pl[1]);
+    ldv<N>(slot + p.planes_off + 2 * G + g0, pl[2]);
 #pragma unroll
-    for (int q = 3; q < 8; ++q) pl[q] = q < KIND ? lds(s.planes + (q - 3) * G + g0) : 0u;
-    const u32 base = lds(s.base + g0);
-    merge(codes<KIND>(pl, 2 * t) + base, lds(buf + ta * C + 4 * w), a0, a1);
-    merge(codes<KIND>(pl, 2 * t + 1) + base, lds(buf + (ta + 1) * C + 4 * w), c0, c1);
+    for (int j = 3; j < 8; ++j) {
+      if (j < NP) ldv<N>(s.planes + (j - 3) * G + g0, pl[j]);
+      else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) pl[j][i] = 0u;
+      }
+    }
+    ldv<N>(s.base + g0, base);
   }
-  vb[0] = __byte_perm(a0, c0, 0x5410);
-  vb[1] = __byte_perm(a0, c0, 0x7632);
-  vb[2] = __byte_perm(a1, c1, 0x5410);
-  vb[3] = __byte_perm(a1, c1, 0x7632);
-}
+  // exponent bytes of word i for token bit `bit`
+  __device__ __forceinline__ u32 exponents(int i, int bit) const {
+    u32 w[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) w[j] = pl[j][i];
+    return codes<NP>(w, bit) + base[i];
+  }
+};
 
+// Scores of one tile: for each half h and k-slice s, operand B = channels 4w..4w+3 (w = t*NKS + s) of token 8h+g.
+// KIND 0: BF16 rows (raw tile, plain block, tail); 4: slot without raw groups; 8: slot with raw groups.
 template <int KIND>
 __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
                                        const u32 (&qa)[NKS][4], float (&sc)[2][4]) {
+  constexpr int NV = KIND == 8 ? 1 : 4;  // words per vector load (the rare raw-group path keeps registers low)
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
+    const int tok = 8 * h + g;
 #pragma unroll
-    for (int sl = 0; sl < NKS; ++sl) {
-      u32 b0, b1;
-      k_frag<KIND>(p, buf, s, h, g, t, sl, b0, b1);
-      mma(sc[h], qa[sl][0], qa[sl][1], qa[sl][2], qa[sl][3], b0, b1);
+    for (int s4 = 0; s4 < NKS / NV; ++s4) {
+      const int w0 = t * NKS + NV * s4;
+      u32 b[NV][2];
+      if (KIND == 0) {
+        u32 r[2 * NV];
+        ldv<2 * NV>(buf + tok * 2 * C + 8 * w0, r);
+#pragma unroll
+        for (int i = 0; i < NV; ++i) b[i][0] = r[2 * i], b[i][1] = r[2 * i + 1];
+      } else {
+        const GroupWords<KIND, NV> gw(p, buf, s, h * C + 4 * w0);
+        u32 sm[NV];
+        ldv<NV>(buf + tok * C + 4 * w0, sm);
+#pragma unroll
+        for (int i = 0; i < NV; ++i) merge(gw.exponents(i, g), sm[i], b[i][0], b[i][1]);
+      }
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        const int sl = NV * s4 + i;
+        mma(sc[h], qa[sl][0], qa[sl][1], qa[sl][2], qa[sl][3], b[i][0], b[i][1]);
+      }
     }
   }
 }
 
+// Output of one tile: thread (g, t) builds operand B of n-slices 4j..4j+3 (channels 4w..4w+3, w = g*NVW + j) for
+// tokens 8h+2t, 8h+2t+1 of both halves, two tokens of one channel per register.
 template <int KIND>
 __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
                                        const u32 (&pa)[4], float (&o)[NVS][4]) {
+  constexpr int NV = KIND == 8 ? 1 : NVW;  // words per vector load
 #pragma unroll
-  for (int j = 0; j < NVW; ++j) {
-    u32 v0[4], v1[4];
-    v_frag<KIND>(p, buf, s, 0, g, t, j, v0);
-    v_frag<KIND>(p, buf, s, 1, g, t, j, v1);
+  for (int j0 = 0; j0 < NVW; j0 += NV) {
+    const int w0 = g * NVW + j0;
+    u32 vb[2][NV][4];
 #pragma unroll
-    for (int q = 0; q < 4; ++q) mma(o[4 * j + q], pa[0], pa[1], pa[2], pa[3], v0[q], v1[q]);
+    for (int h = 0; h < 2; ++h) {
+      const int ta = 8 * h + 2 * t;
+      u32 a[NV][2], c[NV][2];
+      if (KIND == 0) {
+        u32 ra[2 * NV], rc[2 * NV];
+        ldv<2 * NV>(buf + ta * 2 * C + 8 * w0, ra);
+        ldv<2 * NV>(buf + (ta + 1) * 2 * C + 8 * w0, rc);
+#pragma unroll
+        for (int j = 0; j < NV; ++j) a[j][0] = ra[2 * j], a[j][1] = ra[2 * j + 1], c[j][0] = rc[2 * j], c[j][1] = rc[2 * j + 1];
+      } else {
+        const GroupWords<KIND, NV> gw(p, buf, s, h * C + 4 * w0);
+        u32 sa[NV], sb[NV];
+        ldv<NV>(buf + ta * C + 4 * w0, sa);
+        ldv<NV>(buf + (ta + 1) * C + 4 * w0, sb);
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+          merge(gw.exponents(j, 2 * t), sa[j], a[j][0], a[j][1]);
+          merge(gw.exponents(j, 2 * t + 1), sb[j], c[j][0], c[j][1]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        vb[h][j][0] = __byte_perm(a[j][0], c[j][0], 0x5410);
+        vb[h][j][1] = __byte_perm(a[j][0], c[j][0], 0x7632);
+        vb[h][j][2] = __byte_perm(a[j][1], c[j][1], 0x5410);
+        vb[h][j][3] = __byte_perm(a[j][1], c[j][1], 0x7632);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < NV; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) mma(o[4 * (j0 + j) + q], pa[0], pa[1], pa[2], pa[3], vb[0][j][q], vb[1][j][q]);
   }
 }
 
-extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32) gaac_decode_split(const Params p) {
+extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaac_decode_split(const Params p) {
   extern __shared__ __align__(128) u8 smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -418,7 +472,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32) gaac_decode_split(
 #pragma unroll
     for (int T = 0; T < TILES; ++T) {
       const u8* buf = ring + (st * 2 * TILES + T) * p.buf_bytes;
-      if (!GAAC_PLAIN && !tail && entry(u, 0, T) >= 0) {
+      if (!GAAC_PLAIN && !(GAAC_SKIP & 2) && !tail && entry(u, 0, T) >= 0) {
         const bool any_raw = prepass(p, buf, scr, b3[0][T], b4[0][T], lane);
         __syncwarp();
         if (any_raw) k_tile<8>(p, buf, scr, g, t, qa[T], sc);
@@ -474,7 +528,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32) gaac_decode_split(
 #pragma unroll
     for (int T = 0; T < TILES; ++T) {
       const u8* buf = ring + (st * 2 * TILES + TILES + T) * p.buf_bytes;
-      if (!GAAC_PLAIN && !tail && entry(u, 1, T) >= 0) {
+      if (!GAAC_PLAIN && !(GAAC_SKIP & 2) && !tail && entry(u, 1, T) >= 0) {
         const bool any_raw = prepass(p, buf, scr, b3[1][T], b4[1][T], lane);
         __syncwarp();
         if (any_raw) v_tile<8>(p, buf, scr, g, t, pa, o[T]);
@@ -514,25 +568,51 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32) gaac_decode_split(
   }
 }
 
-// out[b, hq, :] = merge of the nsplit partials of (b, hq): one block of D threads per query head.
-extern "C" __global__ void gaac_combine(const Params p) {
+// out[b, hq, :] = merge of the nsplit partials of (b, hq). One block of COMBINE_WARPS warps per query head: warp w
+// takes splits w, w + COMBINE_WARPS, ... (lanes over channels), then the warps' sums are added in a fixed order.
+#define COMBINE_WARPS 8
+extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) gaac_combine(const Params p) {
+  __shared__ float red[COMBINE_WARPS][D + 2];
   const int hq = blockIdx.x % (p.heads * p.rep), b = blockIdx.x / (p.heads * p.rep);
   const int hk = hq / p.rep, r = hq % p.rep;
-  const int d = threadIdx.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const i64 item0 = ((i64)b * p.heads + hk) * p.nsplit;
   float mx = NEG_INF;
-  for (int s = 0; s < p.nsplit; ++s) mx = fmaxf(mx, p.part_ml[2 * ((item0 + s) * p.rep + r)]);
-  float acc = 0.f, den = 0.f;
+  for (int s = threadIdx.x; s < p.nsplit; s += COMBINE_WARPS * 32) mx = fmaxf(mx, p.part_ml[2 * ((item0 + s) * p.rep + r)]);
+#pragma unroll
+  for (int d = 16; d; d >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
+  if (lane == 0) red[warp][0] = mx;
+  __syncthreads();
+  mx = red[0][0];
+#pragma unroll
+  for (int w = 1; w < COMBINE_WARPS; ++w) mx = fmaxf(mx, red[w][0]);
+  __syncthreads();
+  float acc[D / 32], den = 0.f;
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) acc[i] = 0.f;
   if (mx != NEG_INF) {
-    for (int s = 0; s < p.nsplit; ++s) {
+    for (int s = warp; s < p.nsplit; s += COMBINE_WARPS) {
       const i64 row = (item0 + s) * p.rep + r;
       const float w = exp2_(p.part_ml[2 * row] - mx);
       den += p.part_ml[2 * row + 1] * w;
-      acc += p.part_o[row * D + d] * w;
+#pragma unroll
+      for (int i = 0; i < D / 32; ++i) acc[i] += p.part_o[row * D + 32 * i + lane] * w;
     }
   }
-  const float y = den > 0.f ? acc / den : 0.f;
-  u16 bits;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(y));
-  p.out[((i64)b * p.heads * p.rep + hq) * D + d] = bits;
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) red[warp][32 * i + lane] = acc[i];
+  if (lane == 0) red[warp][D] = den;
+  __syncthreads();
+  for (int d = threadIdx.x; d < D; d += COMBINE_WARPS * 32) {
+    float a = 0.f, l = 0.f;
+#pragma unroll
+    for (int w = 0; w < COMBINE_WARPS; ++w) {
+      a += red[w][d];
+      l += red[w][D];
+    }
+    const float y = l > 0.f ? a / l : 0.f;
+    u16 bits;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(y));
+    p.out[((i64)b * p.heads * p.rep + hq) * D + d] = bits;
+  }
 }
