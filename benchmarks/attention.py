@@ -206,9 +206,8 @@ def main():
                 print("cuda breakdown", cuda_info["breakdown_us"], flush=True)
             if args.cuda_sweep and s == 65536 and b == 1 and hq == 32:
                 sweep = {}
-                for stages, warps, min_ctas, mult in ((2, 4, 1, 1), (2, 4, 1, 2), (2, 4, 3, 1), (3, 4, 1, 1),
-                                                      (3, 4, 3, 1), (2, 8, 1, 1), (3, 8, 1, 1), (4, 4, 1, 1),
-                                                      (2, 4, 1, 0.5)):
+                for stages, warps, min_ctas, mult in ((2, 4, 1, 1), (2, 4, 1, 2 / 3), (2, 4, 1, 4 / 3), (3, 4, 1, 1),
+                                                      (2, 4, 4, 4 / 3), (2, 8, 1, 1), (3, 8, 1, 1), (4, 4, 1, 1)):
                     key = f"stages{stages}_warps{warps}_minctas{min_ctas}_split{mult}x"
                     try:
                         pcs = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes,

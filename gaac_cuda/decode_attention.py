@@ -21,8 +21,9 @@ from . import nvrtc
 _SOURCE_FILE = os.path.join(os.path.dirname(__file__), "kernels", "decode_attention.cu")
 LOG2E = 1.4426950408889634
 BLOCK = 16
-MAX_GROUP_HEADS = 16  # query heads per kv-head in one mma tile
+MAX_GROUP_HEADS = 8  # query heads per kv-head: the n dimension of the mma tile
 MIN_UNITS_PER_SPLIT = 4
+SPLITS_PER_SM = 12  # warps (= splits) per SM the default plan aims at (3 CTAs of 4 warps)
 
 
 class _Params(ctypes.Structure):  # mirrors `struct Params` in the kernel source
@@ -100,18 +101,17 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     buf = raw_bytes if plain else max(raw_bytes, -(-slot_bytes // 16) * 16)
     scratch = 0 if plain else 12 * channels
     warp_bytes = -(-(64 + stages * 2 * tiles * buf + scratch) // 128) * 128
-    options = (f"-DGAAC_C={channels}", f"-DGAAC_TILES={tiles}", f"-DGAAC_TWO_ROWS={int(rep > 8)}",
+    options = (f"-DGAAC_C={channels}", f"-DGAAC_TILES={tiles}",
                f"-DGAAC_PLAIN={int(plain)}", f"-DGAAC_STAGES={stages}", f"-DGAAC_WARPS={warps}",
                f"-DGAAC_MIN_CTAS={min_ctas}")
     if skip:  # benchmark-only variants of the leave-one-stage-out breakdown (wrong results by design)
         options += (f"-DGAAC_SKIP={skip}",)
     if nsplit is None:
+        # a function of the shape alone, never of the variant's occupancy: compressed KV and its plain twin must
+        # split alike to give the same bits
         units = max(1, -(-max_tokens // BLOCK))
-        probe = DecodePlan(batch, kv_heads, rep, head_dim, plain, 1, warps, stages, buf, warp_bytes, options)
-        split_kernel = probe.kernels(device)[0]
-        per_sm = max(1, split_kernel.blocks_per_sm(warps * 32, probe.smem))
         sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
-        want = math.ceil(sms * per_sm * warps / (batch * kv_heads))
+        want = math.ceil(sms * SPLITS_PER_SM / (batch * kv_heads))
         nsplit = max(1, min(want, math.ceil(units / MIN_UNITS_PER_SPLIT)))
     return DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes, options)
 

@@ -7,8 +7,9 @@
 //
 //   scores  S[head, token] = Q[head, k] . K[token, k]     Q is operand A (16 rows = query heads of the group),
 //                                                        K^T is operand B (8 tokens of a half block per mma)
-//   output  O[head, ch]   += P[head, token] . V[token, ch] P (the S accumulator, re-packed) is operand A,
-//                                                        V is operand B (8 channels per mma)
+//   output  O^T[ch, head] += V^T[ch, token] . P^T[token, head]   V^T is operand A (16 channels per mma), P^T is
+//                                                        operand B: the S accumulator of head g, tokens 2t..2t+1,
+//                                                        is exactly B's fragment for n = head g (no transpose)
 //
 // The reduction index of each mma is permuted consistently on both sides (channel order in Q and K, token order
 // in P and V is natural), so a thread's fragment registers are whole 32-bit words of the slot: 4 consecutive
@@ -22,7 +23,7 @@
 // Bitstream: docs/format.md; offsets come from the launcher (gaac_hf/format.py is the one definition).
 //
 // Compile-time configuration (NVRTC -D): GAAC_C (64|128 channels per tile), GAAC_TILES (tiles per head: 1|2),
-// GAAC_TWO_ROWS (query heads per kv-head > 8), GAAC_PLAIN (0|1), GAAC_STAGES (ring depth), GAAC_WARPS, and for the
+// GAAC_PLAIN (0|1), GAAC_STAGES (ring depth), GAAC_WARPS, GAAC_MIN_CTAS (register budget), and for the
 // benchmark's leave-one-stage-out breakdown GAAC_SKIP (bit 0: no tensor-core math, bit 1: no reconstruction).
 #ifndef GAAC_SKIP
 #define GAAC_SKIP 0
@@ -43,7 +44,7 @@ typedef long long i64;
 #define D (C * TILES)
 #define NKS (C / 16)   // k-slices of 16 channels per tile (score mma)
 #define NVW (C / 32)   // V words (4 channels) per thread per tile
-#define NVS (C / 8)    // n-slices of 8 channels per tile (output mma)
+#define NVM (C / 16)   // m-tiles of 16 channels per tile (output mma)
 #define G (2 * C)      // groups per tile
 #define GPL (G / 32)   // groups per lane in the prepass
 
@@ -280,11 +281,11 @@ __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scr
   }
 }
 
-// Output of one tile: thread (g, t) builds operand B of n-slices 4j..4j+3 (channels 4w..4w+3, w = g*NVW + j) for
-// tokens 8h+2t, 8h+2t+1 of both halves, two tokens of one channel per register.
+// Output of one tile: thread (g, t) builds operand A (V^T) for channels 4w..4w+3 (w = g*NVW + j) and tokens
+// 8h+2t, 8h+2t+1 of both halves, two tokens of one channel per register.
 template <int KIND>
 __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
-                                       const u32 (&pa)[4], float (&o)[NVS][4]) {
+                                       const u32 (&pb)[2], float (&o)[NVM][4]) {
   constexpr int NV = KIND == 8 ? 1 : NVW;  // words per vector load
 #pragma unroll
   for (int j0 = 0; j0 < NVW; j0 += NV) {
@@ -319,10 +320,13 @@ __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scr
         vb[h][j][3] = __byte_perm(a[j][1], c[j][1], 0x7632);
       }
     }
+    // m-tile 2j + k: row g = channel 4w + 2k, row g + 8 = channel 4w + 2k + 1 of this thread group's word w
 #pragma unroll
     for (int j = 0; j < NV; ++j)
 #pragma unroll
-      for (int q = 0; q < 4; ++q) mma(o[4 * (j0 + j) + q], pa[0], pa[1], pa[2], pa[3], vb[0][j][q], vb[1][j][q]);
+      for (int k = 0; k < 2; ++k)
+        mma(o[2 * (j0 + j) + k], vb[0][j][2 * k], vb[0][j][2 * k + 1], vb[1][j][2 * k], vb[1][j][2 * k + 1], pb[0],
+            pb[1]);
   }
 }
 
@@ -354,12 +358,11 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   }
   __syncwarp();
 
-  // query fragments (operand A): row g (and g+8) = query head; k pairs = channels 4w..4w+3, w = t*NKS + s
+  // query fragments (operand A): row g = query head; k pairs = channels 4w..4w+3, w = t*NKS + s
   u32 qa[TILES][NKS][4];
   {
-    const int r0 = g, r1 = g + 8;
+    const int r0 = g;
     const u16* q0 = p.q + ((i64)b * p.heads * p.rep + (i64)hk * p.rep + r0) * D;
-    const u16* q1 = p.q + ((i64)b * p.heads * p.rep + (i64)hk * p.rep + r1) * D;
 #pragma unroll
     for (int T = 0; T < TILES; ++T)
 #pragma unroll
@@ -367,8 +370,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         const int ch = T * C + 4 * (t * NKS + sl);
         qa[T][sl][0] = r0 < p.rep ? *reinterpret_cast<const u32*>(q0 + ch) : 0u;
         qa[T][sl][2] = r0 < p.rep ? *reinterpret_cast<const u32*>(q0 + ch + 2) : 0u;
-        qa[T][sl][1] = (GAAC_TWO_ROWS && r1 < p.rep) ? *reinterpret_cast<const u32*>(q1 + ch) : 0u;
-        qa[T][sl][3] = (GAAC_TWO_ROWS && r1 < p.rep) ? *reinterpret_cast<const u32*>(q1 + ch + 2) : 0u;
+        qa[T][sl][1] = qa[T][sl][3] = 0u;  // rows 8..15 of the tile: no query heads (at most 8 per kv-head)
       }
   }
   // bases of the prepass lane's groups (channels (lane*GPL) % C ..), per K|V and tile
@@ -439,12 +441,12 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       }
   };
 
-  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
-  float o[TILES][NVS][4];
+  float m = NEG_INF, l = 0.f;  // of head g
+  float o[TILES][NVM][4];      // O^T: rows = channels, columns = heads 2t, 2t+1
 #pragma unroll
   for (int T = 0; T < TILES; ++T)
 #pragma unroll
-    for (int n = 0; n < NVS; ++n)
+    for (int n = 0; n < NVM; ++n)
 #pragma unroll
       for (int c = 0; c < 4; ++c) o[T][n][c] = 0.f;
 
@@ -482,10 +484,9 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         k_tile<0>(p, buf, scr, g, t, qa[T], sc);
       }
     }
-    // online softmax (base 2) over the 16 tokens; thread holds tokens 2t, 2t+1 of each half, rows g and g+8
-    u32 pa[4];
-#pragma unroll
-    for (int r = 0; r < (GAAC_TWO_ROWS ? 2 : 1); ++r) {
+    // online softmax (base 2) over the 16 tokens of head g; thread holds tokens 2t, 2t+1 of each half
+    u32 pb[2];
+    {
       float x[2][2];
       float mx = NEG_INF;
 #pragma unroll
@@ -495,14 +496,14 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
           const int tok = 8 * h + 2 * t + c;
           bool ok = tok < valid;
           if (mrow) ok = ok && mrow[16 * u + tok] != 0;
-          x[h][c] = ok ? sc[h][2 * r + c] * p.qk_scale : NEG_INF;
+          x[h][c] = ok ? sc[h][c] * p.qk_scale : NEG_INF;
           mx = fmaxf(mx, x[h][c]);
         }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float mn = fmaxf(m[r], mx);
+      const float mn = fmaxf(m, mx);
       const float ms = mn == NEG_INF ? 0.f : mn;
-      const float alpha = exp2_(m[r] - ms);
+      const float alpha = exp2_(m - ms);
       float pr[2][2];
       float sum = 0.f;
 #pragma unroll
@@ -512,59 +513,58 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
           pr[h][c] = exp2_(x[h][c] - ms);
           sum += pr[h][c];
         }
-      l[r] = l[r] * alpha + sum;
-      m[r] = mn;
+      l = l * alpha + sum;
+      m = mn;
+      // O^T columns are heads 2t and 2t+1: their rescale factors live in lanes 8t and 8t + 4
+      const float alpha0 = __shfl_sync(0xffffffffu, alpha, 8 * t), alpha1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
 #pragma unroll
       for (int T = 0; T < TILES; ++T)
 #pragma unroll
-        for (int n = 0; n < NVS; ++n) {
-          o[T][n][2 * r] *= alpha;
-          o[T][n][2 * r + 1] *= alpha;
+        for (int n = 0; n < NVM; ++n) {
+          o[T][n][0] *= alpha0;
+          o[T][n][1] *= alpha1;
+          o[T][n][2] *= alpha0;
+          o[T][n][3] *= alpha1;
         }
-      pa[r] = pack_bf16(pr[0][0], pr[0][1]);
-      pa[2 + r] = pack_bf16(pr[1][0], pr[1][1]);
+      pb[0] = pack_bf16(pr[0][0], pr[0][1]);
+      pb[1] = pack_bf16(pr[1][0], pr[1][1]);
     }
-    if (!GAAC_TWO_ROWS) pa[1] = pa[3] = 0u;
 #pragma unroll
     for (int T = 0; T < TILES; ++T) {
       const u8* buf = ring + (st * 2 * TILES + TILES + T) * p.buf_bytes;
       if (!GAAC_PLAIN && !(GAAC_SKIP & 2) && !tail && entry(u, 1, T) >= 0) {
         const bool any_raw = prepass(p, buf, scr, b3[1][T], b4[1][T], lane);
         __syncwarp();
-        if (any_raw) v_tile<8>(p, buf, scr, g, t, pa, o[T]);
-        else v_tile<4>(p, buf, scr, g, t, pa, o[T]);
+        if (any_raw) v_tile<8>(p, buf, scr, g, t, pb, o[T]);
+        else v_tile<4>(p, buf, scr, g, t, pb, o[T]);
       } else {
-        v_tile<0>(p, buf, scr, g, t, pa, o[T]);
+        v_tile<0>(p, buf, scr, g, t, pb, o[T]);
       }
     }
     __syncwarp();
   }
 
   // partial results of this split
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  if (t == 0 && g < p.rep) {
+    const i64 row = (i64)item * p.rep + g;
+    p.part_ml[2 * row] = m;
+    p.part_ml[2 * row + 1] = l;
   }
 #pragma unroll
-  for (int r = 0; r < (GAAC_TWO_ROWS ? 2 : 1); ++r) {
-    const int head = g + 8 * r;
+  for (int c = 0; c < 2; ++c) {
+    const int head = 2 * t + c;
     if (head >= p.rep) continue;
-    const i64 row = (i64)item * p.rep + head;
-    if (t == 0) {
-      p.part_ml[2 * row] = m[r];
-      p.part_ml[2 * row + 1] = l[r];
-    }
-    float* po = p.part_o + row * D;
+    float* po = p.part_o + ((i64)item * p.rep + head) * D;
 #pragma unroll
     for (int T = 0; T < TILES; ++T)
 #pragma unroll
-      for (int n = 0; n < NVS; ++n)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int col = 2 * t + c;  // n-column = thread g' of the V fragment
-          po[T * C + 4 * (col * NVW + n / 4) + n % 4] = o[T][n][2 * r + c];
-        }
+      for (int n = 0; n < NVM; ++n) {
+        const int ch = T * C + 4 * (g * NVW + n / 2) + 2 * (n % 2);  // rows g and g + 8 of m-tile n
+        po[ch] = o[T][n][c];
+        po[ch + 1] = o[T][n][2 + c];
+      }
   }
 }
 
