@@ -88,6 +88,30 @@ def compress(k, v, capacity=None):
             base3.contiguous(), base4.contiguous()), info
 
 
+def bench_graph(fn, n_buffers, reps=20):
+    """Median µs per call of `fn` replayed from a CUDA graph (no host launch cost), rotating over the buffers."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(n_buffers):
+            fn(i)  # warm up (compiles, plans) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            for i in range(n_buffers):
+                fn(i)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / (reps * n_buffers))
+    return sorted(times)[len(times) // 2]
+
+
 def bench(fn, n_buffers):
     state = {"i": 0}
 
@@ -109,6 +133,8 @@ def main():
     p.add_argument("--breakdown-shape", type=int, default=2, help="shape for the leave-one-stage-out breakdown")
     p.add_argument("--cuda-sweep", action="store_true", help="sweep the CUDA kernel's ring depth, warps and splits")
     p.add_argument("--no-triton", action="store_true", help="skip the Triton kernel (fused, twin, breakdown)")
+    p.add_argument("--graphs", action="store_true", help="also time the CUDA kernel and the baselines replayed from "
+                   "CUDA graphs (GPU time without host launch cost)")
     args = p.parse_args()
     dev = torch.device("cuda")
     pool = load_file(args.real_kv)["kv"].to(dev)
@@ -198,8 +224,9 @@ def main():
                                         nsplit=pc.nsplit)
                     return lambda i: gaac_cuda.decode_attention(q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6],
                                                                 kv_len, None, scale, layout, pv, combine=combine)
+                timer = bench_graph if args.graphs else bench
                 cuda_info["breakdown_us"] = {
-                    label: bench(run_variant(skip, combine), args.buffers)
+                    label: timer(run_variant(skip, combine), args.buffers)
                     for label, skip, combine in (("full", 0, True), ("split_kernel_only", 0, False),
                                                  ("no_math", 1, False), ("no_reconstruction", 2, False),
                                                  ("loads_only", 3, False))}
@@ -215,7 +242,7 @@ def main():
                         pcm = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes,
                                              stages=stages, warps=warps, min_ctas=min_ctas,
                                              nsplit=max(1, int(pcs.nsplit * mult)))
-                        us = bench(lambda i, pcm=pcm: gaac_cuda.decode_attention(
+                        us = (bench_graph if args.graphs else bench)(lambda i, pcm=pcm: gaac_cuda.decode_attention(
                             q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout,
                             pcm), args.buffers)
                         sweep[key] = {"us": us, "nsplit": pcm.nsplit, "registers": pcm.kernels(dev)[0].registers}
@@ -237,16 +264,23 @@ def main():
                 times[vname] = {"us": us, "GBps": nbytes / us / 1e3}
             except Exception as e:  # a backend may not support a shape
                 times[vname] = {"error": f"{type(e).__name__}: {e}"[:200]}
+            if args.graphs and vname in GRAPH_VARIANTS:
+                try:  # the same call replayed from a CUDA graph: GPU time without host launch cost
+                    us = bench_graph(fn, args.buffers)
+                    times[vname + "_graph"] = {"us": us, "GBps": nbytes / us / 1e3}
+                except Exception as e:  # noqa: BLE001 - not every backend captures
+                    times[vname + "_graph"] = {"error": f"{type(e).__name__}: {e}"[:200]}
         base = min(t["us"] for kname, t in times.items() if "us" in t and kname in BASELINES)
         best_name = min((kname for kname in BASELINES if "us" in times.get(kname, {})), key=lambda k2: times[k2]["us"])
-        ours = "gaac_cuda" if "us" in times.get("gaac_cuda", {}) else "gaac_fused"
+        ours = next((k2 for k2 in ("gaac_cuda_graph", "gaac_cuda", "gaac_fused") if "us" in times.get(k2, {})))
         row = {"model": name, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "batch": b, "context": s,
                "bit_identical_to_plain": identical, "rel_err_vs_fp32": rel, "bf16_bytes": bf16_bytes,
                "gaac_bytes": gaac_bytes, **info, "cuda": cuda_info, "times": times,
                "best_baseline": best_name, "gaac_kernel": ours,
                "speedup_vs_best_baseline": base / times[ours]["us"] if "us" in times[ours] else None}
-        if "us" in times.get("cuda_same_kernel_bf16", {}) and "us" in times.get("cudnn_sdpa", {}):
-            row["twin_vs_cudnn"] = times["cudnn_sdpa"]["us"] / times["cuda_same_kernel_bf16"]["us"]
+        for sfx in ("", "_graph"):
+            if "us" in times.get("cuda_same_kernel_bf16" + sfx, {}) and "us" in times.get("cudnn_sdpa" + sfx, {}):
+                row["twin_vs_cudnn" + sfx] = times["cudnn_sdpa" + sfx]["us"] / times["cuda_same_kernel_bf16" + sfx]["us"]
         if shape_index == args.breakdown_shape and not args.no_triton:
             row["breakdown_us"] = {
                 label: bench(lambda i, st=st: gaac_decode_attention(q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6],
@@ -266,12 +300,16 @@ def main():
     print(table(results))
 
 
-BASELINES = ("cudnn_sdpa", "flash_sdpa", "fa3", "flashinfer", "flex_attention")
+BASELINES = ("cudnn_sdpa", "flash_sdpa", "fa3", "flashinfer", "flex_attention", "cudnn_sdpa_graph",
+             "flash_sdpa_graph", "fa3_graph", "flashinfer_graph")
+GRAPH_VARIANTS = ("gaac_cuda", "cuda_same_kernel_bf16", "cudnn_sdpa", "flash_sdpa", "fa3", "flashinfer")
 
 
 def table(results) -> str:
-    cols = ["gaac_cuda", "gaac_fused", "cudnn_sdpa", "flash_sdpa", "fa3", "flashinfer", "flex_attention",
-            "cuda_same_kernel_bf16", "triton_same_kernel_bf16", "decompress_then_cudnn"]
+    cols = ["gaac_cuda_graph", "cudnn_sdpa_graph", "flash_sdpa_graph", "fa3_graph", "flashinfer_graph",
+            "cuda_same_kernel_bf16_graph", "gaac_cuda", "cudnn_sdpa", "flash_sdpa", "fa3", "flashinfer", "flex_attention",
+            "cuda_same_kernel_bf16", "gaac_fused", "triton_same_kernel_bf16", "decompress_then_cudnn"]
+    cols = [c for c in cols if any("us" in r["times"].get(c, {}) for r in results["rows"])]
     out = ["| q/kv/dim, batch x context | " + " | ".join(f"{c} µs (GB/s)" for c in cols) + " | GAAC vs best |",
            "|---" * (len(cols) + 2) + "|"]
     for r in results["rows"]:

@@ -10,6 +10,7 @@ the bitstream only through the offsets it is handed.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -35,9 +36,13 @@ class _Params(ctypes.Structure):  # mirrors `struct Params` in the kernel source
                 + [("qk_scale", ctypes.c_float)])
 
 
+@functools.lru_cache(maxsize=1)
 def _source() -> str:
     with open(_SOURCE_FILE) as f:
         return f.read()
+
+
+_kernels: dict = {}
 
 
 def available(device: torch.device | str | int | None = None) -> bool:
@@ -80,9 +85,16 @@ class DecodePlan:
         return self.warps * self.warp_bytes
 
     def kernels(self, device):
-        src = _source()
-        return (nvrtc.get_kernel(src, list(self.options), "gaac_decode_split", device),
-                nvrtc.get_kernel(src, list(self.options), "gaac_combine", device))
+        """(split kernel, combine kernel) of this plan on `device`, compiled once (host cost per call: a dict lookup)."""
+        index = torch.device(device).index
+        key = (self.options, torch.cuda.current_device() if index is None else index)
+        pair = _kernels.get(key)
+        if pair is None:
+            src = _source()
+            pair = (nvrtc.get_kernel(src, list(self.options), "gaac_decode_split", device),
+                    nvrtc.get_kernel(src, list(self.options), "gaac_combine", device))
+            _kernels[key] = pair
+        return pair
 
 
 def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, device, *, slot_bytes: int = 0,
