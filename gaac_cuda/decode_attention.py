@@ -110,7 +110,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     channels = min(head_dim, 128)
     tiles = head_dim // channels
     raw_bytes = 2 * BLOCK * channels
-    buf = raw_bytes if plain else max(raw_bytes, -(-slot_bytes // 16) * 16)
+    # a slot's buffer: sign+mantissa rows padded by 16 bytes each (256 bytes in all), then its group section
+    buf = raw_bytes if plain else max(raw_bytes, -(-(slot_bytes + 16 * 16) // 16) * 16)
     scratch = 0 if plain else 12 * channels
     warp_bytes = -(-(64 + stages * 2 * tiles * buf + scratch) // 128) * 128
     options = (f"-DGAAC_C={channels}", f"-DGAAC_TILES={tiles}",

@@ -47,6 +47,9 @@ typedef long long i64;
 #define NVM (C / 16)   // m-tiles of 16 channels per tile (output mma)
 #define G (2 * C)      // groups per tile
 #define GPL (G / 32)   // groups per lane in the prepass
+#define SM_ROW (C + 16)              // a slot's sign+mantissa row in shared memory, padded against bank conflicts
+#define SM_SECTION (16 * SM_ROW)     // where the slot's group section (planes, tags, escapes) starts in the buffer
+#define SECTION_SHIFT (SM_SECTION - 16 * C)  // slot offset -> buffer offset, for offsets past the sign+mantissa
 
 struct Params {
   const u16* q;        // [B, Hq, D]
@@ -75,8 +78,8 @@ struct Params {
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
-__device__ __forceinline__ void mbar_init(u32 bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar));
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
 }
 __device__ __forceinline__ void mbar_expect(u32 bar, u32 bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
@@ -96,6 +99,13 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
       "l"(src), "r"(bytes), "r"(bar)
       : "memory");
+}
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+// arrive on the mbarrier once this thread's earlier cp.async copies have landed (counted in the barrier's init)
+__device__ __forceinline__ void cp_async_arrive(u32 bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ void fence_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
@@ -147,15 +157,17 @@ struct Scratch {  // per-warp dense group data of the slot being read
 };
 
 // Prepass over one slot in shared memory: bases and dense escape planes per group. Returns "any raw group".
+// Lane L owns groups L*GPL .. L*GPL + GPL-1 (one byte, or half a byte, of each tag plane).
 __device__ __forceinline__ bool prepass(const Params& p, const u8* slot, const Scratch& s, const u32 (&b3)[GPL / 4],
                                         const u32 (&b4)[GPL / 4], int lane) {
+  const u8* tags = slot + SECTION_SHIFT + p.tags_off;
   u32 wb, rb;
   if (GPL == 8) {
-    wb = slot[p.tags_off + lane];
-    rb = slot[p.tags_off + G / 8 + lane];
+    wb = tags[lane];
+    rb = tags[G / 8 + lane];
   } else {
-    wb = (slot[p.tags_off + (lane >> 1)] >> ((lane & 1) * 4)) & 0xF;
-    rb = (slot[p.tags_off + G / 8 + (lane >> 1)] >> ((lane & 1) * 4)) & 0xF;
+    wb = (tags[lane >> 1] >> ((lane & 1) * 4)) & 0xF;
+    rb = (tags[G / 8 + (lane >> 1)] >> ((lane & 1) * 4)) & 0xF;
   }
   const u32 cnt = __popc(wb) + 4 * __popc(rb);
   u32 incl = cnt;
@@ -165,37 +177,38 @@ __device__ __forceinline__ bool prepass(const Params& p, const u8* slot, const S
     if (lane >= d) incl += v;
   }
   const bool any_raw = __any_sync(0xffffffffu, rb != 0);
-  u32 off = incl - cnt;
-  const u8* esc = slot + p.esc_off;
-  const int esc_max = p.buf_bytes - p.esc_off - 5;  // keeps reads inside the buffer whatever the tags say
-  u32 p3[GPL / 4], hi[4][GPL / 4];
-#pragma unroll
-  for (int w = 0; w < GPL / 4; ++w) {
-    p3[w] = 0;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) hi[j][w] = 0;
-  }
-#pragma unroll
-  for (int k = 0; k < GPL; ++k) {
-    const u32 wide = (wb >> k) & 1, raw = (rb >> k) & 1;
-    const int o = min((int)off, esc_max);
-    if (wide) p3[k / 4] |= (u32)esc[o] << (8 * (k % 4));
-    if (any_raw && raw) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) hi[j][k / 4] |= (u32)esc[o + 1 + j] << (8 * (k % 4));
-    }
-    off += wide + 4 * raw;
+  const int off = incl - cnt;  // escape offset of the lane's first group
+  const u8* esc = slot + SECTION_SHIFT + p.esc_off;
+  const int esc_max = p.buf_bytes - SECTION_SHIFT - p.esc_off - 5;  // reads stay in the buffer whatever the tags say
+  // plane 3 of every wide group (4-bit or raw): one escape byte at its offset
+  unsigned long long p3 = 0;
+  for (u32 rem = wb; rem; rem &= rem - 1) {
+    const int k = __ffs(rem) - 1;
+    const u32 below = (1u << k) - 1;
+    const int o = min(off + __popc(wb & below) + 4 * __popc(rb & below), esc_max);
+    p3 |= (unsigned long long)esc[o] << (8 * k);
   }
 #pragma unroll
   for (int w = 0; w < GPL / 4; ++w) {
     const u32 wm = lane_mask((wb >> (4 * w)) & 0xF), rm = lane_mask((rb >> (4 * w)) & 0xF);
     const int g0 = lane * GPL + 4 * w;
     *reinterpret_cast<u32*>(s.base + g0) = ((b4[w] & wm) | (b3[w] & ~wm)) & ~rm;
-    *reinterpret_cast<u32*>(s.planes + g0) = p3[w];
-    if (any_raw) {
+    *reinterpret_cast<u32*>(s.planes + g0) = (u32)(p3 >> (32 * w));
+  }
+  if (any_raw) {  // planes 4..7 of raw groups: the 4 escape bytes after plane 3
+    unsigned long long hi[4] = {0, 0, 0, 0};
+    for (u32 rem = rb; rem; rem &= rem - 1) {
+      const int k = __ffs(rem) - 1;
+      const u32 below = (1u << k) - 1;
+      const int o = min(off + __popc(wb & below) + 4 * __popc(rb & below), esc_max);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) *reinterpret_cast<u32*>(s.planes + (1 + j) * G + g0) = hi[j][w];
+      for (int j = 0; j < 4; ++j) hi[j] |= (unsigned long long)esc[o + 1 + j] << (8 * k);
     }
+#pragma unroll
+    for (int w = 0; w < GPL / 4; ++w)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        *reinterpret_cast<u32*>(s.planes + (1 + j) * G + lane * GPL + 4 * w) = (u32)(hi[j] >> (32 * w));
   }
   return any_raw;
 }
@@ -225,9 +238,10 @@ struct GroupWords {
   u32 pl[8][N];
   u32 base[N];
   __device__ __forceinline__ GroupWords(const Params& p, const u8* slot, const Scratch& s, int g0) {
-    ldv<N>(slot + p.planes_off + g0, pl[0]);
-    ldv<N>(slot + p.planes_off + G + g0, pl[1]);
-    ldv<N>(slot + p.planes_off + 2 * G + g0, pl[2]);
+    const u8* planes = slot + SECTION_SHIFT + p.planes_off;
+    ldv<N>(planes + g0, pl[0]);
+    ldv<N>(planes + G + g0, pl[1]);
+    ldv<N>(planes + 2 * G + g0, pl[2]);
 #pragma unroll
     for (int j = 3; j < 8; ++j) {
       if (j < NP) ldv<N>(s.planes + (j - 3) * G + g0, pl[j]);
@@ -268,7 +282,7 @@ __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scr
       } else {
         const GroupWords<KIND, NV> gw(p, buf, s, h * C + 4 * w0);
         u32 sm[NV];
-        ldv<NV>(buf + tok * C + 4 * w0, sm);
+        ldv<NV>(buf + tok * SM_ROW + 4 * w0, sm);
 #pragma unroll
         for (int i = 0; i < NV; ++i) merge(gw.exponents(i, g), sm[i], b[i][0], b[i][1]);
       }
@@ -304,8 +318,8 @@ __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scr
       } else {
         const GroupWords<KIND, NV> gw(p, buf, s, h * C + 4 * w0);
         u32 sa[NV], sb[NV];
-        ldv<NV>(buf + ta * C + 4 * w0, sa);
-        ldv<NV>(buf + (ta + 1) * C + 4 * w0, sb);
+        ldv<NV>(buf + ta * SM_ROW + 4 * w0, sa);
+        ldv<NV>(buf + (ta + 1) * SM_ROW + 4 * w0, sb);
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
           merge(gw.exponents(j, 2 * t), sa[j], a[j][0], a[j][1]);
@@ -353,7 +367,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 
   if (lane == 0) {
 #pragma unroll
-    for (int st = 0; st < GAAC_STAGES; ++st) mbar_init(bars + 8 * st);
+    for (int st = 0; st < GAAC_STAGES; ++st) mbar_init(bars + 8 * st, 33);  // lane 0's expect_tx + 32 cp.async arrivals
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncwarp();
@@ -398,9 +412,14 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     return (GAAC_PLAIN || u >= nb) ? 0 : trow[(i64)u * tstride + (kv * p.heads + hk) * TILES + T];
   };
   // kind of a tile: 1 = slot, 0 = BF16 rows (raw tile, plain block, tail)
+  // Stage copies of unit u into ring stage st. A slot: its sign+mantissa rows by 16-byte cp.async into rows padded
+  // to C + 16 bytes (conflict-free fragment loads), its group section (planes, tags, escapes) by one bulk copy.
+  // BF16 tiles (raw tile, plain block, tail): 16-byte cp.async per lane; rows past the tail are zero-filled.
+  // The stage's mbarrier completes on lane 0's expect_tx (bulk bytes) plus all 32 lanes' cp.async arrivals.
   auto issue = [&](int u, int st) {
     const bool tail = u >= nb;
     const int valid = tail ? tl : 16;
+    const u32 bar = bars + 8 * st;
     int e[2][TILES];
     u32 bytes = 0;
 #pragma unroll
@@ -408,12 +427,10 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #pragma unroll
       for (int T = 0; T < TILES; ++T) {
         e[kv][T] = entry(u, kv, T);
-        const bool slot = !GAAC_PLAIN && !tail && e[kv][T] >= 0;
-        bytes += slot ? (u32)p.slot_bytes : (u32)(valid * 2 * C);
+        if (!GAAC_PLAIN && !tail && e[kv][T] >= 0) bytes += (u32)(p.slot_bytes - 16 * C);
       }
     fence_async();
-    if (lane == 0) mbar_expect(bars + 8 * st, bytes);
-    __syncwarp();
+    if (lane == 0) mbar_expect(bar, bytes);
 #pragma unroll
     for (int kv = 0; kv < 2; ++kv)
 #pragma unroll
@@ -421,24 +438,28 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         u8* dst = ring + (st * 2 * TILES + kv * TILES + T) * p.buf_bytes;
         const int ent = e[kv][T];
         if (!GAAC_PLAIN && !tail && ent >= 0) {
-          if (lane == kv * TILES + T) bulk_copy(smem_u32(dst), p.slots + (i64)ent * p.slot_bytes, (u32)p.slot_bytes,
-                                                bars + 8 * st);
-        } else if (!GAAC_PLAIN && !tail) {
-          if (lane == kv * TILES + T)
-            bulk_copy(smem_u32(dst), p.raw + (i64)(-1 - ent) * 16 * C, 32 * C, bars + 8 * st);
-        } else {
-          const int r = lane & 15;
-          if ((lane >> 4) == 0) {
-            if (r < valid) {
-              bulk_copy(smem_u32(dst + r * 2 * C), rows_src(kv, u, T) + (i64)r * p.kv_ss, 2 * C, bars + 8 * st);
-            } else {
-              uint4* z = reinterpret_cast<uint4*>(dst + r * 2 * C);
+          const u8* src = p.slots + (i64)ent * p.slot_bytes;
 #pragma unroll
-              for (int i = 0; i < 2 * C / 16; ++i) z[i] = make_uint4(0, 0, 0, 0);
-            }
+          for (int i = 0; i < C / 32; ++i) {  // 16 rows x C bytes = C chunks of 16 B
+            const int c = lane + 32 * i, row = c / (C / 16), col = c % (C / 16);
+            cp_async16(smem_u32(dst + row * SM_ROW + 16 * col), src + 16 * c);
+          }
+          if (lane == kv * TILES + T)
+            bulk_copy(smem_u32(dst + SM_SECTION), src + 16 * C, (u32)(p.slot_bytes - 16 * C), bar);
+        } else {
+          const u8* src = !GAAC_PLAIN && !tail ? reinterpret_cast<const u8*>(p.raw + (i64)(-1 - ent) * 16 * C)
+                                               : reinterpret_cast<const u8*>(rows_src(kv, u, T));
+          const i64 row_bytes = !GAAC_PLAIN && !tail ? 2 * C : 2 * p.kv_ss;
+#pragma unroll
+          for (int i = 0; i < C / 16; ++i) {  // 16 rows x 2C bytes = 2C chunks of 16 B
+            const int c = lane + 32 * i, row = c / (C / 8), col = c % (C / 8);
+            u8* d = dst + row * 2 * C + 16 * col;
+            if (row < valid) cp_async16(smem_u32(d), src + row * row_bytes + 16 * col);
+            else *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
           }
         }
       }
+    cp_async_arrive(bar);
   };
 
   float m = NEG_INF, l = 0.f;  // of head g
