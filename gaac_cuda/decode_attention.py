@@ -98,8 +98,8 @@ class DecodePlan:
 
 
 def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, device, *, slot_bytes: int = 0,
-         plain: bool = False, nsplit: int | None = None, warps: int = 4, stages: int = 2, min_ctas: int = 1,
-         skip: int = 0) -> DecodePlan:
+         plain: bool = False, nsplit: int | None = None, warps: int = 4, stages: int = 2,
+         min_ctas: int | None = None, skip: int = 0) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention."""
@@ -114,6 +114,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     buf = raw_bytes if plain else max(raw_bytes, -(-(slot_bytes + 16 * 16) // 16) * 16)
     scratch = 0 if plain else 12 * channels
     warp_bytes = -(-(64 + stages * 2 * tiles * buf + scratch) // 128) * 128
+    if min_ctas is None:  # register cap: 3 CTAs of 4 warps per SM (what shared memory allows at head_dim 128)
+        min_ctas = 1 if tiles == 2 else 12 // warps
     options = (f"-DGAAC_C={channels}", f"-DGAAC_TILES={tiles}",
                f"-DGAAC_PLAIN={int(plain)}", f"-DGAAC_STAGES={stages}", f"-DGAAC_WARPS={warps}",
                f"-DGAAC_MIN_CTAS={min_ctas}")

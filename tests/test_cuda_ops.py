@@ -42,11 +42,12 @@ def test_plan_rejects_shapes_the_kernel_does_not_cover():
                     reason="needs nvcc (CUDA 12.8+) and triton's cuobjdump")
 @pytest.mark.parametrize("config", [(128, 1, 0), (128, 1, 1), (64, 1, 0), (64, 1, 1)])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
-    """The sm_90a build of every head_dim-64/128 variant keeps its state in registers: no stack, no local memory."""
+    """The sm_90a build of every head_dim-64/128 variant, at the plan's default register cap (3 CTAs of 4 warps per
+    SM), keeps its state in registers: no stack, no local memory."""
     c, tiles, plain = config
     out = tmp_path / "k.cubin"
     defs = [f"-DGAAC_C={c}", f"-DGAAC_TILES={tiles}", f"-DGAAC_PLAIN={plain}",
-            "-DGAAC_STAGES=2", "-DGAAC_WARPS=4"]
+            "-DGAAC_STAGES=2", "-DGAAC_WARPS=4", "-DGAAC_MIN_CTAS=3"]
     subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", *defs, "-x", "cu",
                     _SOURCE_FILE, "-o", str(out)], check=True, capture_output=True)
     usage = subprocess.run([CUOBJDUMP, "-res-usage", str(out)], check=True, capture_output=True, text=True).stdout
@@ -54,7 +55,7 @@ def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     fn = usage.split("gaac_decode_split")[1]
     regs = int(re.search(r"REG:(\d+)", fn).group(1))
     assert int(re.search(r"STACK:(\d+)", fn).group(1)) == 0 and int(re.search(r"LOCAL:(\d+)", fn).group(1)) == 0, split
-    assert regs <= 255, split
+    assert regs <= 168, split  # 3 CTAs of 4 warps per SM
 
 
 def reference_attention(q, k, v, kv_len, mask, scale):

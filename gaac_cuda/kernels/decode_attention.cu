@@ -408,6 +408,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     const i64 row0 = GAAC_PLAIN ? (i64)16 * u : 0;
     return base + (i64)b * p.kv_sb + (i64)hk * p.kv_sh + row0 * p.kv_ss + T * C;
   };
+  volatile u32* kinds = reinterpret_cast<volatile u32*>(ws + 8 * GAAC_STAGES);  // slot bits of each stage
   auto entry = [&](int u, int kv, int T) -> int {
     return (GAAC_PLAIN || u >= nb) ? 0 : trow[(i64)u * tstride + (kv * p.heads + hk) * TILES + T];
   };
@@ -416,19 +417,20 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   // to C + 16 bytes (conflict-free fragment loads), its group section (planes, tags, escapes) by one bulk copy.
   // BF16 tiles (raw tile, plain block, tail): 16-byte cp.async per lane; rows past the tail are zero-filled.
   // The stage's mbarrier completes on lane 0's expect_tx (bulk bytes) plus all 32 lanes' cp.async arrivals.
-  auto issue = [&](int u, int st) {
+  auto issue = [&](int u, int st, const int (&e)[2][TILES]) {
     const bool tail = u >= nb;
     const int valid = tail ? tl : 16;
     const u32 bar = bars + 8 * st;
-    int e[2][TILES];
-    u32 bytes = 0;
+    u32 bytes = 0, slots = 0;
 #pragma unroll
     for (int kv = 0; kv < 2; ++kv)
 #pragma unroll
-      for (int T = 0; T < TILES; ++T) {
-        e[kv][T] = entry(u, kv, T);
-        if (!GAAC_PLAIN && !tail && e[kv][T] >= 0) bytes += (u32)(p.slot_bytes - 16 * C);
-      }
+      for (int T = 0; T < TILES; ++T)
+        if (!GAAC_PLAIN && !tail && e[kv][T] >= 0) {
+          bytes += (u32)(p.slot_bytes - 16 * C);
+          slots |= 1u << (kv * TILES + T);
+        }
+    if (lane == 0) kinds[st] = slots;  // read by the consumer after the stage's barrier (and a __syncwarp)
     fence_async();
     if (lane == 0) mbar_expect(bar, bytes);
 #pragma unroll
@@ -471,19 +473,32 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #pragma unroll
       for (int c = 0; c < 4; ++c) o[T][n][c] = 0.f;
 
+  // table entries are loaded one issue ahead, so no issue waits on a global load
+  auto load_entries = [&](int u, int (&e)[2][TILES]) {
 #pragma unroll
-  for (int st = 0; st < GAAC_STAGES - 1; ++st)
-    if (u0 + st < u1) issue(u0 + st, st);
+    for (int kv = 0; kv < 2; ++kv)
+#pragma unroll
+      for (int T = 0; T < TILES; ++T) e[kv][T] = u < u1 ? entry(u, kv, T) : 0;
+  };
+  int ent[2][TILES];
+#pragma unroll
+  for (int st = 0; st < GAAC_STAGES - 1; ++st) {
+    load_entries(u0 + st, ent);
+    if (u0 + st < u1) issue(u0 + st, st, ent);
+  }
+  load_entries(u0 + GAAC_STAGES - 1, ent);
   u32 phases = 0;
   const u8* mrow = p.mask ? p.mask + (i64)b * p.mask_sb : nullptr;
 
   for (int u = u0; u < u1; ++u) {
     const int st = (u - u0) % GAAC_STAGES;
-    if (u + GAAC_STAGES - 1 < u1) issue(u + GAAC_STAGES - 1, (u - u0 + GAAC_STAGES - 1) % GAAC_STAGES);
+    if (u + GAAC_STAGES - 1 < u1) issue(u + GAAC_STAGES - 1, (u - u0 + GAAC_STAGES - 1) % GAAC_STAGES, ent);
+    load_entries(u + GAAC_STAGES, ent);
     if (!GAAC_PLAIN && lane == 0 && u + 8 < nb)
       asm volatile("prefetch.global.L1 [%0];" ::"l"(trow + (i64)(u + 8) * tstride));
     mbar_wait(bars + 8 * st, (phases >> st) & 1);
     phases ^= 1u << st;
+    const u32 slots_here = kinds[st];
     const bool tail = u >= nb;
     const int valid = tail ? tl : 16;
 
@@ -495,7 +510,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #pragma unroll
     for (int T = 0; T < TILES; ++T) {
       const u8* buf = ring + (st * 2 * TILES + T) * p.buf_bytes;
-      if (!GAAC_PLAIN && !(GAAC_SKIP & 2) && !tail && entry(u, 0, T) >= 0) {
+      if (!GAAC_PLAIN && !(GAAC_SKIP & 2) && ((slots_here >> T) & 1)) {
         const bool any_raw = prepass(p, buf, scr, b3[0][T], b4[0][T], lane);
         __syncwarp();
         if (any_raw) k_tile<8>(p, buf, scr, g, t, qa[T], sc);
@@ -553,7 +568,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #pragma unroll
     for (int T = 0; T < TILES; ++T) {
       const u8* buf = ring + (st * 2 * TILES + TILES + T) * p.buf_bytes;
-      if (!GAAC_PLAIN && !(GAAC_SKIP & 2) && !tail && entry(u, 1, T) >= 0) {
+      if (!GAAC_PLAIN && !(GAAC_SKIP & 2) && ((slots_here >> (TILES + T)) & 1)) {
         const bool any_raw = prepass(p, buf, scr, b3[1][T], b4[1][T], lane);
         __syncwarp();
         if (any_raw) v_tile<8>(p, buf, scr, g, t, pb, o[T]);
