@@ -112,7 +112,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     raw_bytes = 2 * BLOCK * channels
     # a slot's buffer: sign+mantissa rows padded by 16 bytes each (256 bytes in all), then its group section
     buf = raw_bytes if plain else max(raw_bytes, -(-(slot_bytes + 16 * 16) // 16) * 16)
-    scratch = 0 if plain else 12 * channels
+    scratch = 0 if plain else 14 * channels  # per-group bases, planes 3..7 and raw masks of one slot
     warp_bytes = -(-(64 + stages * 2 * tiles * buf + scratch) // 128) * 128
     if min_ctas is None:  # register cap: 3 CTAs of 4 warps per SM (what shared memory allows at head_dim 128)
         min_ctas = 1 if tiles == 2 else 12 // warps

@@ -153,7 +153,8 @@ __device__ __forceinline__ u32 lane_mask(u32 n) { return ((n * 0x00204081u) & 0x
 
 struct Scratch {  // per-warp dense group data of the slot being read
   u8* base;       // [G] base of each group (base3, base4 or 0 by mode)
-  u8* planes;     // [5][G] planes 3..7 of each group (0 where the mode has no such plane)
+  u8* planes;     // [5][G] planes 3..7 of each group (0 where the mode has no such plane; 4..7 only if any raw)
+  u8* raw;        // [G] 0xFF for a raw group, else 0
 };
 
 // Prepass over one slot in shared memory: bases and dense escape planes per group. Returns "any raw group".
@@ -194,6 +195,7 @@ __device__ __forceinline__ bool prepass(const Params& p, const u8* slot, const S
     const int g0 = lane * GPL + 4 * w;
     *reinterpret_cast<u32*>(s.base + g0) = ((b4[w] & wm) | (b3[w] & ~wm)) & ~rm;
     *reinterpret_cast<u32*>(s.planes + g0) = (u32)(p3 >> (32 * w));
+    *reinterpret_cast<u32*>(s.raw + g0) = rm;
   }
   if (any_raw) {  // planes 4..7 of raw groups: the 4 escape bytes after plane 3
     unsigned long long hi[4] = {0, 0, 0, 0};
@@ -259,14 +261,24 @@ struct GroupWords {
     for (int j = 0; j < 8; ++j) w[j] = pl[j][i];
     return codes<NP>(w, bit) + base[i];
   }
+  // raw groups of word i (byte mask `rm`): the full 8-bit code from planes 0..7 (base 0). Rare, so kept off the
+  // common path: a lane branches here only when one of its groups is raw.
+  __device__ __forceinline__ u32 fix_raw(const Scratch& s, int g0, int i, int bit, u32 e, u32 rm) const {
+    u32 w[8];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) w[j] = pl[j][i];
+#pragma unroll
+    for (int j = 4; j < 8; ++j) w[j] = lds(s.planes + (j - 3) * G + g0 + 4 * i);
+    return (e & ~rm) | (codes<8>(w, bit) & rm);
+  }
 };
 
 // Scores of one tile: for each half h and k-slice s, operand B = channels 4w..4w+3 (w = t*NKS + s) of token 8h+g.
-// KIND 0: BF16 rows (raw tile, plain block, tail); 4: slot without raw groups; 8: slot with raw groups.
+// KIND 0: BF16 rows (raw tile, plain block, tail); 4: slot (raw groups, if any, patched per word).
 template <int KIND>
 __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
-                                       const u32 (&qa)[NKS][4], float (&sc)[2][4]) {
-  constexpr int NV = KIND == 8 ? 1 : 4;  // words per vector load (the rare raw-group path keeps registers low)
+                                       const u32 (&qa)[NKS][4], float (&sc)[2][4], bool any_raw) {
+  constexpr int NV = 4;  // words per vector load
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int tok = 8 * h + g;
@@ -280,11 +292,21 @@ __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scr
 #pragma unroll
         for (int i = 0; i < NV; ++i) b[i][0] = r[2 * i], b[i][1] = r[2 * i + 1];
       } else {
-        const GroupWords<KIND, NV> gw(p, buf, s, h * C + 4 * w0);
-        u32 sm[NV];
+        const int g0 = h * C + 4 * w0;
+        const GroupWords<4, NV> gw(p, buf, s, g0);
+        u32 sm[NV], e[NV];
         ldv<NV>(buf + tok * SM_ROW + 4 * w0, sm);
 #pragma unroll
-        for (int i = 0; i < NV; ++i) merge(gw.exponents(i, g), sm[i], b[i][0], b[i][1]);
+        for (int i = 0; i < NV; ++i) e[i] = gw.exponents(i, g);
+        if (any_raw) {
+          u32 rm[NV];
+          ldv<NV>(s.raw + g0, rm);
+#pragma unroll
+          for (int i = 0; i < NV; ++i)
+            if (rm[i]) e[i] = gw.fix_raw(s, g0, i, g, e[i], rm[i]);
+        }
+#pragma unroll
+        for (int i = 0; i < NV; ++i) merge(e[i], sm[i], b[i][0], b[i][1]);
       }
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
@@ -299,8 +321,8 @@ __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scr
 // 8h+2t, 8h+2t+1 of both halves, two tokens of one channel per register.
 template <int KIND>
 __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
-                                       const u32 (&pb)[2], float (&o)[NVM][4]) {
-  constexpr int NV = KIND == 8 ? 1 : NVW;  // words per vector load
+                                       const u32 (&pb)[2], float (&o)[NVM][4], bool any_raw) {
+  constexpr int NV = NVW;  // words per vector load
 #pragma unroll
   for (int j0 = 0; j0 < NVW; j0 += NV) {
     const int w0 = g * NVW + j0;
@@ -316,14 +338,27 @@ __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scr
 #pragma unroll
         for (int j = 0; j < NV; ++j) a[j][0] = ra[2 * j], a[j][1] = ra[2 * j + 1], c[j][0] = rc[2 * j], c[j][1] = rc[2 * j + 1];
       } else {
-        const GroupWords<KIND, NV> gw(p, buf, s, h * C + 4 * w0);
-        u32 sa[NV], sb[NV];
+        const int g0 = h * C + 4 * w0;
+        const GroupWords<4, NV> gw(p, buf, s, g0);
+        u32 sa[NV], sb[NV], ea[NV], eb[NV];
         ldv<NV>(buf + ta * SM_ROW + 4 * w0, sa);
         ldv<NV>(buf + (ta + 1) * SM_ROW + 4 * w0, sb);
 #pragma unroll
+        for (int j = 0; j < NV; ++j) ea[j] = gw.exponents(j, 2 * t), eb[j] = gw.exponents(j, 2 * t + 1);
+        if (any_raw) {
+          u32 rm[NV];
+          ldv<NV>(s.raw + g0, rm);
+#pragma unroll
+          for (int j = 0; j < NV; ++j)
+            if (rm[j]) {
+              ea[j] = gw.fix_raw(s, g0, j, 2 * t, ea[j], rm[j]);
+              eb[j] = gw.fix_raw(s, g0, j, 2 * t + 1, eb[j], rm[j]);
+            }
+        }
+#pragma unroll
         for (int j = 0; j < NV; ++j) {
-          merge(gw.exponents(j, 2 * t), sa[j], a[j][0], a[j][1]);
-          merge(gw.exponents(j, 2 * t + 1), sb[j], c[j][0], c[j][1]);
+          merge(ea[j], sa[j], a[j][0], a[j][1]);
+          merge(eb[j], sb[j], c[j][0], c[j][1]);
         }
       }
 #pragma unroll
@@ -358,6 +393,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   Scratch scr;
   scr.base = ring + GAAC_STAGES * 2 * TILES * p.buf_bytes;
   scr.planes = scr.base + G;
+  scr.raw = scr.planes + 5 * G;
 
   const int len = p.kv_len[b];
   const int nb = len >> 4, tl = len & 15;
@@ -481,19 +517,19 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       for (int T = 0; T < TILES; ++T) e[kv][T] = u < u1 ? entry(u, kv, T) : 0;
   };
   int ent[2][TILES];
-#pragma unroll
-  for (int st = 0; st < GAAC_STAGES - 1; ++st) {
-    load_entries(u0 + st, ent);
-    if (u0 + st < u1) issue(u0 + st, st, ent);
-  }
-  load_entries(u0 + GAAC_STAGES - 1, ent);
+  load_entries(u0, ent);
   u32 phases = 0;
   const u8* mrow = p.mask ? p.mask + (i64)b * p.mask_sb : nullptr;
 
-  for (int u = u0; u < u1; ++u) {
+  // one loop for the prologue and the steady state: iteration u issues unit u + STAGES - 1, then consumes unit u
+  for (int u = u0 - (GAAC_STAGES - 1); u < u1; ++u) {
+    const int next = u + GAAC_STAGES - 1;
+    if (next < u1) {
+      issue(next, (next - u0) % GAAC_STAGES, ent);
+      load_entries(next + 1, ent);
+    }
+    if (u < u0) continue;
     const int st = (u - u0) % GAAC_STAGES;
-    if (u + GAAC_STAGES - 1 < u1) issue(u + GAAC_STAGES - 1, (u - u0 + GAAC_STAGES - 1) % GAAC_STAGES, ent);
-    load_entries(u + GAAC_STAGES, ent);
     if (!GAAC_PLAIN && lane == 0 && u + 8 < nb)
       asm volatile("prefetch.global.L1 [%0];" ::"l"(trow + (i64)(u + 8) * tstride));
     mbar_wait(bars + 8 * st, (phases >> st) & 1);
@@ -513,11 +549,10 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       if (!GAAC_PLAIN && !(GAAC_SKIP & 2) && ((slots_here >> T) & 1)) {
         const bool any_raw = prepass(p, buf, scr, b3[0][T], b4[0][T], lane);
         __syncwarp();
-        if (any_raw) k_tile<8>(p, buf, scr, g, t, qa[T], sc);
-        else k_tile<4>(p, buf, scr, g, t, qa[T], sc);
+        k_tile<4>(p, buf, scr, g, t, qa[T], sc, any_raw);
         __syncwarp();
       } else {
-        k_tile<0>(p, buf, scr, g, t, qa[T], sc);
+        k_tile<0>(p, buf, scr, g, t, qa[T], sc, false);
       }
     }
     // online softmax (base 2) over the 16 tokens of head g; thread holds tokens 2t, 2t+1 of each half
@@ -571,10 +606,9 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       if (!GAAC_PLAIN && !(GAAC_SKIP & 2) && ((slots_here >> (TILES + T)) & 1)) {
         const bool any_raw = prepass(p, buf, scr, b3[1][T], b4[1][T], lane);
         __syncwarp();
-        if (any_raw) v_tile<8>(p, buf, scr, g, t, pb, o[T]);
-        else v_tile<4>(p, buf, scr, g, t, pb, o[T]);
+        v_tile<4>(p, buf, scr, g, t, pb, o[T], any_raw);
       } else {
-        v_tile<0>(p, buf, scr, g, t, pb, o[T]);
+        v_tile<0>(p, buf, scr, g, t, pb, o[T], false);
       }
     }
     __syncwarp();
