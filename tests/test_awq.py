@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from awq_checkpoint import dequantize_awq, write_awq_checkpoint  # noqa: E402
 
 GROUP_SIZE = 32
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -56,8 +57,7 @@ def test_checkpoint_loads_as_awq_kernels_with_bf16_activations(awq_model, checkp
     assert model.dtype == torch.bfloat16
     assert type(model.config.quantization_config).__name__ == "AwqConfig"
     layers = model.model.layers
-    quantized = [getattr(getattr(layer, "self_attn" if p.endswith(("q_proj", "k_proj", "v_proj", "o_proj"))
-                                 else "mlp"), p) for layer in layers for p in PROJECTIONS]
+    quantized = [layer.get_submodule(p) for layer in layers for p in PROJECTIONS]
     assert all(isinstance(m, BaseQuantLinear) for m in quantized), {type(m).__name__ for m in quantized}
     assert not any(isinstance(m, torch.nn.Linear) for m in layers.modules())
 
