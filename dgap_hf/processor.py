@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessor
 
-from hf_common.artifacts import shipped_artifact
+from hf_common.artifacts import SHIPPED_DGAP, shipped_artifact
 from hf_common.model_config import identity_mismatches, warn_if_other_name
 
 from .features import candidate_features, detector_features_from_top, full_vocab_stats
@@ -30,7 +30,6 @@ from .models import DGAPMismatchError, DGAPModel
 from .precision import normalize_precision
 
 NORMALIZED_ATOL = 1e-3
-SHIPPED_DGAP = "dgap-SmolLM2-135M-Instruct"
 
 
 def shipped_dgap_artifact(name: str = SHIPPED_DGAP):

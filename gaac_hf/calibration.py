@@ -17,14 +17,13 @@ from huggingface_hub import ModelCard, ModelCardData, ModelHubMixin, hf_hub_down
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from hf_common.artifacts import check_artifact_path, shipped_artifact
+from hf_common.artifacts import SHIPPED_CALIBRATION, check_artifact_path, shipped_artifact
 from hf_common.model_config import identity_mismatches, kv_geometry, model_name, warn_if_other_name
 
 from .format import BLOCK_TOKENS, FORMAT_VERSION, GROUP_SIZE, TileLayout, tile_split
 
 WINDOWS_FILE = "windows.safetensors"
 CONFIG_FILE = "config.json"
-SHIPPED_CALIBRATION = "gaac-SmolLM2-135M-Instruct"
 
 
 def shipped_calibration(name: str = SHIPPED_CALIBRATION) -> Path:

@@ -14,6 +14,8 @@ _HERE = Path(__file__).resolve().parent
 # installed wheel first, then the checkout this module sits in (editable install or PYTHONPATH)
 SHIPPED_FOLDERS = (_HERE / "hub_configs", _HERE.parent / "hub_configs")
 HUB_CONFIGS = "hub_configs"  # how the README and the scripts name the checkout's folder of shipped artifacts
+SHIPPED_CALIBRATION = "gaac-SmolLM2-135M-Instruct"  # GAAC calibration of SmolLM2-135M-Instruct
+SHIPPED_DGAP = "dgap-SmolLM2-135M-Instruct"  # DGAP artifact of SmolLM2-135M-Instruct, every precision
 
 
 def shipped_artifact(name: str) -> Path:
