@@ -1,10 +1,12 @@
 """The `gaac-hf` command line: its arguments, parsed without importing torch (so `--help` and `--version` answer at
-once); each command then runs from `gaac_hf.cli`. (`dgap-hf` keeps its parser in `dgap_hf.cli`: its `train` help
-shows `TrainConfig`'s defaults, which needs torch.)"""
+once). Each command is named by a `module:function` string, as a console-script entry point is, and imported only
+once the arguments are parsed; this module imports nothing of `gaac_hf`. (`dgap-hf` keeps its parser in
+`dgap_hf.cli`: its `train` help shows `TrainConfig`'s defaults, which needs torch.)"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 
 from . import __version__
 from .artifacts import SHIPPED_CALIBRATION
@@ -45,7 +47,7 @@ def gaac_parser() -> argparse.ArgumentParser:
     c.add_argument("--store", default=None, help="folder to keep captured KV in (default: temporary)")
     c.add_argument("--heldout-text", nargs="+", default=None, help="also measure the ratio on this text")
     c.add_argument("--heldout-store", default=None, help="folder to keep the held-out KV in (default: temporary)")
-    c.set_defaults(func="cmd_calibrate")
+    c.set_defaults(func="gaac_hf.cli:cmd_calibrate")
 
     r = command("report", "compression report on real KV: calibration text A vs held-out text B")
     r.add_argument("model", nargs="?", default="default", help="model id or folder ('default': the embedded SmolLM2)")
@@ -60,19 +62,18 @@ def gaac_parser() -> argparse.ArgumentParser:
     r.add_argument("--drift-layer", type=int, default=5, help="layer of the drift table")
     r.add_argument("--store", default=".cache/kv", help="folder for the captured KV")
     r.add_argument("--out", default="benchmarks/results", help="folder for compression.json and compression.md")
-    r.set_defaults(func="cmd_report")
+    r.set_defaults(func="gaac_hf.cli:cmd_report")
 
     d = command("demo", "the main job on the embedded default model")
     d.add_argument("--calibration", default=None,
                    help=f"calibration folder or Hub id (default: the shipped {SHIPPED_CALIBRATION})")
     d.add_argument("--prompt-words", type=int, default=250, help="words of licence text in the prompt")
     d.add_argument("--new-tokens", type=int, default=32, help="tokens to generate")
-    d.set_defaults(func="cmd_demo")
+    d.set_defaults(func="gaac_hf.cli:cmd_demo")
     return p
 
 
 def gaac_main(argv=None) -> None:
     args = gaac_parser().parse_args(argv)
-    from gaac_hf import cli  # torch, transformers and the "gaac" attention from here on
-
-    getattr(cli, args.func)(args)
+    module, function = args.func.split(":")
+    getattr(importlib.import_module(module), function)(args)  # torch and transformers from here on
