@@ -3,6 +3,7 @@
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -164,10 +165,8 @@ def test_gaac_hf_help_and_version_import_no_torch():
 
 
 def test_console_script_points_at_the_torch_free_parser():
-    import tomllib
-
-    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["gaac-hf"] == "hf_common.console:gaac_main"
+    text = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^gaac-hf = "hf_common\.console:gaac_main"', text, re.M)
 
 
 def test_dgap_hf_version_and_defaults_in_help(capsys):
