@@ -84,3 +84,14 @@ def test_fields_an_artifact_did_not_record_are_not_compared():
     config = bf16_folder_config()
     assert identity_mismatches({"num_hidden_layers": 30}, config) == []
     assert identity_mismatches({}, config) == []
+
+
+def test_a_multimodal_model_answers_to_either_of_its_architecture_names():
+    from transformers import Gemma3Config
+
+    config = Gemma3Config()
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    config.text_config.architectures = ["Gemma3ForCausalLM"]
+    for name in ("Gemma3ForConditionalGeneration", "Gemma3ForCausalLM"):
+        assert identity_mismatches({"architecture": name}, config) == []
+    assert identity_mismatches({"architecture": "LlamaForCausalLM"}, config) != []
