@@ -36,14 +36,16 @@ def is_path_like(name_or_path) -> bool:
         return True
     if s.count("/") > 1:  # a Hub repo id has at most one "/"
         return True
-    first = s.split("/")[0]
-    # the checkout's artifact folder, or a path under an existing local folder
-    return "/" in s and (first == HUB_CONFIGS or os.path.isdir(first))
+    # `org/name` is a repo id unless org is the checkout's artifact folder (an org of that name is not worth the
+    # tens of seconds a typo of this README path would cost)
+    return s.split("/")[0] == HUB_CONFIGS and "/" in s
 
 
-def check_artifact_path(name_or_path, what: str) -> str:
+def check_artifact_path(name_or_path, what: str):
     """`name_or_path` as a string; raise `FileNotFoundError` at once (instead of asking the Hub, which retries for
     tens of seconds offline) when it is path-like and no such folder exists."""
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        return name_or_path  # not a name: let the loader report it
     s = os.fspath(name_or_path)
     expanded = os.path.expanduser(s)
     if os.path.isdir(expanded):
