@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test report
+.PHONY: setup demo test report wheel
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -20,10 +20,15 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: setup
 	$(BIN)/gaac-hf demo
 
-# no GPU here: Triton kernels run in Triton's interpreter
+# no GPU here: Triton kernels run in Triton's interpreter. Includes tests/test_packaging.py: the wheel, installed into
+# a new virtual environment, runs `gaac-hf demo` and the README snippets outside the checkout (about 2 minutes).
 test: setup
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
 
 # the full compression report (needs the Debian packages gnu-standards and debian-reference-en)
 report: setup
 	$(BIN)/python benchmarks/compression.py
+
+# the wheel (the shipped calibration and DGAP artifact inside, from hub_configs/) in dist/
+wheel: setup
+	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w dist .

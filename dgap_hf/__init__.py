@@ -7,11 +7,13 @@
   offline training that produce the artifact.
 """
 
+from hf_common import __version__
+
 from .cache import LowBitCache, LowBitLayer
 from .features import FEATURE_SPEC, PHI_NAMES, XI_NAMES, candidate_features, detector_features
 from .models import DGAPArtifactError, DGAPCorrector, DGAPDetector, DGAPMismatchError, DGAPModel
 from .precision import UnknownPrecisionError, format_precision, parse_precision
-from .processor import DGAPLogitsProcessor
+from .processor import DGAPLogitsProcessor, shipped_dgap_artifact
 from .traces import TracePairs, collect_traces
 from .train import TrainConfig, train_dgap
 
@@ -35,5 +37,6 @@ __all__ = [
     "detector_features",
     "format_precision",
     "parse_precision",
+    "shipped_dgap_artifact",
     "train_dgap",
 ]

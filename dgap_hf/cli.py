@@ -176,54 +176,66 @@ def cmd_info(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dgap-hf", description=__doc__.split("\n\n")[0])
+    from hf_common import __version__
+    from hf_common.console import DefaultsHelpFormatter
+
+    from .train import TrainConfig
+
+    parser = argparse.ArgumentParser(prog="dgap-hf", description=__doc__.split("\n\n")[0],
+                                     formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("collect", help="paired FP / low-bit teacher-forced traces")
-    c.add_argument("--model", required=True)
+
+    def command(name, help):
+        return sub.add_parser(name, help=help, description=help, formatter_class=DefaultsHelpFormatter)
+
+    c = command("collect", "paired FP / low-bit teacher-forced traces")
+    c.add_argument("--model", required=True, help="model id or folder")
     c.add_argument("--model-name", help="the model's Hub name when --model is a local copy (recorded in the traces)")
     src = c.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", nargs="+", help="text files (.gz allowed)")
     src.add_argument("--dataset", help="a Hub dataset with a text column, e.g. a PG-19 copy (needs gaac-hf[datasets])")
     src.add_argument("--random-tokens", type=int, help="random token ids (smoke tests)")
-    c.add_argument("--dataset-config")
-    c.add_argument("--split", default="train")
-    c.add_argument("--text-column", default="text")
-    c.add_argument("--precisions", default="K1V1,K2V2,K4V4,K8V8")
-    c.add_argument("--prefix-len", type=int, nargs="+", default=[1024])
-    c.add_argument("--steps", type=int, default=128)
+    c.add_argument("--dataset-config", help="data set config")
+    c.add_argument("--split", default="train", help="data set split")
+    c.add_argument("--text-column", default="text", help="data set column with the text")
+    c.add_argument("--precisions", default="K1V1,K2V2,K4V4,K8V8", help="comma-separated KbVc precisions")
+    c.add_argument("--prefix-len", type=int, nargs="+", default=[1024], help="prompt lengths before the traced steps")
+    c.add_argument("--steps", type=int, default=128, help="teacher-forced decoding steps per sequence")
     c.add_argument("--sequences", type=int, default=8, help="sequences per prefix length")
-    c.add_argument("--batch-size", type=int, default=1)
-    c.add_argument("--top-m", type=int, default=64)
-    c.add_argument("--group-size", type=int, default=32)
-    c.add_argument("--residual-length", type=int, default=128)
-    c.add_argument("--one-bit-mode", default="sign", choices=["sign", "minmax"])
+    c.add_argument("--batch-size", type=int, default=1, help="sequences per forward")
+    c.add_argument("--top-m", type=int, default=64, help="top logits stored per row")
+    c.add_argument("--group-size", type=int, default=32, help="LowBitCache quantization group")
+    c.add_argument("--residual-length", type=int, default=128, help="recent tokens kept in full precision")
+    c.add_argument("--one-bit-mode", default="sign", choices=["sign", "minmax"], help="1-bit quantizer")
     c.add_argument("--sink-length", type=int, default=0, help="first tokens kept in full precision")
-    c.add_argument("--dtype", default="bfloat16")
-    c.add_argument("--device")
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--out", required=True)
+    c.add_argument("--dtype", default="bfloat16", help="model dtype")
+    c.add_argument("--device", help="default: cuda if available, else cpu")
+    c.add_argument("--seed", type=int, default=0, help="seed of --random-tokens")
+    c.add_argument("--out", required=True, help="output folder for the trace files")
     c.set_defaults(func=cmd_collect)
-    t = sub.add_parser("train", help="train a DGAP artifact from a folder of trace files")
-    t.add_argument("--traces", required=True)
-    t.add_argument("--out", required=True)
+    t = command("train", "train a DGAP artifact from a folder of trace files")
+    t.add_argument("--traces", required=True, help="folder of trace files")
+    t.add_argument("--out", required=True, help="output folder (Hub repo format)")
     for name, typ in (("epochs", int), ("batch_size", int), ("lr", float), ("alpha", float), ("rho_k", float),
                       ("rho_c", float), ("eps", float), ("k_max", int), ("temperature", float),
                       ("lambda_rank", float), ("lambda_reg", float), ("detector_arch", str),
                       ("corrector_arch", str), ("detector_hidden", int), ("corrector_hidden", int),
                       ("val_fraction", float), ("seed", int), ("device", str)):
-        t.add_argument("--" + name.replace("_", "-"), dest=name, type=typ)
+        t.add_argument("--" + name.replace("_", "-"), dest=name, type=typ,
+                       help=f"TrainConfig.{name} (default: {getattr(TrainConfig, name)})")
     t.add_argument("--val-traces", help="a folder of validation traces from other documents (default: split the "
                    "training traces by document)")
-    t.add_argument("--push-to-hub", metavar="REPO_ID")
+    t.add_argument("--push-to-hub", metavar="REPO_ID", help="also push the artifact to this Hub repo")
     t.set_defaults(func=cmd_train)
-    e = sub.add_parser("eval", help="quality with and without DGAP on held-out traces")
-    e.add_argument("--traces", required=True)
-    e.add_argument("--artifact", required=True)
-    e.add_argument("--tau-sweep", action="store_true")
-    e.add_argument("--out")
+    e = command("eval", "quality with and without DGAP on held-out traces")
+    e.add_argument("--traces", required=True, help="folder of held-out trace files")
+    e.add_argument("--artifact", required=True, help="DGAP artifact folder or Hub repo id")
+    e.add_argument("--tau-sweep", action="store_true", help="also evaluate a grid of thresholds")
+    e.add_argument("--out", help="write the results as JSON here")
     e.set_defaults(func=cmd_eval)
-    i = sub.add_parser("info", help="show a DGAP artifact (local folder or Hub repo)")
-    i.add_argument("artifact")
+    i = command("info", "show a DGAP artifact (local folder or Hub repo)")
+    i.add_argument("artifact", help="DGAP artifact folder or Hub repo id")
     i.set_defaults(func=cmd_info)
     return parser
 

@@ -21,6 +21,8 @@ import math
 import torch
 
 from .labels import local_drift
+from .precision import normalize_precision
+from .predict import predict
 from .traces import TracePairs
 
 
@@ -86,9 +88,6 @@ def gap_closed(fp: float, before: float, after: float) -> float:
 def predict_rows(model, precision: str, tr: TracePairs) -> tuple[torch.Tensor, torch.Tensor, int]:
     """`(risk [N], delta [N, K_b], K_b)` of `model`'s (a `DGAPModel`) detector and corrector on trace rows; the
     corrector's update is computed for every row, before the detector's mask."""
-    from .precision import normalize_precision
-    from .train import predict
-
     name = normalize_precision(precision)
     k = int(model.spec(precision)["k_b"])
     if k > tr.top_m:

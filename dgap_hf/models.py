@@ -25,6 +25,9 @@ import torch
 from huggingface_hub import ModelCard, ModelCardData, PyTorchModelHubMixin, hf_hub_download
 from torch import nn
 
+from hf_common.artifacts import check_artifact_path
+from hf_common.model_config import model_identity, model_name
+
 from .features import FEATURE_SPEC, N_PHI, N_XI
 from .precision import UnknownPrecisionError, normalize_precision
 
@@ -43,14 +46,12 @@ class DGAPMismatchError(ValueError):
 
 
 def base_model_info(config) -> dict:
-    """What a DGAP artifact records about its base model (checked by `DGAPLogitsProcessor.check_model`)."""
-    get = getattr(config, "get_text_config", None)
-    text = get(decoder=True) if get is not None else config
-    info = {"name": getattr(config, "name_or_path", "") or getattr(config, "_name_or_path", ""),
-            "vocab_size": int(text.vocab_size), "model_type": getattr(config, "model_type", None),
-            "architectures": list(getattr(config, "architectures", None) or []) or None,
-            "hidden_size": getattr(text, "hidden_size", None),
-            "num_hidden_layers": getattr(text, "num_hidden_layers", None)}
+    """What a DGAP artifact records about its base model: name, model type, architectures and the shapes of
+    `hf_common.model_config.model_identity` (checked by `DGAPLogitsProcessor.check_model`)."""
+    identity = model_identity(config)
+    identity.pop("architecture", None)  # recorded as the config's `architectures` list
+    info = {"name": model_name(config), "model_type": getattr(config, "model_type", None),
+            "architectures": list(getattr(config, "architectures", None) or []) or None, **identity}
     return {k: v for k, v in info.items() if v not in (None, "")}
 
 
@@ -187,7 +188,7 @@ the `gaac-hf` package:
 
 ```python
 from dgap_hf import DGAPLogitsProcessor, LowBitCache
-dgap = DGAPLogitsProcessor.from_pretrained("{{ repo_id }}", precision="K2V2", model_config=model.config)
+dgap = DGAPLogitsProcessor.from_pretrained({{ source }}, precision="K2V2", model_config=model.config)
 out = model.generate(**inputs, cache=LowBitCache(model.config, "K2V2"), logits_processor=[dgap])
 ```
 
@@ -285,6 +286,7 @@ class DGAPModel(nn.Module, PyTorchModelHubMixin, library_name=LIBRARY, tags=TAGS
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs) -> "DGAPModel":
         kwargs.setdefault("strict", True)
+        pretrained_model_name_or_path = check_artifact_path(pretrained_model_name_or_path, "DGAP artifact")
         try:
             return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
         except json.JSONDecodeError as e:
@@ -329,4 +331,4 @@ class DGAPModel(nn.Module, PyTorchModelHubMixin, library_name=LIBRARY, tags=TAGS
             n_phi=len(self.feature_spec["phi"]), n_xi=len(self.feature_spec["xi"]),
             quantizer=json.dumps(self.quantizer, sort_keys=True) if self.quantizer else "(not recorded)",
             training=block(self.training_info), results=block(self.results),
-            repo_id=kwargs.get("repo_id", "<repo>"))
+            source=f'"{kwargs["repo_id"]}"' if kwargs.get("repo_id") else "folder_or_repo_id")

@@ -22,6 +22,9 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessor
 
+from hf_common.artifacts import SHIPPED_DGAP, shipped_artifact
+from hf_common.model_config import identity_mismatches, warn_if_other_name
+
 from .features import candidate_features, detector_features_from_top, full_vocab_stats
 from .models import DGAPMismatchError, DGAPModel
 from .precision import normalize_precision
@@ -29,13 +32,9 @@ from .precision import normalize_precision
 NORMALIZED_ATOL = 1e-3
 
 
-def _text_config(config):
-    get = getattr(config, "get_text_config", None)
-    return get(decoder=True) if get is not None else config
-
-
-def _tail(name: str) -> str:
-    return str(name).rstrip("/").split("/")[-1].lower()
+def shipped_dgap_artifact(name: str = SHIPPED_DGAP):
+    """Folder of the DGAP artifact shipped with the package (SmolLM2-135M-Instruct, every precision)."""
+    return shipped_artifact(name)
 
 
 class DGAPLogitsProcessor(LogitsProcessor):
@@ -90,29 +89,19 @@ class DGAPLogitsProcessor(LogitsProcessor):
 
     # --- checks ------------------------------------------------------------------------------------------------
     def check_model(self, config) -> None:
-        """Raise `DGAPMismatchError` unless the artifact was trained for a model with this config: same vocabulary
-        size, architecture and shape, and the same name (repo id, or the last path component of a local copy) when
-        both are known."""
-        cfg = _text_config(config)
+        """Raise `DGAPMismatchError` unless the artifact was trained for a model with this config: the same
+        architecture and shapes (`hf_common.model_config.identity_mismatches`, as `GAACCalibration.check_model`).
+        Another name (repo id) only warns: a local copy or a converted checkpoint of the same model is fine."""
         base = self.model.base_model
-        problems = []
-        vocab = getattr(cfg, "vocab_size", None)
-        if vocab is not None and int(vocab) != self.model.vocab_size:
-            problems.append(f"vocabulary of {vocab} tokens, the artifact expects {self.model.vocab_size}")
-        archs = getattr(config, "architectures", None) or getattr(cfg, "architectures", None)
-        if base.get("architectures") and archs and list(archs) != list(base["architectures"]):
-            problems.append(f"architecture {archs}, the artifact expects {base['architectures']}")
-        for key in ("hidden_size", "num_hidden_layers"):
-            have = getattr(cfg, key, None)
-            if base.get(key) is not None and have is not None and int(have) != int(base[key]):
-                problems.append(f"{key} {have}, the artifact expects {base[key]}")
-        name = getattr(config, "name_or_path", "") or getattr(config, "_name_or_path", "")
-        if base.get("name") and name and _tail(name) != _tail(base["name"]):
-            problems.append(f"name {name!r}, the artifact was trained for {base['name']!r}")
+        expected = {**base, "vocab_size": self.model.vocab_size}
+        if base.get("architectures"):
+            expected["architecture"] = base["architectures"][0]
+        problems = identity_mismatches(expected, config)
         if problems:
             raise DGAPMismatchError(
                 f"DGAP artifact for {base.get('name') or 'an unnamed model'} does not fit this model: it has "
                 + "; ".join(problems))
+        warn_if_other_name(base.get("name"), config, "the DGAP artifact")
 
     def _check_scores(self, scores: torch.Tensor) -> None:
         if scores.dim() != 2:

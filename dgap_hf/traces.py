@@ -174,7 +174,7 @@ def collect_traces(model, input_ids: torch.Tensor, precisions=("K1V1", "K2V2", "
     """
     from transformers import DynamicCache
 
-    from gaac_hf.model_layers import cache_kwarg
+    from hf_common.model_config import cache_kwarg
 
     from .cache import LowBitCache
     from .models import base_model_info

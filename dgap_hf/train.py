@@ -25,11 +25,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .features import FEATURE_SPEC, candidate_features, detector_features_from_top
-from .labels import fit_recovery_window, local_drift, risk_labels, window_targets
 from .evaluation import corrected_top1
+from .features import FEATURE_SPEC
+from .labels import fit_recovery_window, local_drift, risk_labels, window_targets
 from .models import DGAPCorrector, DGAPDetector, DGAPModel
 from .precision import normalize_precision
+from .predict import predict, trace_features
 from .traces import TracePairs
 
 
@@ -104,14 +105,6 @@ def corrector_loss(z_hat: torch.Tensor, delta: torch.Tensor, z_fp: torch.Tensor,
     return out
 
 
-# --- features from traces ------------------------------------------------------------------------------------------
-def trace_features(tr: TracePairs, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(phi [N, N_PHI], xi [N, k, N_XI])` of the low-bit side: the runtime features, from the stored slices."""
-    phi = detector_features_from_top(tr.lb_z, tr.lb_lse, tr.lb_entropy, k, tr.vocab_size)
-    xi = candidate_features(tr.lb_z[:, :k], tr.lb_lse)
-    return phi, xi
-
-
 # --- training loops ------------------------------------------------------------------------------------------------
 def _batches(n: int, batch_size: int, generator: torch.Generator):
     perm = torch.randperm(n, generator=generator)
@@ -171,20 +164,6 @@ def window_kl(z_fp: torch.Tensor, z: torch.Tensor, temperature: float = 1.0) -> 
     lp = F.log_softmax(z_fp.float() / temperature, -1)
     lq = F.log_softmax(z.float() / temperature, -1)
     return (lp.exp() * (lp - lq)).sum(-1)
-
-
-@torch.no_grad()
-def predict(detector: DGAPDetector, corrector: DGAPCorrector, tr: TracePairs, k: int,
-            batch_size: int = 65536) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(risk [N], delta [N, k])` of the models on trace rows (delta computed for every row)."""
-    phi, xi = trace_features(tr, k)
-    dev = detector.phi_mean.device
-    risks, deltas = [], []
-    for s in range(0, len(tr), batch_size):
-        p, x = phi[s:s + batch_size].to(dev), xi[s:s + batch_size].to(dev)
-        risks.append(detector.risk(p).cpu())
-        deltas.append(corrector(x, p).cpu())
-    return torch.cat(risks), torch.cat(deltas)
 
 
 def auc(score: torch.Tensor, y: torch.Tensor) -> float:

@@ -3,10 +3,16 @@
 Importing the package registers the `"gaac"` attention (and its mask function) with transformers.
 """
 
+from hf_common import __version__
+
 from .attention import gaac_attention_forward, gaac_decode_attention
 from .cache import GAACCache, GAACLayer
-from .calibration import CalibrationConfig, CalibrationMismatchError, CorruptArtifactError, GAACCalibration
+from .calibration import (
+    CalibrationConfig, CalibrationMismatchError, CorruptArtifactError, GAACCalibration, shipped_calibration,
+)
+from .default_model import load_default_model
 from .format import FORMAT_VERSION
+
 
 __all__ = [
     "FORMAT_VERSION",
@@ -18,4 +24,6 @@ __all__ = [
     "GAACLayer",
     "gaac_attention_forward",
     "gaac_decode_attention",
+    "load_default_model",
+    "shipped_calibration",
 ]

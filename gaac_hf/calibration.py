@@ -17,11 +17,18 @@ from huggingface_hub import ModelCard, ModelCardData, ModelHubMixin, hf_hub_down
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from hf_common.artifacts import SHIPPED_CALIBRATION, check_artifact_path, shipped_artifact
+from hf_common.model_config import identity_mismatches, kv_geometry, model_name, warn_if_other_name
+
 from .format import BLOCK_TOKENS, FORMAT_VERSION, GROUP_SIZE, TileLayout, tile_split
-from .model_layers import kv_geometry, text_config
 
 WINDOWS_FILE = "windows.safetensors"
 CONFIG_FILE = "config.json"
+
+
+def shipped_calibration(name: str = SHIPPED_CALIBRATION) -> Path:
+    """Folder of the GAAC calibration shipped with the package (SmolLM2-135M-Instruct), for `from_pretrained`."""
+    return shipped_artifact(name)
 
 
 class CalibrationMismatchError(ValueError):
@@ -80,12 +87,13 @@ CARD_TEMPLATE = """---
 
 # GAAC calibration for {{ base_model }}
 
-Exponent windows and slot capacity for [GAAC](https://github.com/) lossless KV-cache compression with the
-`gaac-hf` package (format version {{ format_version }}). Use it with
+Exponent windows and slot capacity for GAAC (Group-Adaptive Additive Codec) lossless KV-cache compression with
+the `gaac-hf` Python package (format version {{ format_version }}). Use it with
 
 ```python
-from gaac_hf import GAACCalibration
-calibration = GAACCalibration.from_pretrained("{{ repo_id }}")
+from gaac_hf import GAACCache
+cache = GAACCache.from_pretrained({{ source }}, config=model.config)  # checks the model first
+out = model.generate(**inputs, cache=cache)
 ```
 
 | field | value |
@@ -137,24 +145,29 @@ class GAACCalibration(
         return self.base3[row].to(device), self.base4[row].to(device)
 
     def check_model(self, model_config) -> None:
-        """Raise `CalibrationMismatchError` unless this calibration fits a model with `model_config`."""
-        geometry = kv_geometry(model_config)
+        """Raise `CalibrationMismatchError` unless this calibration fits a model with `model_config`: the same
+        architecture and shapes (`hf_common.model_config.identity_mismatches`, as the DGAP check) and the same
+        full-attention layers. Another name (repo id) only warns."""
         cfg = self.config
-        problems = []
-        if len(geometry.layer_types) != cfg.num_hidden_layers:
-            problems.append(f"{len(geometry.layer_types)} layers, calibration has {cfg.num_hidden_layers}")
-        if list(geometry.full_attention_layers) != list(cfg.layers):
-            problems.append(
-                f"full-attention layers {list(geometry.full_attention_layers)}, calibration has {cfg.layers}")
-        if geometry.num_kv_heads != cfg.num_kv_heads:
-            problems.append(f"{geometry.num_kv_heads} KV heads, calibration has {cfg.num_kv_heads}")
-        if geometry.head_dim != cfg.head_dim:
-            problems.append(f"head_dim {geometry.head_dim}, calibration has {cfg.head_dim}")
+        expected = {"architecture": cfg.architecture, "num_hidden_layers": cfg.num_hidden_layers,
+                    "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim}
+        problems = identity_mismatches(expected, model_config)
+        full = list(kv_geometry(model_config).full_attention_layers)
+        if full != list(cfg.layers):
+            problems.append(f"full-attention layers {full} (the artifact expects {cfg.layers})")
         if problems:
-            name = getattr(text_config(model_config), "name_or_path", "") or "this model"
+            name = model_name(model_config) or "this model"
             raise CalibrationMismatchError(
                 f"GAAC calibration for {cfg.base_model} does not fit {name}: the model has " + "; ".join(problems)
             )
+        warn_if_other_name(cfg.base_model, model_config, "the GAAC calibration")
+
+    def __repr__(self) -> str:
+        cfg = self.config
+        return (f"GAACCalibration(base_model={cfg.base_model!r}, layers={len(cfg.layers)} of "
+                f"{cfg.num_hidden_layers}, kv_heads={cfg.num_kv_heads}, head_dim={cfg.head_dim}, "
+                f"slot_bytes={cfg.slot_bytes}, escape_capacity={cfg.escape_capacity}, format_version="
+                f"{cfg.format_version})")
 
     # --- Hub I/O -----------------------------------------------------------------------------------------------
     def _save_pretrained(self, save_directory: Path) -> None:
@@ -165,6 +178,8 @@ class GAACCalibration(
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs) -> "GAACCalibration":
+        """Load from a local folder or a Hub repo id (`shipped_calibration()` is the shipped SmolLM2 one)."""
+        pretrained_model_name_or_path = check_artifact_path(pretrained_model_name_or_path, "GAAC calibration")
         try:
             return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
         except json.JSONDecodeError as e:
@@ -204,6 +219,8 @@ class GAACCalibration(
         data = ModelCardData(library_name="gaac-hf", tags=["gaac", "kv-cache", "lossless-compression"],
                              base_model=cfg.base_model if "/" in str(cfg.base_model) else None)
         values = {k: v for k, v in asdict(cfg).items() if k != "measured"}
+        repo_id = kwargs.pop("repo_id", None)
+        source = f'"{repo_id}"' if repo_id else "folder_or_repo_id"  # this folder, or the repo it is pushed to
         values.update(n_layers=len(cfg.layers), tile_channels=cfg.tile_channels, measured_table="\n".join(rows),
-                      repo_id=kwargs.pop("repo_id", "<repo>"))
+                      source=source)
         return ModelCard.from_template(card_data=data, template_str=CARD_TEMPLATE, **values)

@@ -1,21 +1,12 @@
-"""`gaac-hf` command line: calibrate, report, demo."""
+"""The `gaac-hf` commands: calibrate, report, demo (their arguments are defined in `hf_common.console`)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-HUB_CONFIGS = Path(__file__).resolve().parent.parent / "hub_configs"
-DEFAULT_CALIBRATION = "gaac-SmolLM2-135M-Instruct"
-
-
-def shipped_calibration(name: str = DEFAULT_CALIBRATION) -> Path:
-    path = HUB_CONFIGS / name
-    if not path.is_dir():
-        raise FileNotFoundError(f"no shipped calibration {name!r} in {HUB_CONFIGS} (use a Hub repo id instead)")
-    return path
+from .calibration import shipped_calibration  # noqa: F401  (imported from here by tests and benchmarks)
 
 
 def load_model(name: str | None):
@@ -114,49 +105,10 @@ def cmd_demo(args) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="gaac-hf", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    """`gaac-hf` (the parser lives in `hf_common.console`, so that `--help` and `--version` need no torch)."""
+    from hf_common.console import gaac_main
 
-    c = sub.add_parser("calibrate", help="calibrate GAAC windows and slot capacity for a model")
-    c.add_argument("model", nargs="?", default="default", help="model id or folder (default: embedded SmolLM2)")
-    src = c.add_mutually_exclusive_group(required=True)
-    src.add_argument("--text", nargs="+", help="plain or .gz text files")
-    src.add_argument("--dataset", help="a Hugging Face data set, e.g. wikitext")
-    c.add_argument("--config", default=None, help="data set config, e.g. wikitext-2-raw-v1")
-    c.add_argument("--split", default="train")
-    c.add_argument("--out", required=True, help="output folder (Hub repo format)")
-    c.add_argument("--push-to-hub", default=None, metavar="REPO")
-    c.add_argument("--prompt-tokens", type=int, default=8192, help="calibrate on prompts as long as deployment")
-    c.add_argument("--max-prompts", type=int, default=None)
-    c.add_argument("--chunk-tokens", type=int, default=1024, help="chunked-prefill size")
-    c.add_argument("--store", default=None, help="folder to keep captured KV in (default: temporary)")
-    c.add_argument("--heldout-text", nargs="+", default=None, help="also measure the ratio on this text")
-    c.add_argument("--heldout-store", default=None)
-    c.set_defaults(func=cmd_calibrate)
-
-    r = sub.add_parser("report", help="compression report on real KV: calibration text A vs held-out text B")
-    r.add_argument("model", nargs="?", default="default")
-    r.add_argument("--calib-text", nargs="+", required=True)
-    r.add_argument("--heldout-text", nargs="+", required=True)
-    r.add_argument("--prompt-tokens", type=int, default=8192)
-    r.add_argument("--short-prompt-tokens", type=int, default=1024)
-    r.add_argument("--max-prompts", type=int, default=3)
-    r.add_argument("--heldout-prompts", type=int, default=2)
-    r.add_argument("--chunk-tokens", type=int, default=1024)
-    r.add_argument("--segment-tokens", type=int, default=1024)
-    r.add_argument("--drift-layer", type=int, default=5)
-    r.add_argument("--store", default=".cache/kv")
-    r.add_argument("--out", default="benchmarks/results")
-    r.set_defaults(func=cmd_report)
-
-    d = sub.add_parser("demo", help="the main job on the embedded default model")
-    d.add_argument("--calibration", default=None, help="calibration folder or Hub id (default: the shipped one)")
-    d.add_argument("--prompt-words", type=int, default=250, help="words of licence text in the prompt")
-    d.add_argument("--new-tokens", type=int, default=32)
-    d.set_defaults(func=cmd_demo)
-
-    args = p.parse_args(argv)
-    args.func(args)
+    gaac_main(argv)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ def run_demo(args) -> None:
     from transformers import DynamicCache
 
     from .cache import GAACCache
-    from .cli import shipped_calibration
+    from .calibration import shipped_calibration
     from .corpus import sample_text
     from .default_model import load_default_model
     from .model_layers import cache_kwarg
