@@ -50,8 +50,10 @@ def installed(tmp_path_factory):
     t = time.time()
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
+    # without PYTHONPATH: a checkout on it (its *.egg-info) would make pip think gaac-hf is installed already
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index",
-         str(wheel)])
+         str(wheel)], env=clean)
     purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              capture_output=True, text=True, check=True).stdout.strip()
     (Path(purelib) / "dependencies_from_test_env.pth").write_text("\n".join(site.getsitepackages()) + "\n")
@@ -70,8 +72,9 @@ def test_wheel_carries_the_shipped_artifacts(installed):
                           ("dgap-SmolLM2-135M-Instruct", ("config.json", "model.safetensors", "README.md"))):
         for f in files:
             assert f"hf_common/hub_configs/{folder}/{f}" in names
-    for package in ("gaac_hf", "dgap_hf", "triton_ops", "hf_common"):
+    for package in ("gaac_hf", "dgap_hf", "triton_ops", "gaac_cuda", "hf_common"):
         assert f"{package}/__init__.py" in names
+    assert "gaac_cuda/kernels/decode_attention.cu" in names  # compiled at first use on the user's GPU
 
 
 def test_installed_package_is_the_wheel_not_the_checkout(installed):
