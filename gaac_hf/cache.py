@@ -49,6 +49,42 @@ def _check_kv_dtype(key_states: torch.Tensor, value_states: torch.Tensor) -> Non
             )
 
 
+def resolve_calibration(calibration, what: str, **hub_kwargs) -> GAACCalibration:
+    """A `GAACCalibration`, or one loaded from a path / Hub id; a clear `TypeError` for anything else."""
+    if isinstance(calibration, GAACCalibration):
+        return calibration
+    if isinstance(calibration, str) or hasattr(calibration, "__fspath__"):
+        return GAACCalibration.from_pretrained(str(calibration), **hub_kwargs)
+    raise TypeError(f"{what} takes as calibration a GAACCalibration or the path / Hub id of one, not "
+                    f"{type(calibration).__name__}")
+
+
+def _is_model_config(x) -> bool:
+    from transformers import PretrainedConfig
+
+    return isinstance(x, PretrainedConfig)
+
+
+def config_and_calibration(what: str, args: tuple, config, calibration):
+    """Sort `GAACCache(config, calibration)`, `GAACCache(calibration, config=...)`, keywords, by type."""
+    for arg in args:
+        if _is_model_config(arg) and config is None:
+            config = arg
+        elif isinstance(arg, (GAACCalibration, str)) or hasattr(arg, "__fspath__"):
+            if calibration is not None:
+                raise TypeError(f"{what} got two calibrations")
+            calibration = arg
+        else:
+            raise TypeError(f"{what} takes a model config (transformers PretrainedConfig) and a GAACCalibration "
+                            f"(or the path / Hub id of one); got a {type(arg).__name__} positional argument")
+    if config is None or not _is_model_config(config):
+        raise TypeError(f"{what} needs the model config (transformers PretrainedConfig) as config, got "
+                        f"{type(config).__name__}")
+    if calibration is None:
+        raise TypeError(f"{what} needs a calibration: {what}(config, calibration)")
+    return config, resolve_calibration(calibration, what)
+
+
 def _grow(t: torch.Tensor | None, needed: int, dim: int = 0, fill=0) -> torch.Tensor:
     """Return `t` with at least `needed` entries along `dim` (amortized doubling; new entries = `fill`)."""
     have = t.shape[dim]
@@ -571,11 +607,10 @@ class GAACCache(Cache):
     expanded for `num_beams`/`num_return_sequences`); `reset()` it before reusing it for an unrelated prompt.
     """
 
-    def __init__(self, config, calibration: GAACCalibration | str, *, lazy: bool | str = "auto",
-                 offloading: bool = False, offload_only_non_sliding: bool = False, tp_rank: int | None = None,
-                 tp_size: int | None = None):
-        if not isinstance(calibration, GAACCalibration):
-            calibration = GAACCalibration.from_pretrained(calibration)
+    def __init__(self, *args, config=None, calibration: GAACCalibration | str | None = None,
+                 lazy: bool | str = "auto", offloading: bool = False, offload_only_non_sliding: bool = False,
+                 tp_rank: int | None = None, tp_size: int | None = None):
+        config, calibration = config_and_calibration("GAACCache", args, config, calibration)
         calibration.check_model(config)
         if lazy not in ("auto", True, False):
             raise ValueError(f"lazy must be 'auto', True or False, not {lazy!r}")
@@ -599,7 +634,7 @@ class GAACCache(Cache):
                         tp_size: int | None = None, **hub_kwargs) -> "GAACCache":
         """Load a `GAACCalibration` (Hub repo id or local folder) and build the cache for a model `config`."""
         calibration = GAACCalibration.from_pretrained(pretrained_calibration, **hub_kwargs)
-        return cls(config, calibration, lazy=lazy, tp_rank=tp_rank, tp_size=tp_size)
+        return cls(config=config, calibration=calibration, lazy=lazy, tp_rank=tp_rank, tp_size=tp_size)
 
     @property
     def gaac_layers(self) -> list[int]:
