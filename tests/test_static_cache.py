@@ -336,3 +336,23 @@ def test_stock_attention_is_refused(llama):
                            **{cache_kwarg(model): GAACStaticCache(model.config, 64, calibration)})
     finally:
         model.set_attn_implementation("gaac")
+
+
+def test_generate_benchmark_runs_tiny(tmp_path):
+    """benchmarks/generate.py end to end at tiny scale on the CPU (what the lead runs on the H200 at 16K-128K)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "generate.py"
+    spec = importlib.util.spec_from_file_location("generate_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "generate.json"
+    res = bench.main(["--tiny", "--contexts", "40", "--steps", "3", "--warmup", "1", "--out", str(out)])
+    row = res["contexts"]["40"]
+    assert row["lossless_vs_twin"] == {"tokens": True, "logit_bits": True}
+    for label in ("compiled GAACStaticCache", "compiled twin (plain BF16, same op)", "compiled StaticCache + sdpa",
+                  "eager DynamicCache + flash sdpa", "eager GAACCache + gaac"):
+        assert row[label]["step_ms"] > 0
+    assert 0 < row["resident_kv"]["gaac_bytes"] < row["resident_kv"]["bf16_bytes"]
+    assert out.exists()
