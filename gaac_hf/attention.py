@@ -27,7 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .cache import GAAC_ATTENTION_NAME, CompressedKV, GAACLazyKV
 from .format import BLOCK_TOKENS
-from .ops import PlainRecord, decode_attention, plain_decode_attention, reference_decode
+from .ops import DecodePlan, PlainRecord, decode_attention, plain_decode_attention, reference_decode, splits
 
 # Blocks of 16 tokens per decode step of the online softmax (the chunking is part of the math: both the compressed
 # and the plain path use it, so they stay bit-identical whatever its value).
@@ -71,23 +71,20 @@ def _mask_rows(mask: torch.Tensor | None, batch: int) -> tuple[bool, torch.Tenso
 
 
 def _fused_decode(query, source, attention_mask, scale):
-    """The Triton kernel on CUDA: compressed blocks read in place, or the same kernel over plain KV."""
-    from triton_ops.gaac_attention import gaac_decode_attention as fused
-    from triton_ops.gaac_attention import plain_decode_attention
-
+    """The fused kernel on CUDA (through the `gaac::` ops): compressed blocks read in place, or plain KV."""
     b, hq, _, d = query.shape
     ok, mask = _mask_rows(attention_mask, b)
     if not ok:
         return None
-    q = query.reshape(b, hq, d).contiguous()
+    q = query.reshape(b, hq, d)
     if isinstance(source, CompressedKV):
-        layer = source.layer
-        h = source.heads
-        out = fused(q, source.slot_pool, source.raw_pool, source.table, source.tail_k, source.tail_v,
-                    layer._base3.reshape(2, h, d), layer._base4.reshape(2, h, d), scale, mask)
-    else:
-        out = plain_decode_attention(q, source.key, source.value, scale, mask)
-    return out.unsqueeze(1)
+        return decode_attention(q, source.record(), mask, scale).unsqueeze(1)
+    key, value = source.key, source.value
+    n = key.shape[2] // BLOCK_TOKENS
+    kv_len = torch.full((b,), key.shape[2], dtype=torch.int32, device=key.device)
+    record = PlainRecord(key, value, None, kv_len, DecodePlan(b, source.heads, n, d, str(key.device),
+                                                              splits(b, source.heads, n, key.device, d)))
+    return plain_decode_attention(q, record, mask, scale).unsqueeze(1)
 
 
 def gaac_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .codec import decode_tiles, encode_tiles
+from .codec import encode_tiles
+from .cpu_decode import decode_slots
 from .format import BLOCK_TOKENS
 
 try:  # the CUDA C++ kernels (a separate package); absent: Triton on CUDA
@@ -56,19 +57,23 @@ class DecodePlan:
     splits: int
 
 
-@functools.lru_cache(maxsize=None)
-def _plan(batch: int, kv_heads: int, max_blocks: int, head_dim: int, device: str) -> DecodePlan:
+def splits(batch: int, kv_heads: int, max_blocks: int, device, head_dim: int = 128) -> int:
+    """Split count of the decode attention over at most `max_blocks` blocks (1 for the torch reference)."""
+    device = torch.device(device)
     backend = _backend(device)
     if backend == "gaac_cuda":
-        splits = int(getattr(gaac_cuda.plan(batch, kv_heads, max_blocks, head_dim, torch.device(device)), "splits",
-                             1))
-    elif backend == "triton":
+        return int(getattr(_cuda_plan(batch, kv_heads, max_blocks, head_dim, str(device)), "splits", 1))
+    if backend == "triton":
         from triton_ops.gaac_attention import num_splits
 
-        splits = num_splits(batch * kv_heads, max_blocks, torch.device(device))
-    else:
-        splits = 1
-    return DecodePlan(batch, kv_heads, max_blocks, head_dim, device, splits)
+        return num_splits(batch * kv_heads, max_blocks, device)
+    return 1
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(batch: int, kv_heads: int, max_blocks: int, head_dim: int, device: str) -> DecodePlan:
+    return DecodePlan(batch, kv_heads, max_blocks, head_dim, device,
+                      splits(batch, kv_heads, max_blocks, device, head_dim))
 
 
 def plan(batch: int, kv_heads: int, max_blocks: int, head_dim: int, device) -> DecodePlan:
@@ -109,7 +114,7 @@ def decode(table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor,
         in_slot = table >= 0
         idx = table[in_slot].long()
         if idx.numel():
-            out[in_slot] = decode_tiles(slot_pool[idx], base3.expand(lead)[in_slot], base4.expand(lead)[in_slot],
+            out[in_slot] = decode_slots(slot_pool[idx], base3.expand(lead)[in_slot], base4.expand(lead)[in_slot],
                                         channels)
         raw = -1 - table[~in_slot].long()
         if raw.numel():

@@ -472,17 +472,17 @@ def test_crop_reorder_select_match_dynamic_layer():
 
 def test_freed_tiles_are_reused():
     layer, k, v = _random_layer(64, 16, batch=1, tokens=64)
-    high = layer._slot_high + layer._raw_high
+    high = layer.pool.high
     for _ in range(10):  # roll back across 3 blocks and regrow them: the pools must not grow
         layer.crop(-40)
         layer.update(k[:, :, 24:64], v[:, :, 24:64])
-    assert layer._slot_high + layer._raw_high == high
+    assert layer.pool.high == high
     assert torch.equal(layer.keys.view(torch.int16), k.view(torch.int16))
     layer.reorder_cache(torch.tensor([0]))
     layer.reset()
     assert layer.get_seq_length() == 0 and not layer.is_initialized and layer.keys is None
     layer.update(k, v)
-    assert layer._slot_high + layer._raw_high == high  # reset keeps the pools' capacity and reuses it
+    assert layer.pool.high == high  # reset keeps the pools' capacity and reuses it
     assert torch.equal(layer.values.view(torch.int16), v.view(torch.int16))
 
 
@@ -498,7 +498,7 @@ def test_cache_contracts(llama):
     cache.update(k, v, 1)
     assert cache.get_seq_length() == 37 and cache.get_mask_sizes(1, 0) == (38, 0)
     cache.offload(0, only_non_sliding=True)
-    assert cache.layers[0]._slot_pool.device.type == "cpu"
+    assert cache.layers[0].pool.slot_pool.device.type == "cpu"
     cache.layers[0].prefetch()
     cache.to("cpu")
     assert torch.equal(cache.layers[1].keys.view(torch.int16), k.view(torch.int16))
@@ -528,6 +528,23 @@ def test_stats(llama):
     assert stats["ratio"] == stats["bf16_bytes"] / stats["bytes"]["total"]
     assert stats["slots"] > 0 and stats["raw_tiles"] > 0 and stats["uncompressed_bytes"] == 0
     assert abs(sum(stats["mode_shares"].values()) - 1) < 1e-9
+    alloc = stats["allocated_bytes"]  # the pools as allocated: at least what the live tiles occupy
+    assert alloc["total"] == alloc["slot_pool"] + alloc["raw_pool"] + alloc["tail"] + alloc["block_table"]
+    assert alloc["slot_pool"] >= stats["bytes"]["slots"] and alloc["raw_pool"] >= stats["bytes"]["raw"]
+    assert alloc["total"] >= stats["bytes"]["total"]
+
+
+def test_constructor_takes_config_and_calibration_in_either_order(llama):
+    model, calibration = llama
+    for cache in (GAACCache(config=model.config, calibration=calibration),
+                  GAACCache(calibration, config=model.config), GAACCache(model.config, calibration)):
+        assert cache.gaac_layers == [0, 1] and cache.calibration is calibration
+    with pytest.raises(TypeError, match="PretrainedConfig"):
+        GAACCache(calibration=calibration)
+    with pytest.raises(TypeError, match="positional argument"):
+        GAACCache(model.config, 3)
+    with pytest.raises(TypeError, match="needs a calibration"):
+        GAACCache(model.config)
 
 
 # --- bad input ----------------------------------------------------------------------------------------------------
