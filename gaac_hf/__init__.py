@@ -7,6 +7,7 @@ from .attention import gaac_attention_forward, gaac_decode_attention
 from .cache import GAACCache, GAACLayer
 from .calibration import CalibrationConfig, CalibrationMismatchError, CorruptArtifactError, GAACCalibration
 from .format import FORMAT_VERSION
+from .static_cache import GAACCacheFullError, GAACPoolOverflowError, GAACStaticCache, PlainStaticCache
 
 __all__ = [
     "FORMAT_VERSION",
@@ -15,7 +16,11 @@ __all__ = [
     "CorruptArtifactError",
     "GAACCache",
     "GAACCalibration",
+    "GAACCacheFullError",
+    "GAACPoolOverflowError",
+    "GAACStaticCache",
     "GAACLayer",
     "gaac_attention_forward",
     "gaac_decode_attention",
+    "PlainStaticCache",
 ]

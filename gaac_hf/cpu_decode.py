@@ -2,8 +2,8 @@
 
 `decode_tiles` is written to be read; this one is written to run: it works on bytes (uint8 arithmetic wraps mod 256
 exactly as the format's exponent code does) and unpacks the bit planes eight elements at a time with a 256-entry
-table that spreads the bits of a byte over the byte lanes of an int64 (SWAR). The escape area is read only for
-tiles that have 4-bit or raw groups. It trusts its input: slots come from the cache's own encoder (the oracle
+table that spreads the bits of a byte over the byte lanes of an int64 (SWAR). The escape area is read only when
+some tile has 4-bit or raw groups. It trusts its input: slots come from the cache's own encoder (the oracle
 checks mode tags for corruption; this path does not).
 """
 
@@ -18,7 +18,7 @@ _SPREAD = torch.tensor([sum(((v >> i) & 1) << (8 * i) for i in range(8)) for v i
 
 
 def _spread(b: torch.Tensor) -> torch.Tensor:
-    return _SPREAD[b.long()]
+    return _SPREAD.index_select(0, b.reshape(-1).long()).reshape(b.shape)
 
 
 def decode_slots(slots: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, channels: int) -> torch.Tensor:
@@ -34,20 +34,16 @@ def decode_slots(slots: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, 
     mode_bits = _spread(tags).view(torch.uint8).reshape(n, 2, g)  # [N, 2 (wide, raw), G] of 0/1
     wide, raw = mode_bits[:, 0], mode_bits[:, 1]
     code = _spread(planes[:, 0]) | (_spread(planes[:, 1]) << 1) | (_spread(planes[:, 2]) << 2)  # [N, G] x 8 lanes
-    escaped = wide.any(-1)
-    if bool(escaped.any()):
-        rows = escaped.nonzero().reshape(-1)
-        w, r = wide[rows].to(torch.int32), raw[rows].to(torch.int32)
+    if bool(wide.any()):  # 4-bit or raw groups: their escape bytes (planes 3..7), packed in group order
+        w, r = wide.to(torch.int32), raw.to(torch.int32)
         weights = w + 4 * r
         offsets = (torch.cumsum(weights, -1) - weights).long()
-        area = torch.nn.functional.pad(slots[rows, layout.escape_offset:], (0, 5))
-        top = area.shape[-1] - 1
-        extra = _spread(torch.gather(area, 1, offsets.clamp(max=top)) * w.to(torch.uint8)) << 3
-        if bool(r.any()):
+        # a slot's escapes fit its capacity, so offset + 4 stays inside the area padded by 5
+        area = torch.nn.functional.pad(slots[:, layout.escape_offset:], (0, 5))
+        code |= _spread(torch.gather(area, 1, offsets) * wide) << 3
+        if bool(raw.any()):
             for j in range(1, 5):
-                byte = torch.gather(area, 1, (offsets + j).clamp(max=top)) * r.to(torch.uint8)
-                extra |= _spread(byte) << (3 + j)
-        code[rows] |= extra
+                code |= _spread(torch.gather(area, 1, offsets + j) * raw) << (3 + j)
     b3 = base3.expand(n, c).repeat(1, 2)
     b4 = base4.expand(n, c).repeat(1, 2)
     base = torch.where(raw.bool(), 0, torch.where(wide.bool(), b4, b3)).to(torch.int64) * _ONES  # [N, G] x 8

@@ -108,18 +108,20 @@ def decode(table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor,
         from triton_ops.gaac_decode import gaac_decode
 
         return gaac_decode(table, slot_pool, raw_pool, base3, base4)
-    out = torch.empty(*table.shape, BLOCK_TOKENS, channels, dtype=torch.bfloat16, device=table.device)
-    if table.numel():
-        lead = (*table.shape, channels)
-        in_slot = table >= 0
-        idx = table[in_slot].long()
-        if idx.numel():
-            out[in_slot] = decode_slots(slot_pool[idx], base3.expand(lead)[in_slot], base4.expand(lead)[in_slot],
-                                        channels)
-        raw = -1 - table[~in_slot].long()
-        if raw.numel():
-            out[~in_slot] = raw_pool[raw]
-    return out
+    # the CPU: decode every entry as a slot (raw entries, a small share, read slot 0 and are overwritten after)
+    lead, p = table.shape[:-1], table.shape[-1]
+    flat = table.reshape(-1)
+    idx = flat.clamp(min=0).long()
+    n = flat.numel() // max(p, 1)
+    b3 = base3.unsqueeze(0).expand(n, p, channels).reshape(-1, channels)
+    b4 = base4.unsqueeze(0).expand(n, p, channels).reshape(-1, channels)
+    slots = slot_pool.index_select(0, idx) if slot_pool.shape[0] else \
+        torch.zeros(idx.numel(), slot_pool.shape[1], dtype=torch.uint8)
+    out = decode_slots(slots, b3, b4, channels)
+    raw = (flat < 0).nonzero().reshape(-1)
+    if raw.numel():
+        out.index_copy_(0, raw, raw_pool.index_select(0, -1 - flat[raw].long()))
+    return out.reshape(*lead, p, BLOCK_TOKENS, channels)
 
 
 def tiles_of(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
