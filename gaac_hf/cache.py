@@ -366,8 +366,10 @@ class GAACLayer(CacheLayerMixin):
         nb = tail_k.shape[-2] // BLOCK_TOKENS
         if nb:
             self._append_blocks(tail_k[:, :, :nb * BLOCK_TOKENS], tail_v[:, :, :nb * BLOCK_TOKENS])
-        self._tail_k = tail_k[:, :, nb * BLOCK_TOKENS:].clone()
-        self._tail_v = tail_v[:, :, nb * BLOCK_TOKENS:].clone()
+            self._tail_k = tail_k[:, :, nb * BLOCK_TOKENS:].clone()
+            self._tail_v = tail_v[:, :, nb * BLOCK_TOKENS:].clone()
+        else:  # the concatenation is already a fresh tensor: no copy
+            self._tail_k, self._tail_v = tail_k, tail_v
         if self.lazy and q_len == 1:
             view = self.compressed()
             return GAACLazyKV(view, 0), GAACLazyKV(view, 1)

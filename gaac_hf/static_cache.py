@@ -127,7 +127,7 @@ class _StaticLayerBase(CacheLayerMixin):
 
     # --- CacheLayerMixin ----------------------------------------------------------------------------------------
     def get_seq_length(self):
-        return self.kv_len[0] if self.is_initialized else 0
+        return self.kv_len[0].long() if self.is_initialized else 0  # a device tensor, as StaticLayer's
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
         return self.max_cache_len, 0

@@ -11,6 +11,8 @@ prefetched into L2 meanwhile.
 reference. Reconstruction only changes where the BF16 bits come from, so both give identical output bits.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -370,6 +372,11 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, S_PAD: tl.constexpr,
     tl.store(out_ptr + pid * D + d, o.to(tl.bfloat16))
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def num_splits(batch_heads: int, n_blocks: int, device: torch.device, blocks_per_iter: int = 8,
                programs_per_sm: int = 4) -> int:
     """Split count for `batch_heads` (row, kv-head) pairs over `n_blocks` blocks: enough programs to fill the GPU,
@@ -377,7 +384,7 @@ def num_splits(batch_heads: int, n_blocks: int, device: torch.device, blocks_per
     nb = blocks_per_iter
     if device.type != "cuda":
         return max(1, min(4, triton.cdiv(n_blocks, nb)))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _sm_count(device)
     want = triton.cdiv(programs_per_sm * sms, max(batch_heads, 1))
     return max(1, min(want, triton.cdiv(n_blocks, nb)))
 
@@ -488,6 +495,14 @@ def plain_as_raw_tiles(key: torch.Tensor, value: torch.Tensor):
     return (key, value, plain_table(b, h, s, d, key.device), key[:, :, n * BLOCK:], value[:, :, n * BLOCK:])
 
 
+@functools.lru_cache(maxsize=None)
+def _dummies(device: torch.device, heads: int, head_dim: int):
+    """The slot pool and bases the plain path passes (never read), made once per shape: allocating them inside a
+    captured step would add two fills per layer. 16 slot bytes: the same specialization as a real slot pool."""
+    return (torch.zeros(1, 16, dtype=torch.uint8, device=device),
+            torch.zeros(2, heads, head_dim, dtype=torch.uint8, device=device))
+
+
 def plain_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                            mask: torch.Tensor | None = None, plain=None, kv_len: torch.Tensor | None = None,
                            table: torch.Tensor | None = None, **tuning) -> torch.Tensor:
@@ -508,7 +523,6 @@ def plain_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
         if table is None:
             table = plain_table(*key.shape[:3], d, query.device)
         tail_k, tail_v = key, value  # the tail of row b: the rows after its kv_len[b] // 16 blocks (tail_shift)
-    dummy_slots = torch.zeros(1, 16, dtype=torch.uint8, device=query.device)  # 16: same specialization as a slot
-    dummy_bases = torch.zeros(2, key.shape[1], d, dtype=torch.uint8, device=query.device)
+    dummy_slots, dummy_bases = _dummies(query.device, key.shape[1], d)
     return _launch(query, dummy_slots, key, value, c, d, table, tail_k, tail_v, dummy_bases, dummy_bases, scale,
                    mask, kv_len, int(tail_k is key), **tuning)
