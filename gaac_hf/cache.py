@@ -324,8 +324,9 @@ class GAACLayer(CacheLayerMixin):
             t0, t1 = b0 * BLOCK_TOKENS, b1 * BLOCK_TOKENS
             tiles = ops.tiles_of(k[:, :, t0:t1], v[:, :, t0:t1])  # [B, n, P, 16, C]
             slots, fits, counts = ops.encode(tiles, b3, b4, self.layout.escape_capacity)
-            entries = self.pool.store(slots.reshape(-1, slots.shape[-1]), tiles.reshape(-1, BLOCK_TOKENS, self.channels),
-                                      fits.reshape(-1), counts.reshape(-1, 3), self._live)
+            entries = self.pool.store(slots.reshape(-1, slots.shape[-1]),
+                                      tiles.reshape(-1, BLOCK_TOKENS, self.channels), fits.reshape(-1),
+                                      counts.reshape(-1, 3), self._live)
             self._table[:, self.n_blocks + b0:self.n_blocks + b1] = entries.reshape(
                 self.batch, b1 - b0, 2, self.num_kv_heads, self.tiles)
         self.n_blocks += nb

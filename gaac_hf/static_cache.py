@@ -1,4 +1,4 @@
-"""`GAACStaticCache`: a preallocated GAAC cache whose decode step is one capturable graph (`torch.compile`, CUDA graphs).
+"""`GAACStaticCache`: a preallocated GAAC cache whose decode step is one capturable graph (torch.compile, CUDA graphs).
 
 Like transformers' `StaticCache(config, max_cache_len)`, every buffer is allocated once and updated in place:
 
@@ -274,7 +274,8 @@ class GAACStaticLayer(_StaticLayerBase):
             b1 = min(nb, b0 + step)
             self.check_counts(*self.counts.tolist())
             self.grow_raw(int(self.counts[1]) + (b1 - b0) * self.batch * p + 2 * self.headroom)
-            tiles = ops.tiles_of(k[:, :, b0 * BLOCK_TOKENS:b1 * BLOCK_TOKENS], v[:, :, b0 * BLOCK_TOKENS:b1 * BLOCK_TOKENS])
+            t0, t1 = b0 * BLOCK_TOKENS, b1 * BLOCK_TOKENS
+            tiles = ops.tiles_of(k[:, :, t0:t1], v[:, :, t0:t1])
             first = torch.full((self.batch,), length // BLOCK_TOKENS + b0, dtype=torch.long, device=self.device)
             ops.store_blocks(tiles, rows, first, r.base3.reshape(p, c), r.base4.reshape(p, c),
                              self.layout.escape_capacity, r.slot_pool, r.raw_pool, r.table, self.slot_modes,

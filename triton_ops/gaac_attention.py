@@ -390,8 +390,8 @@ def num_splits(batch_heads: int, n_blocks: int, device: torch.device, blocks_per
 
 
 def _launch(query, slot_pool, raw_pool, rawv_pool, raw_tile, raw_row, table, tail_k, tail_v, base3, base4, scale,
-            mask, kv_len, tail_shift=0, num_splits=None, blocks_per_iter=8, num_warps=4, num_stages=1, programs_per_sm=4,
-            stages=("recon", "math"), prefetch=True, hoist=True):
+            mask, kv_len, tail_shift=0, num_splits=None, blocks_per_iter=8, num_warps=4, num_stages=1,
+            programs_per_sm=4, stages=("recon", "math"), prefetch=True, hoist=True):
     if query.dtype != torch.bfloat16 or query.dim() != 3 or query.stride(-1) != 1:
         raise ValueError("query must be BF16 [B, H_q, D] with a contiguous last dim")
     b, hq, d = query.shape
