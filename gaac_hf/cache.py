@@ -38,6 +38,8 @@ from .tile_pool import TilePool, grow
 GAAC_ATTENTION_NAME = "gaac"
 # Most tiles given to one `encode_tiles` call (bounds the encoder's temporary memory on long prompts).
 ENCODE_MAX_TILES = 8192
+# Blocks the CPU decode attention decodes per codec call (256 blocks = 4K tokens; its chunks are smaller).
+DECODE_WINDOW_BLOCKS = 256
 
 
 def _check_kv_dtype(key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -102,6 +104,7 @@ class CompressedKV:
         self.batch, self.heads, _, self.head_dim = tail_k.shape
         self.length = self.n_blocks * BLOCK_TOKENS + tail_k.shape[-2]
         self._dense = None
+        self._window = None  # (first block, K, V) of the decoded blocks the last chunks came from
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -112,6 +115,18 @@ class CompressedKV:
         kv = self.layer._decode_table(self.table[:, b0:b1], self.slot_pool, self.raw_pool)
         return kv[:, 0], kv[:, 1]
 
+    def _windowed(self, b0: int, b1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks `[b0, b1)`, served from one decode of up to `DECODE_WINDOW_BLOCKS` blocks (fewer codec calls
+        than one per attention chunk; the transient BF16 stays bounded)."""
+        w = self._window
+        if w is None or not (w[0] <= b0 and b1 <= w[0] + w[1].shape[2] // BLOCK_TOKENS):
+            top = min(self.n_blocks, max(b1, b0 + DECODE_WINDOW_BLOCKS))
+            k, v = self.blocks(b0, top)
+            w = self._window = (b0, k, v)
+        at = (b0 - w[0]) * BLOCK_TOKENS
+        n = (b1 - b0) * BLOCK_TOKENS
+        return w[1][:, :, at:at + n], w[2][:, :, at:at + n]
+
     def chunk(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens `[start, end)` (start a multiple of 16) as contiguous BF16 K, V `[B, H, end - start, D]`."""
         if start % BLOCK_TOKENS:
@@ -121,7 +136,7 @@ class CompressedKV:
         ks, vs = [], []
         if start < fin:
             stop = min(end, fin)
-            k, v = self.blocks(start // BLOCK_TOKENS, (stop + BLOCK_TOKENS - 1) // BLOCK_TOKENS)
+            k, v = self._windowed(start // BLOCK_TOKENS, (stop + BLOCK_TOKENS - 1) // BLOCK_TOKENS)
             ks.append(k[:, :, :stop - start])
             vs.append(v[:, :, :stop - start])
         if end > fin:

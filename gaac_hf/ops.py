@@ -218,11 +218,9 @@ def _mask4(mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 # --- custom ops ----------------------------------------------------------------------------------------------------
-@torch.library.custom_op("gaac::decode_attention", mutates_args=())
-def _decode_attention_op(query: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor, table: torch.Tensor,
-                         tail_k: torch.Tensor, tail_v: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor,
-                         kv_len: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                         num_splits: int) -> torch.Tensor:
+# Each op's body is a plain function too: eager callers (GAACCache) skip the dispatcher's per-call cost.
+def _decode_attention_impl(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, kv_len, mask, scale,
+                           num_splits):
     backend = _backend(query.device)
     if backend == "gaac_cuda":
         b, h, d = query.shape[0], table.shape[3], query.shape[-1]
@@ -238,15 +236,21 @@ def _decode_attention_op(query: torch.Tensor, slot_pool: torch.Tensor, raw_pool:
     return reference_decode(query, chunks, max(lens), scale, _mask4(mask), kv_len)
 
 
+@torch.library.custom_op("gaac::decode_attention", mutates_args=())
+def _decode_attention_op(query: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor, table: torch.Tensor,
+                         tail_k: torch.Tensor, tail_v: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor,
+                         kv_len: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                         num_splits: int) -> torch.Tensor:
+    return _decode_attention_impl(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, kv_len, mask,
+                                  scale, num_splits)
+
+
 @_decode_attention_op.register_fake
 def _(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, kv_len, mask, scale, num_splits):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("gaac::plain_decode_attention", mutates_args=())
-def _plain_decode_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                               table: torch.Tensor | None, kv_len: torch.Tensor, mask: torch.Tensor | None,
-                               scale: float, num_splits: int) -> torch.Tensor:
+def _plain_decode_attention_impl(query, key, value, table, kv_len, mask, scale, num_splits):
     backend = _backend(query.device)
     if backend == "gaac_cuda":
         b, h, s, d = key.shape
@@ -260,6 +264,13 @@ def _plain_decode_attention_op(query: torch.Tensor, key: torch.Tensor, value: to
     lens = kv_len.tolist()
     return reference_decode(query, lambda s, e: (key[:, :, s:e], value[:, :, s:e]), max(lens), scale, _mask4(mask),
                             kv_len)
+
+
+@torch.library.custom_op("gaac::plain_decode_attention", mutates_args=())
+def _plain_decode_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               table: torch.Tensor | None, kv_len: torch.Tensor, mask: torch.Tensor | None,
+                               scale: float, num_splits: int) -> torch.Tensor:
+    return _plain_decode_attention_impl(query, key, value, table, kv_len, mask, scale, num_splits)
 
 
 @_plain_decode_attention_op.register_fake
@@ -299,15 +310,16 @@ def decode_attention(query: torch.Tensor, record: DecodeRecord, mask: torch.Tens
                      scale: float) -> torch.Tensor:
     """`[B, H_q, D]` BF16 query over a compressed layer -> `[B, H_q, D]`; mask bool `[B, S_mask]` or None."""
     r = record
-    return torch.ops.gaac.decode_attention(query, r.slot_pool, r.raw_pool, r.table, r.tail_k, r.tail_v, r.base3,
-                                           r.base4, r.kv_len, mask, scale, r.plan.splits)
+    op = torch.ops.gaac.decode_attention if torch.compiler.is_compiling() else _decode_attention_impl
+    return op(query, r.slot_pool, r.raw_pool, r.table, r.tail_k, r.tail_v, r.base3, r.base4, r.kv_len, mask, scale,
+              r.plan.splits)
 
 
 def plain_decode_attention(query: torch.Tensor, record: PlainRecord, mask: torch.Tensor | None,
                            scale: float) -> torch.Tensor:
     r = record
-    return torch.ops.gaac.plain_decode_attention(query, r.key, r.value, r.table, r.kv_len, mask, scale,
-                                                 r.plan.splits)
+    op = torch.ops.gaac.plain_decode_attention if torch.compiler.is_compiling() else _plain_decode_attention_impl
+    return op(query, r.key, r.value, r.table, r.kv_len, mask, scale, r.plan.splits)
 
 
 # --- the static layer's decode-step update -------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.models.llama.modeling_llama import LlamaModel
 
 import gaac_hf.attention as gaac_attention
+import gaac_hf.cache as cache_module
 from gaac_hf.attention import gaac_attention_forward, gaac_decode_attention
 from gaac_hf.cache import CompressedKV, GAACCache, GAACLayer, GAACLazyKV
 from gaac_hf.calibrate import calibrate, exponent_histogram, windows_from_histogram
@@ -376,14 +377,18 @@ def test_decode_attention_compressed_equals_plain(head_dim, capacity, monkeypatc
         return original(self, table, *args)
 
     monkeypatch.setattr(GAACLayer, "_decode_table", spy)
+    window = 2  # blocks per codec call, below the 5 the layer holds
+    monkeypatch.setattr(cache_module, "DECODE_WINDOW_BLOCKS", window)
     for chunk_blocks in (1, 2, 32):
         for m in (None, mask):
             decoded.clear()
+            view = layer.compressed()  # a fresh snapshot: no decoded window yet
+            lazy_k, lazy_v = GAACLazyKV(view, 0), GAACLazyKV(view, 1)
             got = gaac_decode_attention(query, lazy_k, lazy_v, m, 0.1, chunk_blocks=chunk_blocks)
             ref = gaac_decode_attention(query, k, v, m, 0.1, chunk_blocks=chunk_blocks)
             assert got.shape == (3, 1, 6, head_dim) and got.dtype == torch.bfloat16
             assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
-            assert decoded and max(decoded) <= chunk_blocks  # block by block, never the whole cache
+            assert decoded and max(decoded) <= max(chunk_blocks, window)  # bounded, never the whole cache
 
 
 def test_decode_attention_is_attention():
