@@ -17,6 +17,7 @@ Triton kernel and the CUDA kernel each agree with themselves across compressed a
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +36,16 @@ REFERENCE_CHUNK_TOKENS = 512
 
 
 def _backend(device: torch.device) -> str:
-    """`"gaac_cuda"`, `"triton"` or `"torch"`: which kernels serve tensors on `device`. The one place that decides."""
+    """`"gaac_cuda"`, `"triton"` or `"torch"`: which kernels serve tensors on `device`. The one place that decides.
+
+    `GAAC_HF_BACKEND=triton` runs the Triton kernels on CPU tensors too (under `TRITON_INTERPRET=1`: the tests
+    check the CUDA path's ops end to end that way)."""
     device = torch.device(device)
+    forced = os.environ.get("GAAC_HF_BACKEND")
+    if forced:
+        if forced not in ("torch", "triton", "gaac_cuda"):
+            raise ValueError(f"GAAC_HF_BACKEND must be torch, triton or gaac_cuda, not {forced!r}")
+        return forced
     if device.type != "cuda":
         return "torch"
     if gaac_cuda is not None and gaac_cuda.available(device):
@@ -360,7 +369,7 @@ def _append_token_op(key: torch.Tensor, value: torch.Tensor, tail_k: torch.Tenso
     c = raw_pool.shape[-1]
     p = base3.numel() // c
     capacity = slot_pool.shape[-1] - (16 * c + 6 * c + c // 2)
-    if key.is_cuda:
+    if _backend(key.device) != "torch":
         from triton_ops.gaac_append import gaac_append
 
         gaac_append(key, value, tail_k, tail_v, kv_len, base3.reshape(p, c), base4.reshape(p, c), slot_pool,

@@ -117,6 +117,21 @@ def test_generate_compiles_with_inductor(llama):
     assert _same(out, ref)
 
 
+def test_triton_kernels_in_the_compiled_step(llama, monkeypatch):
+    """The CUDA path's ops (Triton append/finalize kernel, the attention kernel reading device lengths, the plain
+    twin's raw-tile table) inside the compiled generate step, run on the CPU under Triton's interpreter: compressed
+    equals twin, across a block boundary, for a left-padded batch."""
+    monkeypatch.setenv("GAAC_HF_BACKEND", "triton")
+    model, calibration = llama
+    ids = _ids(27, 14, batch=2)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    (out, cache), (ref, _) = _generate_both(model, calibration, ids, 48, attention_mask=mask, do_sample=False,
+                                            max_new_tokens=6, min_new_tokens=6)
+    assert _same(out, ref)
+    assert cache.stats()["layers"][0]["blocks"] == 2
+
+
 def _decode_logits(model, cache, ids, steps, forward):
     name = cache_kwarg(model)
     with torch.no_grad():
