@@ -1,5 +1,8 @@
 """Where `torch.compile` (Dynamo) breaks the graph of one decode step, per cache and attention.
 
+`GAACStaticCache` (and its plain twin, `PlainStaticCache`) are the caches built to be one graph; `GAACCache` is the
+eager cache, listed for what breaks it.
+
 For a small Llama (8 query / 2 KV heads, head_dim 128), prefill 40 tokens, then run `torch._dynamo.explain` on one
 decode step that only appends to the tail and on one that completes a 16-token block (finalization). Reports the
 number of graphs, graph breaks and the distinct break reasons with the line that caused them; writes JSON.
@@ -14,7 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -24,6 +27,7 @@ from lossless import gqa_model_and_calibration  # noqa: E402
 import gaac_hf  # noqa: E402,F401  (registers "gaac")
 from gaac_hf import GAACCache  # noqa: E402
 from gaac_hf.model_layers import cache_kwarg  # noqa: E402
+from gaac_hf.static_cache import GAACStaticCache, PlainStaticCache  # noqa: E402
 
 
 def explain_step(model, cache, token):
@@ -51,7 +55,10 @@ def main():
     ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(0)).to(args.device)
     setups = {"DynamicCache + sdpa": ("sdpa", lambda: DynamicCache(config=model.config)),
               "GAACCache + sdpa": ("sdpa", lambda: GAACCache(model.config, calibration)),
-              "GAACCache + gaac": ("gaac", lambda: GAACCache(model.config, calibration))}
+              "GAACCache + gaac": ("gaac", lambda: GAACCache(model.config, calibration)),
+              "StaticCache + sdpa": ("sdpa", lambda: StaticCache(config=model.config, max_cache_len=64)),
+              "GAACStaticCache + gaac": ("gaac", lambda: GAACStaticCache(model.config, 64, calibration)),
+              "PlainStaticCache + gaac (twin)": ("gaac", lambda: PlainStaticCache(model.config, 64))}
     out = {"device": args.device, "torch": torch.__version__,
            "transformers": __import__("transformers").__version__, "setups": {}}
     for name, (attn, make) in setups.items():

@@ -12,6 +12,7 @@ from .calibration import (
 )
 from .default_model import load_default_model
 from .format import FORMAT_VERSION
+from .static_cache import GAACCacheFullError, GAACPoolOverflowError, GAACStaticCache, PlainStaticCache
 
 
 __all__ = [
@@ -21,9 +22,13 @@ __all__ = [
     "CorruptArtifactError",
     "GAACCache",
     "GAACCalibration",
+    "GAACCacheFullError",
+    "GAACPoolOverflowError",
+    "GAACStaticCache",
     "GAACLayer",
     "gaac_attention_forward",
     "gaac_decode_attention",
     "load_default_model",
+    "PlainStaticCache",
     "shipped_calibration",
 ]

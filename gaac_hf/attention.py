@@ -27,6 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .cache import GAAC_ATTENTION_NAME, CompressedKV, GAACLazyKV
 from .format import BLOCK_TOKENS
+from .ops import DecodePlan, PlainRecord, decode_attention, plain_decode_attention, reference_decode, splits
 
 # Blocks of 16 tokens per decode step of the online softmax (the chunking is part of the math: both the compressed
 # and the plain path use it, so they stay bit-identical whatever its value).
@@ -60,14 +61,6 @@ def kv_source(key: torch.Tensor, value: torch.Tensor) -> CompressedKV | PlainKV:
     return PlainKV(key, value)
 
 
-def _mask_chunk(mask: torch.Tensor, start: int, end: int, batch: int, kv_heads: int, n_rep: int) -> torch.Tensor:
-    """Mask `[B|1, 1|H_q, 1, S]` -> its columns `[start, end)` shaped to broadcast over `[B, H_kv, n_rep, n]`."""
-    m = mask[:, :, -1, start:end]  # [B|1, 1|H_q, n]
-    if m.shape[1] == 1:
-        return m.unsqueeze(2)  # [B|1, 1, 1, n]
-    return m.reshape(m.shape[0], kv_heads, n_rep, -1)
-
-
 def _mask_rows(mask: torch.Tensor | None, batch: int) -> tuple[bool, torch.Tensor | None]:
     """A `[B|1, 1, 1, S]` bool mask as `[B, S]` for the fused kernel; `(False, None)` if it has another form."""
     if mask is None:
@@ -78,23 +71,20 @@ def _mask_rows(mask: torch.Tensor | None, batch: int) -> tuple[bool, torch.Tenso
 
 
 def _fused_decode(query, source, attention_mask, scale):
-    """The Triton kernel on CUDA: compressed blocks read in place, or the same kernel over plain KV."""
-    from triton_ops.gaac_attention import gaac_decode_attention as fused
-    from triton_ops.gaac_attention import plain_decode_attention
-
+    """The fused kernel on CUDA (through the `gaac::` ops): compressed blocks read in place, or plain KV."""
     b, hq, _, d = query.shape
     ok, mask = _mask_rows(attention_mask, b)
     if not ok:
         return None
-    q = query.reshape(b, hq, d).contiguous()
+    q = query.reshape(b, hq, d)
     if isinstance(source, CompressedKV):
-        layer = source.layer
-        h = source.heads
-        out = fused(q, source.slot_pool, source.raw_pool, source.table, source.tail_k, source.tail_v,
-                    layer._base3.reshape(2, h, d), layer._base4.reshape(2, h, d), scale, mask)
-    else:
-        out = plain_decode_attention(q, source.key, source.value, scale, mask)
-    return out.unsqueeze(1)
+        return decode_attention(q, source.record(), mask, scale).unsqueeze(1)
+    key, value = source.key, source.value
+    n = key.shape[2] // BLOCK_TOKENS
+    kv_len = torch.full((b,), key.shape[2], dtype=torch.int32, device=key.device)
+    record = PlainRecord(key, value, None, kv_len, DecodePlan(b, source.heads, n, d, str(key.device),
+                                                              splits(b, source.heads, n, key.device, d)))
+    return plain_decode_attention(q, record, mask, scale).unsqueeze(1)
 
 
 def gaac_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -113,34 +103,32 @@ def gaac_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     hkv = source.heads
     if hq % hkv:
         raise ValueError(f"{hq} query heads do not group over {hkv} KV heads")
-    n_rep = hq // hkv
     scale = d ** -0.5 if scaling is None else scaling
     if query.is_cuda and query.dtype == torch.bfloat16:
         fused = _fused_decode(query, source, attention_mask, scale)
         if fused is not None:
             return fused
-    step = BLOCK_TOKENS * (chunk_blocks or DECODE_CHUNK_BLOCKS)
+    out = reference_decode(query.reshape(b, hq, d), source.chunk, source.length, scale, attention_mask,
+                           chunk_tokens=BLOCK_TOKENS * (chunk_blocks or DECODE_CHUNK_BLOCKS))
+    return out.unsqueeze(1)
 
-    q = query.float().reshape(b, hkv, n_rep, d)
-    m = torch.full((b, hkv, n_rep, 1), float("-inf"), dtype=torch.float32, device=query.device)
-    denom = torch.zeros((b, hkv, n_rep, 1), dtype=torch.float32, device=query.device)
-    acc = torch.zeros((b, hkv, n_rep, d), dtype=torch.float32, device=query.device)
-    for start in range(0, source.length, step):
-        end = min(start + step, source.length)
-        k, v = source.chunk(start, end)  # contiguous BF16 [B, H_kv, n, D]
-        s = torch.matmul(q, k.float().transpose(-1, -2)) * scale  # [B, H_kv, n_rep, n]
-        if attention_mask is not None:
-            mc = _mask_chunk(attention_mask, start, end, b, hkv, n_rep)
-            s = s.masked_fill(~mc, float("-inf")) if mc.dtype == torch.bool else s + mc.float()
-        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        p = torch.exp(s - m_safe)
-        alpha = torch.exp(m - m_safe)
-        denom = denom * alpha + p.sum(-1, keepdim=True)
-        acc = acc * alpha + torch.matmul(p, v.float())
-        m = m_new
-    out = torch.where(denom > 0, acc / denom, torch.zeros_like(acc))
-    return out.reshape(b, hq, d).unsqueeze(1).to(query.dtype)
+
+def static_decode_attention(query: torch.Tensor, record, attention_mask: torch.Tensor | None,
+                            scaling: float | None) -> torch.Tensor:
+    """The decode attention of the static caches: the `gaac::` custom ops over a `DecodeRecord` (compressed) or a
+    `PlainRecord` (the plain twin); traceable, so a compiled decode step is one graph."""
+    b, hq, _, d = query.shape
+    ok, mask = _mask_rows(attention_mask, b)
+    if not ok:
+        raise ValueError("the static GAAC caches take a bool attention mask [B, 1, 1, S] (the \"gaac\" mask "
+                         f"function gives one); got {attention_mask.dtype} {tuple(attention_mask.shape)}")
+    scale = d ** -0.5 if scaling is None else scaling
+    q = query.reshape(b, hq, d)
+    if isinstance(record, PlainRecord):
+        out = plain_decode_attention(q, record, mask, scale)
+    else:
+        out = decode_attention(q, record, mask, scale)
+    return out.unsqueeze(1)
 
 
 def _decode_supported(query: torch.Tensor, dropout: float, module, kwargs: dict) -> bool:
@@ -161,6 +149,12 @@ def gaac_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                            attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                            **kwargs) -> tuple[torch.Tensor, None]:
     """The `"gaac"` attention function (signature of transformers' attention interface)."""
+    record = getattr(key, "gaac_record", None)
+    if record is not None:  # K/V of a static GAAC cache: only the decode step reads them (prefill gets dense K/V)
+        if not _decode_supported(query, dropout, module, kwargs):
+            raise ValueError(f"the static GAAC caches serve single-token decode steps; got query "
+                             f"{tuple(query.shape)} with {sorted(k for k, v in kwargs.items() if v)}")
+        return static_decode_attention(query, record, attention_mask, scaling), None
     if _decode_supported(query, dropout, module, kwargs):
         return gaac_decode_attention(query, key, value, attention_mask, scaling), None
     if isinstance(key, GAACLazyKV):

@@ -29,15 +29,17 @@ from torch.utils._pytree import tree_map
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import ops
 from .calibration import CalibrationMismatchError, GAACCalibration
-from .codec import decode_tiles, encode_tiles, merge_head, split_head
 from .format import BLOCK_TABLE_ENTRY_BYTES, BLOCK_TOKENS, MODE_NAMES, TileLayout, tile_split
 from .model_layers import layer_types_and_kwargs, text_config
+from .tile_pool import TilePool, grow
 
 GAAC_ATTENTION_NAME = "gaac"
 # Most tiles given to one `encode_tiles` call (bounds the encoder's temporary memory on long prompts).
 ENCODE_MAX_TILES = 8192
-_MIN_POOL = 64
+# Blocks the CPU decode attention decodes per codec call (256 blocks = 4K tokens; its chunks are smaller).
+DECODE_WINDOW_BLOCKS = 256
 
 
 def _check_kv_dtype(key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -49,17 +51,40 @@ def _check_kv_dtype(key_states: torch.Tensor, value_states: torch.Tensor) -> Non
             )
 
 
-def _grow(t: torch.Tensor | None, needed: int, dim: int = 0, fill=0) -> torch.Tensor:
-    """Return `t` with at least `needed` entries along `dim` (amortized doubling; new entries = `fill`)."""
-    have = t.shape[dim]
-    if needed <= have:
-        return t
-    cap = max(needed, 2 * have, _MIN_POOL)
-    shape = list(t.shape)
-    shape[dim] = cap
-    out = torch.full(shape, fill, dtype=t.dtype, device=t.device)
-    out.narrow(dim, 0, have).copy_(t)
-    return out
+def resolve_calibration(calibration, what: str, **hub_kwargs) -> GAACCalibration:
+    """A `GAACCalibration`, or one loaded from a path / Hub id; a clear `TypeError` for anything else."""
+    if isinstance(calibration, GAACCalibration):
+        return calibration
+    if isinstance(calibration, str) or hasattr(calibration, "__fspath__"):
+        return GAACCalibration.from_pretrained(str(calibration), **hub_kwargs)
+    raise TypeError(f"{what} takes as calibration a GAACCalibration or the path / Hub id of one, not "
+                    f"{type(calibration).__name__}")
+
+
+def _is_model_config(x) -> bool:
+    from transformers import PretrainedConfig
+
+    return isinstance(x, PretrainedConfig)
+
+
+def config_and_calibration(what: str, args: tuple, config, calibration):
+    """Sort `GAACCache(config, calibration)`, `GAACCache(calibration, config=...)`, keywords, by type."""
+    for arg in args:
+        if _is_model_config(arg) and config is None:
+            config = arg
+        elif isinstance(arg, (GAACCalibration, str)) or hasattr(arg, "__fspath__"):
+            if calibration is not None:
+                raise TypeError(f"{what} got two calibrations")
+            calibration = arg
+        else:
+            raise TypeError(f"{what} takes a model config (transformers PretrainedConfig) and a GAACCalibration "
+                            f"(or the path / Hub id of one); got a {type(arg).__name__} positional argument")
+    if config is None or not _is_model_config(config):
+        raise TypeError(f"{what} needs the model config (transformers PretrainedConfig) as config, got "
+                        f"{type(config).__name__}")
+    if calibration is None:
+        raise TypeError(f"{what} needs a calibration: {what}(config, calibration)")
+    return config, resolve_calibration(calibration, what)
 
 
 class CompressedKV:
@@ -72,13 +97,14 @@ class CompressedKV:
     def __init__(self, layer: "GAACLayer", table: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor):
         self.layer = layer
         self.table = table  # int32 [B, n_blocks, 2, H, tiles]
-        self.slot_pool = layer._slot_pool
-        self.raw_pool = layer._raw_pool
+        self.slot_pool = layer.pool.slot_pool
+        self.raw_pool = layer.pool.raw_pool
         self.tail_k, self.tail_v = tail_k, tail_v
         self.n_blocks = table.shape[1]
         self.batch, self.heads, _, self.head_dim = tail_k.shape
         self.length = self.n_blocks * BLOCK_TOKENS + tail_k.shape[-2]
         self._dense = None
+        self._window = None  # (first block, K, V) of the decoded blocks the last chunks came from
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -89,6 +115,18 @@ class CompressedKV:
         kv = self.layer._decode_table(self.table[:, b0:b1], self.slot_pool, self.raw_pool)
         return kv[:, 0], kv[:, 1]
 
+    def _windowed(self, b0: int, b1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks `[b0, b1)`, served from one decode of up to `DECODE_WINDOW_BLOCKS` blocks (fewer codec calls
+        than one per attention chunk; the transient BF16 stays bounded)."""
+        w = self._window
+        if w is None or not (w[0] <= b0 and b1 <= w[0] + w[1].shape[2] // BLOCK_TOKENS):
+            top = min(self.n_blocks, max(b1, b0 + DECODE_WINDOW_BLOCKS))
+            k, v = self.blocks(b0, top)
+            w = self._window = (b0, k, v)
+        at = (b0 - w[0]) * BLOCK_TOKENS
+        n = (b1 - b0) * BLOCK_TOKENS
+        return w[1][:, :, at:at + n], w[2][:, :, at:at + n]
+
     def chunk(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens `[start, end)` (start a multiple of 16) as contiguous BF16 K, V `[B, H, end - start, D]`."""
         if start % BLOCK_TOKENS:
@@ -98,7 +136,7 @@ class CompressedKV:
         ks, vs = [], []
         if start < fin:
             stop = min(end, fin)
-            k, v = self.blocks(start // BLOCK_TOKENS, (stop + BLOCK_TOKENS - 1) // BLOCK_TOKENS)
+            k, v = self._windowed(start // BLOCK_TOKENS, (stop + BLOCK_TOKENS - 1) // BLOCK_TOKENS)
             ks.append(k[:, :, :stop - start])
             vs.append(v[:, :, :stop - start])
         if end > fin:
@@ -108,6 +146,16 @@ class CompressedKV:
         k = ks[0] if len(ks) == 1 else torch.cat(ks, -2)
         v = vs[0] if len(vs) == 1 else torch.cat(vs, -2)
         return k.contiguous(), v.contiguous()
+
+    def record(self) -> ops.DecodeRecord:
+        """What the decode attention reads (pools, table, tail, windows `[2, H, D]`, device lengths, plan)."""
+        layer = self.layer
+        base3, base4 = layer.windows()
+        kv_len = torch.full((self.batch,), self.length, dtype=torch.int32, device=self.table.device)
+        plan = ops.DecodePlan(self.batch, self.heads, self.n_blocks, self.head_dim, str(self.table.device),
+                              ops.splits(self.batch, self.heads, self.n_blocks, self.table.device))
+        return ops.DecodeRecord(self.slot_pool, self.raw_pool, self.table, self.tail_k, self.tail_v, base3, base4,
+                                kv_len, plan)
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The full K, V `[B, H, length, D]`, BF16 (decoded once, then cached)."""
@@ -188,8 +236,7 @@ class GAACLayer(CacheLayerMixin):
         self._base3, self._base4 = base3.reshape(shape), base4.reshape(shape)
         self.lazy = False  # set per forward by GAACCache: return GAACLazyKV for single-token updates
         self.device = None
-        self._slot_pool = self._raw_pool = None
-        self._slot_modes = self._raw_modes = None
+        self.pool = TilePool(self.layout.slot_bytes, self.channels)
         self._clear()
 
     # --- state ----------------------------------------------------------------------------------------------------
@@ -199,9 +246,7 @@ class GAACLayer(CacheLayerMixin):
         self.n_blocks = 0
         self._table = None
         self._tail_k = self._tail_v = None
-        self._slot_high = self._raw_high = 0
-        self._free_slots = self._free_raws = None
-        self._dirty = False
+        self.pool.clear()
 
     # `keys`/`values` are read by some third-party tools: give them the expanded KV (read-only).
     @property
@@ -238,11 +283,7 @@ class GAACLayer(CacheLayerMixin):
                 f"the GAAC calibration has "
                 f"{self.num_kv_heads} KV heads of dim {self.head_dim}")
         device = key_states.device
-        if self._slot_pool is None or self._slot_pool.device != device:
-            self._slot_pool = torch.zeros(0, self.layout.slot_bytes, dtype=torch.uint8, device=device)
-            self._slot_modes = torch.zeros(0, 3, dtype=torch.int32, device=device)
-            self._raw_pool = torch.zeros(0, BLOCK_TOKENS, self.channels, dtype=torch.bfloat16, device=device)
-            self._raw_modes = torch.zeros(0, 3, dtype=torch.int32, device=device)
+        self.pool.on(device)
         self.device = device
         self._base3, self._base4 = self._base3.to(device), self._base4.to(device)
         self.batch = b
@@ -250,10 +291,6 @@ class GAACLayer(CacheLayerMixin):
         self._table = torch.zeros(b, 0, 2, h, self.tiles, dtype=torch.int32, device=device)
         self._tail_k = key_states.new_zeros(b, h, 0, d)
         self._tail_v = value_states.new_zeros(b, h, 0, d)
-        self._slot_high = self._raw_high = 0
-        self._free_slots = torch.zeros(0, dtype=torch.long, device=device)
-        self._free_raws = torch.zeros(0, dtype=torch.long, device=device)
-        self._dirty = False
         self.is_initialized = True
 
     def _take_shard(self, heads: int) -> None:
@@ -278,127 +315,46 @@ class GAACLayer(CacheLayerMixin):
         self.num_kv_heads = heads
 
     # --- storage --------------------------------------------------------------------------------------------------
-    def _collect(self) -> None:
-        """Mark and sweep: every slot / raw tile below the high-water marks that no table entry references is free."""
-        live = self._table[:, :self.n_blocks].reshape(-1).long()
-        slot_live = torch.zeros(self._slot_high, dtype=torch.bool, device=self.device)
-        slot_live[live[live >= 0]] = True
-        raw_live = torch.zeros(self._raw_high, dtype=torch.bool, device=self.device)
-        raw_live[-1 - live[live < 0]] = True
-        self._free_slots = (~slot_live).nonzero().reshape(-1)
-        self._free_raws = (~raw_live).nonzero().reshape(-1)
-        self._dirty = False
+    def windows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bases as uint8 `[2, H, D]` (the attention's layout)."""
+        shape = (2, self.num_kv_heads, self.head_dim)
+        return self._base3.reshape(shape), self._base4.reshape(shape)
 
-    def _take(self, kind: str, n: int) -> torch.Tensor:
-        """Indices of `n` free entries of the slot (`kind="slot"`) or raw pool, growing it if needed."""
-        if n == 0:
-            return torch.zeros(0, dtype=torch.long, device=self.device)
-        free = self._free_slots if kind == "slot" else self._free_raws
-        if free.numel() < n and self._dirty:
-            self._collect()
-            free = self._free_slots if kind == "slot" else self._free_raws
-        reused, free = free[:n], free[n:]
-        rest = n - reused.numel()
-        high = self._slot_high if kind == "slot" else self._raw_high
-        fresh = torch.arange(high, high + rest, dtype=torch.long, device=self.device)
-        if kind == "slot":
-            self._free_slots, self._slot_high = free, high + rest
-            self._slot_pool = _grow(self._slot_pool, self._slot_high + 1)  # + a scratch row
-            self._slot_modes = _grow(self._slot_modes, self._slot_high + 1)
-        else:
-            self._free_raws, self._raw_high = free, high + rest
-            self._raw_pool = _grow(self._raw_pool, self._raw_high + 1)
-            self._raw_modes = _grow(self._raw_modes, self._raw_high + 1)
-        return torch.cat([reused, fresh])
+    def _flat_bases(self) -> tuple[torch.Tensor, torch.Tensor]:
+        p = 2 * self.num_kv_heads * self.tiles
+        return self._base3.reshape(p, self.channels), self._base4.reshape(p, self.channels)
 
-    def _tiles(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """K, V `[B, H, nb * 16, D]` -> tiles `[B, nb, 2, H, tiles, 16, C]`."""
-        b, h, s, d = k.shape
-        x = torch.stack([k, v], 1).reshape(b, 2, h, s // BLOCK_TOKENS, BLOCK_TOKENS, d)
-        return split_head(x).permute(0, 3, 1, 2, 4, 5, 6)
+    def _live(self) -> torch.Tensor:
+        return self._table[:, :self.n_blocks]
 
     def _append_blocks(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Encode the complete blocks `k`, `v` `[B, H, nb * 16, D]` and append them to the block table."""
         nb = k.shape[-2] // BLOCK_TOKENS
-        per_block = self.batch * 2 * self.num_kv_heads * self.tiles
-        step = max(1, ENCODE_MAX_TILES // max(per_block, 1))
-        self._table = _grow(self._table, self.n_blocks + nb, dim=1)
+        p = 2 * self.num_kv_heads * self.tiles
+        step = max(1, ENCODE_MAX_TILES // max(self.batch * p, 1))
+        self._table = grow(self._table, self.n_blocks + nb, dim=1)
+        b3, b4 = self._flat_bases()
         for b0 in range(0, nb, step):
             b1 = min(nb, b0 + step)
             t0, t1 = b0 * BLOCK_TOKENS, b1 * BLOCK_TOKENS
-            tiles = self._tiles(k[:, :, t0:t1], v[:, :, t0:t1])
-            enc_slots, fits, counts = self._encode(tiles)
-            shape = fits.shape
-            fits = fits.reshape(-1)
-            n = fits.numel()
-            n_fit = int(fits.sum())  # the one host synchronization: it sizes the allocations
-            counts = counts.reshape(n, 3)
-            entries = torch.empty(n, dtype=torch.int32, device=self.device)
-            # every tile is scattered; the ones of the other storage class go to a scratch row past the high mark
-            if n_fit:
-                slots = self._take("slot", n_fit)
-                dest = torch.where(fits, slots[(torch.cumsum(fits, 0) - 1).clamp(min=0)],
-                                   self._slot_pool.shape[0] - 1)
-                self._slot_pool.index_copy_(0, dest, enc_slots.reshape(n, -1))
-                self._slot_modes.index_copy_(0, dest, counts)
-                entries = torch.where(fits, dest.to(torch.int32), entries)
-            if n_fit < n:
-                raws = self._take("raw", n - n_fit)
-                dest = torch.where(fits, self._raw_pool.shape[0] - 1,
-                                   raws[(torch.cumsum(~fits, 0) - 1).clamp(min=0)])
-                self._raw_pool.index_copy_(0, dest, tiles.reshape(n, BLOCK_TOKENS, self.channels))
-                self._raw_modes.index_copy_(0, dest, counts)
-                entries = torch.where(fits, entries, (-1 - dest).to(torch.int32))
-            self._table[:, self.n_blocks + b0:self.n_blocks + b1] = entries.reshape(shape)
+            tiles = ops.tiles_of(k[:, :, t0:t1], v[:, :, t0:t1])  # [B, n, P, 16, C]
+            slots, fits, counts = ops.encode(tiles, b3, b4, self.layout.escape_capacity)
+            entries = self.pool.store(slots.reshape(-1, slots.shape[-1]),
+                                      tiles.reshape(-1, BLOCK_TOKENS, self.channels), fits.reshape(-1),
+                                      counts.reshape(-1, 3), self._live)
+            self._table[:, self.n_blocks + b0:self.n_blocks + b1] = entries.reshape(
+                self.batch, b1 - b0, 2, self.num_kv_heads, self.tiles)
         self.n_blocks += nb
-
-    def _encode(self, tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Tiles `[B, n, 2, H, tiles, 16, C]` -> (slots, fits, per-tile mode counts): the Triton kernel on CUDA,
-        the torch reference elsewhere (bit-identical)."""
-        capacity = self.layout.escape_capacity
-        if tiles.is_cuda:
-            from triton_ops.gaac_encode import gaac_encode
-
-            b, n, _, h, t = tiles.shape[:5]
-            period = 2 * h * t
-            slots, esc, counts = gaac_encode(tiles.reshape(b, n, period, BLOCK_TOKENS, self.channels),
-                                             self._base3.reshape(period, self.channels),
-                                             self._base4.reshape(period, self.channels), capacity)
-            shape = tiles.shape[:5]
-            return slots.reshape(*shape, -1), (esc <= capacity).reshape(shape), counts.reshape(*shape, 3)
-        enc = encode_tiles(tiles, self._base3, self._base4, capacity)
-        counts = torch.stack([(enc.modes == m).sum(-1, dtype=torch.int32) for m in range(3)], -1)
-        return enc.slots, enc.fits, counts
 
     def _decode_table(self, table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor) -> torch.Tensor:
         """Table entries `[B, n, 2, H, tiles]` -> BF16 KV `[B, 2, H, n * 16, D]`, bit-exact."""
         b, n, _, h, t = table.shape
-        if table.is_cuda:
-            from triton_ops.gaac_decode import gaac_decode
-
-            period = 2 * h * t
-            out = gaac_decode(table.reshape(b, n, period), slot_pool, raw_pool,
-                              self._base3.reshape(period, self.channels), self._base4.reshape(period, self.channels))
-            out = out.reshape(*table.shape, BLOCK_TOKENS, self.channels)
-            out = merge_head(out.permute(0, 2, 3, 1, 4, 5, 6))
-            return out.reshape(b, 2, h, n * BLOCK_TOKENS, self.head_dim)
-        out = torch.empty(*table.shape, BLOCK_TOKENS, self.channels, dtype=torch.bfloat16, device=table.device)
-        if n:
-            in_slot = table >= 0
-            idx = table[in_slot].long()
-            if idx.numel():
-                lead = (*table.shape, self.channels)
-                out[in_slot] = decode_tiles(slot_pool[idx], self._base3.expand(lead)[in_slot],
-                                            self._base4.expand(lead)[in_slot], self.channels)
-            raw = -1 - table[~in_slot].long()
-            if raw.numel():
-                out[~in_slot] = raw_pool[raw]
-        # [B, n, 2, H, tiles, 16, C] -> [B, 2, H, n, 16, D] -> [B, 2, H, n * 16, D]
-        out = merge_head(out.permute(0, 2, 3, 1, 4, 5, 6))
-        return out.reshape(b, 2, h, n * BLOCK_TOKENS, self.head_dim)
+        b3, b4 = self._flat_bases()
+        tiles = ops.decode(table.reshape(b, n, 2 * h * t), slot_pool, raw_pool, b3, b4)
+        return ops.blocks_of(tiles, h)
 
     def _decode_blocks(self, b0: int, b1: int) -> torch.Tensor:
-        return self._decode_table(self._table[:, b0:b1], self._slot_pool, self._raw_pool)
+        return self._decode_table(self._table[:, b0:b1], self.pool.slot_pool, self.pool.raw_pool)
 
     def _expand(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The full K, V `[B, H, S, D]` (finalized blocks decoded, then the tail)."""
@@ -426,8 +382,10 @@ class GAACLayer(CacheLayerMixin):
         nb = tail_k.shape[-2] // BLOCK_TOKENS
         if nb:
             self._append_blocks(tail_k[:, :, :nb * BLOCK_TOKENS], tail_v[:, :, :nb * BLOCK_TOKENS])
-        self._tail_k = tail_k[:, :, nb * BLOCK_TOKENS:].clone()
-        self._tail_v = tail_v[:, :, nb * BLOCK_TOKENS:].clone()
+            self._tail_k = tail_k[:, :, nb * BLOCK_TOKENS:].clone()
+            self._tail_v = tail_v[:, :, nb * BLOCK_TOKENS:].clone()
+        else:  # the concatenation is already a fresh tensor: no copy
+            self._tail_k, self._tail_v = tail_k, tail_v
         if self.lazy and q_len == 1:
             view = self.compressed()
             return GAACLazyKV(view, 0), GAACLazyKV(view, 1)
@@ -471,7 +429,7 @@ class GAACLayer(CacheLayerMixin):
             self._tail_k = self._tail_k[:, :, :0].clone()
             self._tail_v = self._tail_v[:, :, :0].clone()
         self.n_blocks = keep
-        self._dirty = True
+        self.pool.dirty = True
 
     def _select_rows(self, index: torch.Tensor) -> None:
         index = index.to(self.device)
@@ -479,7 +437,7 @@ class GAACLayer(CacheLayerMixin):
         self._tail_k = self._tail_k.index_select(0, index)
         self._tail_v = self._tail_v.index_select(0, index)
         self.batch = self._table.shape[0]
-        self._dirty = True
+        self.pool.dirty = True
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: permute the rows' table entries and tails (finalized tiles are shared, not re-encoded)."""
@@ -500,8 +458,8 @@ class GAACLayer(CacheLayerMixin):
 
     # --- devices --------------------------------------------------------------------------------------------------
     def _move(self, device) -> None:
-        for name in ("_slot_pool", "_raw_pool", "_slot_modes", "_raw_modes", "_table", "_tail_k", "_tail_v",
-                     "_free_slots", "_free_raws", "_base3", "_base4"):
+        self.pool.to(device)
+        for name in ("_table", "_tail_k", "_tail_v", "_base3", "_base4"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device, non_blocking=True))
@@ -520,6 +478,13 @@ class GAACLayer(CacheLayerMixin):
         return self
 
     # --- accounting -----------------------------------------------------------------------------------------------
+    def _allocated_bytes(self) -> dict:
+        out = self.pool.allocated_bytes()
+        out["tail"] = 0 if self._tail_k is None else 2 * self._tail_k.numel() * self._tail_k.element_size()
+        out["block_table"] = 0 if self._table is None else self._table.numel() * BLOCK_TABLE_ENTRY_BYTES
+        out["total"] = sum(out.values())
+        return out
+
     def stats(self) -> dict:
         """Resident bytes per storage class, BF16-equivalent bytes, ratio and group-mode counts of this layer."""
         tokens = self.get_seq_length()
@@ -528,12 +493,13 @@ class GAACLayer(CacheLayerMixin):
         if not self.is_initialized:
             out.update(slots=0, raw_tiles=0, bytes={"slots": 0, "raw": 0, "tail": 0, "block_table": 0, "total": 0},
                        bf16_bytes=0, ratio=float("nan"), modes={m: 0 for m in MODE_NAMES},
-                       mode_shares={m: float("nan") for m in MODE_NAMES}, allocated_bytes={})
+                       mode_shares={m: float("nan") for m in MODE_NAMES}, allocated_bytes=self._allocated_bytes())
             return out
         live = self._table[:, :self.n_blocks].reshape(-1).long()
         slots = torch.unique(live[live >= 0])
         raws = torch.unique(-1 - live[live < 0])
-        modes = self._slot_modes[slots].sum(0, dtype=torch.int64) + self._raw_modes[raws].sum(0, dtype=torch.int64)
+        pool = self.pool
+        modes = pool.slot_modes[slots].sum(0, dtype=torch.int64) + pool.raw_modes[raws].sum(0, dtype=torch.int64)
         n_groups = int(modes.sum())
         bytes_ = {
             "slots": slots.numel() * self.layout.slot_bytes,
@@ -549,9 +515,7 @@ class GAACLayer(CacheLayerMixin):
             ratio=bf16 / bytes_["total"] if bytes_["total"] else float("nan"),
             modes={m: int(c) for m, c in zip(MODE_NAMES, counts)},
             mode_shares={m: (int(c) / n_groups if n_groups else float("nan")) for m, c in zip(MODE_NAMES, counts)},
-            allocated_bytes={
-                "slot_pool": self._slot_pool.numel(), "raw_pool": self._raw_pool.numel() * 2,
-                "block_table": self._table.numel() * BLOCK_TABLE_ENTRY_BYTES},
+            allocated_bytes=self._allocated_bytes(),
         )
         return out
 
@@ -571,11 +535,10 @@ class GAACCache(Cache):
     expanded for `num_beams`/`num_return_sequences`); `reset()` it before reusing it for an unrelated prompt.
     """
 
-    def __init__(self, config, calibration: GAACCalibration | str, *, lazy: bool | str = "auto",
-                 offloading: bool = False, offload_only_non_sliding: bool = False, tp_rank: int | None = None,
-                 tp_size: int | None = None):
-        if not isinstance(calibration, GAACCalibration):
-            calibration = GAACCalibration.from_pretrained(calibration)
+    def __init__(self, *args, config=None, calibration: GAACCalibration | str | None = None,
+                 lazy: bool | str = "auto", offloading: bool = False, offload_only_non_sliding: bool = False,
+                 tp_rank: int | None = None, tp_size: int | None = None):
+        config, calibration = config_and_calibration("GAACCache", args, config, calibration)
         calibration.check_model(config)
         if lazy not in ("auto", True, False):
             raise ValueError(f"lazy must be 'auto', True or False, not {lazy!r}")
@@ -599,7 +562,7 @@ class GAACCache(Cache):
                         tp_size: int | None = None, **hub_kwargs) -> "GAACCache":
         """Load a `GAACCalibration` (Hub repo id or local folder) and build the cache for a model `config`."""
         calibration = GAACCalibration.from_pretrained(pretrained_calibration, **hub_kwargs)
-        return cls(config, calibration, lazy=lazy, tp_rank=tp_rank, tp_size=tp_size)
+        return cls(config=config, calibration=calibration, lazy=lazy, tp_rank=tp_rank, tp_size=tp_size)
 
     @property
     def gaac_layers(self) -> list[int]:
@@ -632,11 +595,15 @@ class GAACCache(Cache):
     def stats(self) -> dict:
         """Resident bytes per storage class, totals vs BF16, ratio and mode shares, per GAAC layer and overall.
 
-        `uncompressed_bytes` counts the stock (sliding-window) layers' BF16 keys/values, which GAAC leaves alone.
+        `bytes` counts what the live tiles occupy; `allocated_bytes` what the pools, tails and tables hold as
+        allocated (capacity kept for growth and reuse). `uncompressed_bytes` counts the stock (sliding-window)
+        layers' BF16 keys/values, which GAAC leaves alone.
         """
         layers = {i: self.layers[i].stats() for i in self.gaac_layers}
         keys = ("slots", "raw", "tail", "block_table", "total")
         total = {k: sum(s["bytes"][k] for s in layers.values()) for k in keys}
+        alloc_keys = ("slot_pool", "raw_pool", "tail", "block_table", "total")
+        allocated = {k: sum(s["allocated_bytes"].get(k, 0) for s in layers.values()) for k in alloc_keys}
         bf16 = sum(s["bf16_bytes"] for s in layers.values())
         modes = {m: sum(s["modes"][m] for s in layers.values()) for m in MODE_NAMES}
         n_groups = sum(modes.values())
@@ -647,6 +614,7 @@ class GAACCache(Cache):
                     other += t.numel() * t.element_size()
         return {
             "bytes": total,
+            "allocated_bytes": allocated,
             "bf16_bytes": bf16,
             "ratio": bf16 / total["total"] if total["total"] else float("nan"),
             "saving": 1 - total["total"] / bf16 if bf16 else float("nan"),

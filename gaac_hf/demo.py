@@ -45,8 +45,10 @@ def run_demo(args) -> None:
     stats = cache.stats()
     b = stats["bytes"]
     print(f"model: {model.config.name_or_path} (BF16 from the 4-bit GGUF), calibration: {calibration}")
-    print(f"prompt: {n_prompt} tokens; generated {out.sequences.shape[1] - n_prompt} tokens "
-          f"(DynamicCache {t_ref:.1f} s, GAACCache {t_gaac:.1f} s on this CPU)")
+    n_new = out.sequences.shape[1] - n_prompt
+    print(f"prompt: {n_prompt} tokens; generated {n_new} tokens on this CPU: DynamicCache {t_ref:.1f} s "
+          f"({1e3 * t_ref / n_new:.0f} ms/token), GAACCache {t_gaac:.1f} s ({1e3 * t_gaac / n_new:.0f} ms/token, "
+          f"{t_gaac / t_ref:.2f}x)")
     print(f"reply: {reply.strip()}")
     print(f"lossless check vs DynamicCache: tokens identical: {same_tokens}; "
           f"every logit bit identical: {same_scores}")

@@ -19,6 +19,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.models.llama.modeling_llama import LlamaModel
 
 import gaac_hf.attention as gaac_attention
+import gaac_hf.cache as cache_module
 from gaac_hf.attention import gaac_attention_forward, gaac_decode_attention
 from gaac_hf.cache import CompressedKV, GAACCache, GAACLayer, GAACLazyKV
 from gaac_hf.calibrate import calibrate, exponent_histogram, windows_from_histogram
@@ -376,14 +377,18 @@ def test_decode_attention_compressed_equals_plain(head_dim, capacity, monkeypatc
         return original(self, table, *args)
 
     monkeypatch.setattr(GAACLayer, "_decode_table", spy)
+    window = 2  # blocks per codec call, below the 5 the layer holds
+    monkeypatch.setattr(cache_module, "DECODE_WINDOW_BLOCKS", window)
     for chunk_blocks in (1, 2, 32):
         for m in (None, mask):
             decoded.clear()
+            view = layer.compressed()  # a fresh snapshot: no decoded window yet
+            lazy_k, lazy_v = GAACLazyKV(view, 0), GAACLazyKV(view, 1)
             got = gaac_decode_attention(query, lazy_k, lazy_v, m, 0.1, chunk_blocks=chunk_blocks)
             ref = gaac_decode_attention(query, k, v, m, 0.1, chunk_blocks=chunk_blocks)
             assert got.shape == (3, 1, 6, head_dim) and got.dtype == torch.bfloat16
             assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
-            assert decoded and max(decoded) <= chunk_blocks  # block by block, never the whole cache
+            assert decoded and max(decoded) <= max(chunk_blocks, window)  # bounded, never the whole cache
 
 
 def test_decode_attention_is_attention():
@@ -472,17 +477,17 @@ def test_crop_reorder_select_match_dynamic_layer():
 
 def test_freed_tiles_are_reused():
     layer, k, v = _random_layer(64, 16, batch=1, tokens=64)
-    high = layer._slot_high + layer._raw_high
+    high = layer.pool.high
     for _ in range(10):  # roll back across 3 blocks and regrow them: the pools must not grow
         layer.crop(-40)
         layer.update(k[:, :, 24:64], v[:, :, 24:64])
-    assert layer._slot_high + layer._raw_high == high
+    assert layer.pool.high == high
     assert torch.equal(layer.keys.view(torch.int16), k.view(torch.int16))
     layer.reorder_cache(torch.tensor([0]))
     layer.reset()
     assert layer.get_seq_length() == 0 and not layer.is_initialized and layer.keys is None
     layer.update(k, v)
-    assert layer._slot_high + layer._raw_high == high  # reset keeps the pools' capacity and reuses it
+    assert layer.pool.high == high  # reset keeps the pools' capacity and reuses it
     assert torch.equal(layer.values.view(torch.int16), v.view(torch.int16))
 
 
@@ -498,7 +503,7 @@ def test_cache_contracts(llama):
     cache.update(k, v, 1)
     assert cache.get_seq_length() == 37 and cache.get_mask_sizes(1, 0) == (38, 0)
     cache.offload(0, only_non_sliding=True)
-    assert cache.layers[0]._slot_pool.device.type == "cpu"
+    assert cache.layers[0].pool.slot_pool.device.type == "cpu"
     cache.layers[0].prefetch()
     cache.to("cpu")
     assert torch.equal(cache.layers[1].keys.view(torch.int16), k.view(torch.int16))
@@ -528,6 +533,23 @@ def test_stats(llama):
     assert stats["ratio"] == stats["bf16_bytes"] / stats["bytes"]["total"]
     assert stats["slots"] > 0 and stats["raw_tiles"] > 0 and stats["uncompressed_bytes"] == 0
     assert abs(sum(stats["mode_shares"].values()) - 1) < 1e-9
+    alloc = stats["allocated_bytes"]  # the pools as allocated: at least what the live tiles occupy
+    assert alloc["total"] == alloc["slot_pool"] + alloc["raw_pool"] + alloc["tail"] + alloc["block_table"]
+    assert alloc["slot_pool"] >= stats["bytes"]["slots"] and alloc["raw_pool"] >= stats["bytes"]["raw"]
+    assert alloc["total"] >= stats["bytes"]["total"]
+
+
+def test_constructor_takes_config_and_calibration_in_either_order(llama):
+    model, calibration = llama
+    for cache in (GAACCache(config=model.config, calibration=calibration),
+                  GAACCache(calibration, config=model.config), GAACCache(model.config, calibration)):
+        assert cache.gaac_layers == [0, 1] and cache.calibration is calibration
+    with pytest.raises(TypeError, match="PretrainedConfig"):
+        GAACCache(calibration=calibration)
+    with pytest.raises(TypeError, match="positional argument"):
+        GAACCache(model.config, 3)
+    with pytest.raises(TypeError, match="needs a calibration"):
+        GAACCache(model.config)
 
 
 # --- bad input ----------------------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ prefetched into L2 meanwhile.
 reference. Reconstruction only changes where the BF16 bits come from, so both give identical output bits.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -135,11 +137,15 @@ def _slice_values(acc0, acc1, p, slot_w_ptr, raw_w_ptr, live, ea, sa, ra, asa, a
     return acc0, acc1
 
 
-# Lengths change every decode step: specializing on them (== 1, % 16 == 0) would recompile the kernel as they move.
-@triton.jit(do_not_specialize=["n_blocks", "tail_len", "blocks_per_split"])
-def _split_kernel(q_ptr, slot_ptr, slot_w_ptr, raw_ptr, raw_w_ptr, table_ptr, tailk_ptr, tailv_ptr, b3_ptr, b4_ptr,
-                  mask_ptr,
-                  m_out, l_out, acc_out, qk_scale, n_blocks, tail_len, blocks_per_split,
+# The lengths are read from the device (`len_ptr`, int32 [B]: finalized blocks = len // 16, tail rows = len % 16), so
+# one compiled kernel and one captured CUDA graph serve every step as the context grows: nothing length-dependent is
+# a launch argument. Each row spreads its blocks over the SPLITS programs of its (row, kv-head).
+# `tail_shift` 1: the tail is the rows after the finalized blocks of a plain [B, H, S_cap, D] buffer (plain KV);
+# 0: its own buffer (compressed KV). Not specialized, so both run one binary.
+@triton.jit(do_not_specialize=["tail_shift"])
+def _split_kernel(q_ptr, slot_ptr, slot_w_ptr, raw_ptr, raw_w_ptr, rawv_ptr, rawv_w_ptr, table_ptr, tailk_ptr,
+                  tailv_ptr, b3_ptr, b4_ptr, mask_ptr,
+                  m_out, l_out, acc_out, qk_scale, len_ptr, tail_shift,
                   s_qb, s_qh, s_tb, s_tn, s_tkv, s_th, s_ab, s_ah, s_at, s_mb, H_KV, SPLITS,
                   SLOT_BYTES, RAW_TILE, RAW_ROW,
                   NREP: tl.constexpr, NREP_PAD: tl.constexpr, C: tl.constexpr, TILES: tl.constexpr,
@@ -172,6 +178,10 @@ def _split_kernel(q_ptr, slot_ptr, slot_w_ptr, raw_ptr, raw_w_ptr, table_ptr, ta
 
     nb = tl.arange(0, NB)[:, None]
     rows = tl.arange(0, 2 * NB)  # row 2j + h of a token slice: token 8h + I of block j
+    kv_len = tl.load(len_ptr + b)
+    n_blocks = kv_len // 16
+    tail_len = kv_len % 16
+    blocks_per_split = tl.cdiv(tl.cdiv(tl.maximum(n_blocks, 1), SPLITS), NB) * NB
     tbase = b.to(tl.int64) * s_tb + hk * s_th
     start = split * blocks_per_split
     end = tl.minimum(start + blocks_per_split, n_blocks)
@@ -203,10 +213,10 @@ def _split_kernel(q_ptr, slot_ptr, slot_w_ptr, raw_ptr, raw_w_ptr, table_ptr, ta
                 slot_ptr, slot_w_ptr, ek1, live, b3k1, b4k1, SLOT_BYTES, NB, C)
         if PREFETCH:
             prefetch_tiles(slot_ptr, raw_ptr, nek, nlive, SLOT_BYTES, RAW_TILE, RAW_ROW, C, SLOT_LINES)
-            prefetch_tiles(slot_ptr, raw_ptr, nev, nlive, SLOT_BYTES, RAW_TILE, RAW_ROW, C, SLOT_LINES)
+            prefetch_tiles(slot_ptr, rawv_ptr, nev, nlive, SLOT_BYTES, RAW_TILE, RAW_ROW, C, SLOT_LINES)
             if TILES == 2:
                 prefetch_tiles(slot_ptr, raw_ptr, nek1, nlive, SLOT_BYTES, RAW_TILE, RAW_ROW, C, SLOT_LINES)
-                prefetch_tiles(slot_ptr, raw_ptr, nev1, nlive, SLOT_BYTES, RAW_TILE, RAW_ROW, C, SLOT_LINES)
+                prefetch_tiles(slot_ptr, rawv_ptr, nev1, nlive, SLOT_BYTES, RAW_TILE, RAW_ROW, C, SLOT_LINES)
         ka0, ka1, ka2, ka3, ka4, ka5, ka6, ka7 = None, None, None, None, None, None, None, None
         if HOIST:  # every slice's sign+mantissa loads in flight before the first use
             ka0 = slot_row_words(slot_w_ptr, ek, sk, SLOT_BYTES, 0, NB, C)
@@ -287,41 +297,42 @@ def _split_kernel(q_ptr, slot_ptr, slot_w_ptr, raw_ptr, raw_w_ptr, table_ptr, ta
         acc0 = acc0 * alpha[:, None]
         acc1 = acc1 * alpha[:, None]
         acc0, acc1 = _slice_values(
-            acc0, acc1, p0, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_,
+            acc0, acc1, p0, slot_w_ptr, rawv_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_,
             vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES,
             RAW_TILE, RAW_ROW, 0, NB, C, TILES, F32, ASM, RECON, MATH, va0)
         acc0, acc1 = _slice_values(
-            acc0, acc1, p1, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_,
+            acc0, acc1, p1, slot_w_ptr, rawv_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_,
             vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES,
             RAW_TILE, RAW_ROW, 1, NB, C, TILES, F32, ASM, RECON, MATH, va1)
         acc0, acc1 = _slice_values(
-            acc0, acc1, p2, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_,
+            acc0, acc1, p2, slot_w_ptr, rawv_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_,
             vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES,
             RAW_TILE, RAW_ROW, 2, NB, C, TILES, F32, ASM, RECON, MATH, va2)
         acc0, acc1 = _slice_values(
-            acc0, acc1, p3, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_,
+            acc0, acc1, p3, slot_w_ptr, rawv_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_,
             vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES,
             RAW_TILE, RAW_ROW, 3, NB, C, TILES, F32, ASM, RECON, MATH, va3)
         acc0, acc1 = _slice_values(
-            acc0, acc1, p4, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_,
+            acc0, acc1, p4, slot_w_ptr, rawv_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_,
             vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES,
             RAW_TILE, RAW_ROW, 4, NB, C, TILES, F32, ASM, RECON, MATH, va4)
         acc0, acc1 = _slice_values(
-            acc0, acc1, p5, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_,
+            acc0, acc1, p5, slot_w_ptr, rawv_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_,
             vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES,
             RAW_TILE, RAW_ROW, 5, NB, C, TILES, F32, ASM, RECON, MATH, va5)
         acc0, acc1 = _slice_values(
-            acc0, acc1, p6, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_,
+            acc0, acc1, p6, slot_w_ptr, rawv_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_,
             vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES,
             RAW_TILE, RAW_ROW, 6, NB, C, TILES, F32, ASM, RECON, MATH, va6)
         acc0, acc1 = _slice_values(
-            acc0, acc1, p7, slot_w_ptr, raw_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_,
+            acc0, acc1, p7, slot_w_ptr, rawv_w_ptr, live, ev, sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_,
             vb, vrw, ev1, sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1, SLOT_BYTES,
             RAW_TILE, RAW_ROW, 7, NB, C, TILES, F32, ASM, RECON, MATH, va7)
     if (split == SPLITS - 1) & (tail_len > 0):
         tt = tl.arange(0, 16)
         okt = tt < tail_len
-        toff2 = b.to(tl.int64) * s_ab + hk * s_ah + tt.to(tl.int64)[:, None] * s_at + c[None, :]
+        trow = tt.to(tl.int64) + tail_shift * n_blocks * 16
+        toff2 = b.to(tl.int64) * s_ab + hk * s_ah + trow[:, None] * s_at + c[None, :]
         k0 = tl.load(tailk_ptr + toff2, mask=okt[:, None], other=0.0)
         v0 = tl.load(tailv_ptr + toff2, mask=okt[:, None], other=0.0)
         k1, v1 = k0, v0
@@ -361,49 +372,61 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, S_PAD: tl.constexpr,
     tl.store(out_ptr + pid * D + d, o.to(tl.bfloat16))
 
 
-def _num_splits(batch_heads: int, n_blocks: int, nb: int, device: torch.device, programs_per_sm: int) -> int:
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_splits(batch_heads: int, n_blocks: int, device: torch.device, blocks_per_iter: int = 8,
+               programs_per_sm: int = 4) -> int:
+    """Split count for `batch_heads` (row, kv-head) pairs over `n_blocks` blocks: enough programs to fill the GPU,
+    no split shorter than one chunk. The plan of a static cache calls it once with its largest `n_blocks`."""
+    nb = blocks_per_iter
     if device.type != "cuda":
         return max(1, min(4, triton.cdiv(n_blocks, nb)))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _sm_count(device)
     want = triton.cdiv(programs_per_sm * sms, max(batch_heads, 1))
     return max(1, min(want, triton.cdiv(n_blocks, nb)))
 
 
-def _launch(query, slot_pool, raw_pool, raw_tile, raw_row, table, tail_k, tail_v, base3, base4, scale, mask,
-            num_splits=None, blocks_per_iter=8, num_warps=4, num_stages=1, programs_per_sm=4,
-            stages=("recon", "math"), prefetch=True, hoist=True):
+def _launch(query, slot_pool, raw_pool, rawv_pool, raw_tile, raw_row, table, tail_k, tail_v, base3, base4, scale,
+            mask, kv_len, tail_shift=0, num_splits=None, blocks_per_iter=8, num_warps=4, num_stages=1,
+            programs_per_sm=4, stages=("recon", "math"), prefetch=True, hoist=True):
     if query.dtype != torch.bfloat16 or query.dim() != 3 or query.stride(-1) != 1:
         raise ValueError("query must be BF16 [B, H_q, D] with a contiguous last dim")
     b, hq, d = query.shape
-    n_blocks, h_kv, tiles = table.shape[1], table.shape[3], table.shape[4]
+    max_blocks, h_kv, tiles = table.shape[1], table.shape[3], table.shape[4]
     channels = d // tiles
     if hq % h_kv:
         raise ValueError(f"{hq} query heads do not group over {h_kv} KV heads")
+    if kv_len.dtype != torch.int32 or tuple(kv_len.shape) != (b,):
+        raise ValueError(f"kv_len must be int32 [{b}], got {kv_len.dtype} {tuple(kv_len.shape)}")
     table = table.contiguous()
     # strides from the shape, so compressed and plain KV of one shape specialize to the very same kernel
     t_strides = (table.shape[1] * 2 * h_kv * tiles, 2 * h_kv * tiles, h_kv * tiles, tiles)
-    if tail_v.stride() != tail_k.stride():
+    if tail_v.stride() != tail_k.stride() or tail_k.stride(-1) != 1:
         tail_k, tail_v = tail_k.contiguous(), tail_v.contiguous()
     nrep = hq // h_kv
     nb = blocks_per_iter
     if nb < 8 or nb & (nb - 1):
         raise ValueError(f"blocks_per_iter must be a power of two >= 8 (a token slice of 2 x {nb} rows is the "
                          f"K dimension of a tensor-core product), got {nb}")
-    splits = num_splits or _num_splits(b * h_kv, n_blocks, nb, query.device, programs_per_sm)
-    per_split = triton.cdiv(triton.cdiv(max(n_blocks, 1), splits), nb) * nb
-    splits = max(1, triton.cdiv(max(n_blocks, 1), per_split))
+    splits = num_splits or num_splits_for(b * h_kv, max_blocks, query.device, nb, programs_per_sm)
     f32 = dict(dtype=torch.float32, device=query.device)
     m_out = torch.empty(b * hq * splits, **f32)
     l_out = torch.empty(b * hq * splits, **f32)
     acc_out = torch.empty(b * hq * splits, d, **f32)
     if mask is not None:
-        mask = mask.to(torch.int8)
+        if mask.stride(-1) != 1:
+            mask = mask.contiguous()
+        mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask.to(torch.uint8)
     out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=query.device)
     with on_device_of(query):
         _split_kernel[(b * h_kv, splits)](
-            query, slot_pool, slot_pool.view(torch.int32), raw_pool, raw_pool.view(torch.int32), table, tail_k, tail_v,
+            query, slot_pool, slot_pool.view(torch.int32), raw_pool, raw_pool.view(torch.int32), rawv_pool,
+            rawv_pool.view(torch.int32), table, tail_k, tail_v,
             base3.view(torch.int32), base4.view(torch.int32), mask if mask is not None else query,
-            m_out, l_out, acc_out, scale * LOG2E, n_blocks, tail_k.shape[2], per_split,
+            m_out, l_out, acc_out, scale * LOG2E, kv_len, tail_shift,
             query.stride(0), query.stride(1), *t_strides,
             tail_k.stride(0), tail_k.stride(1), tail_k.stride(2), mask.stride(0) if mask is not None else 0,
             h_kv, splits, slot_pool.shape[-1], raw_tile, raw_row,
@@ -417,51 +440,89 @@ def _launch(query, slot_pool, raw_pool, raw_tile, raw_row, table, tail_k, tail_v
     return out
 
 
+num_splits_for = num_splits
+
+
+def lengths(batch: int, length: int, device) -> torch.Tensor:
+    """`kv_len` for a batch whose rows all hold `length` tokens (the eager callers' case)."""
+    return torch.full((batch,), length, dtype=torch.int32, device=device)
+
+
 def gaac_decode_attention(query: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor,
                           table: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor, base3: torch.Tensor,
                           base4: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
-                          **tuning) -> torch.Tensor:
+                          kv_len: torch.Tensor | None = None, **tuning) -> torch.Tensor:
     """Single-token attention over GAAC-compressed KV.
 
     query `[B, H_q, D]` BF16; slot_pool uint8 `[N, slot_bytes]`; raw_pool BF16 `[R, 16, C]`; table int32
-    `[B, n_blocks, 2, H_kv, tiles]`; tail_k/v BF16 `[B, H_kv, T < 16, D]`; base3/base4 uint8 `[2, H_kv, D]`;
-    mask `[B, n_blocks * 16 + T]` (True = attend) or None. Returns `[B, H_q, D]` BF16.
+    `[B, NB_cap, 2, H_kv, tiles]` (entry >= 0: slot index, else -1 - raw index); tail_k/v BF16
+    `[B, H_kv, T_cap <= 16, D]` (any strides, last dim contiguous); base3/base4 uint8 `[2, H_kv, D]`; kv_len int32
+    `[B]` on the device: row b has `kv_len[b] // 16` finalized blocks and `kv_len[b] % 16` tail tokens (rows 0..);
+    None = all of the table plus all tail rows. mask `[B, S_mask]` bool (True = attend; column j = token j) or None.
+    Returns `[B, H_q, D]` BF16.
 
     `tuning` (launch configuration, see `_launch`): num_splits, blocks_per_iter, num_warps, num_stages,
     programs_per_sm, and `stages`, which benchmarks use to leave out reconstruction or attention math.
     """
     c = raw_pool.shape[-1]
-    return _launch(query, slot_pool, raw_pool, 16 * c, c, table, tail_k, tail_v, base3.contiguous(),
-                   base4.contiguous(), scale, mask, **tuning)
+    if kv_len is None:
+        kv_len = lengths(query.shape[0], table.shape[1] * BLOCK + tail_k.shape[2], query.device)
+    return _launch(query, slot_pool, raw_pool, raw_pool, 16 * c, c, table, tail_k, tail_v, base3.contiguous(),
+                   base4.contiguous(), scale, mask, kv_len, **tuning)
+
+
+def plain_table(batch: int, heads: int, tokens: int, head_dim: int, device) -> torch.Tensor:
+    """Table entries that present contiguous plain KV `[B, H, tokens, D]` as the kernel's raw storage class:
+    the K entries index the key tensor, the V entries the value tensor, both with raw tile stride C elements and row
+    stride D. Depends only on the shape: a static cache builds it once."""
+    c = min(head_dim, 128)
+    n = tokens // BLOCK
+    t = head_dim // c
+    bb = torch.arange(batch, device=device).view(batch, 1, 1, 1, 1)
+    hh = torch.arange(heads, device=device).view(1, 1, 1, heads, 1)
+    blk = torch.arange(n, device=device).view(1, n, 1, 1, 1)
+    tile = torch.arange(t, device=device).view(1, 1, 1, 1, t)
+    index = (bb * heads + hh) * (tokens * t) + blk * (BLOCK * t) + tile
+    return (-1 - index).to(torch.int32).expand(batch, n, 2, heads, t).contiguous()
 
 
 def plain_as_raw_tiles(key: torch.Tensor, value: torch.Tensor):
-    """Plain KV `[B, H, S, D]` as the kernel's raw storage class: `(raw, table, tail_k, tail_v)`.
-
-    `raw` is K and V stacked (`[2, B, H, S, D]`, one copy); table entries point every tile of the complete blocks at
-    its place in it (raw tile stride C elements, row stride D)."""
+    """Plain KV `[B, H, S, D]` as the kernel's raw storage class: `(key, value, table, tail_k, tail_v)` (contiguous
+    K/V, the table of their complete blocks, the tail rows past them)."""
+    key, value = key.contiguous(), value.contiguous()
     b, h, s, d = key.shape
-    c = min(d, 128)
     n = s // BLOCK
-    raw = torch.stack([key, value]).contiguous()
-    kv = torch.arange(2, device=key.device).view(1, 1, 2, 1, 1)
-    bb = torch.arange(b, device=key.device).view(b, 1, 1, 1, 1)
-    hh = torch.arange(h, device=key.device).view(1, 1, 1, h, 1)
-    blk = torch.arange(n, device=key.device).view(1, n, 1, 1, 1)
-    tile = torch.arange(d // c, device=key.device).view(1, 1, 1, 1, d // c)
-    index = ((kv * b + bb) * h + hh) * (s * d // c) + blk * (BLOCK * d // c) + tile
-    table = (-1 - index).to(torch.int32)
-    return raw, table, raw[0, :, :, n * BLOCK:], raw[1, :, :, n * BLOCK:]
+    return (key, value, plain_table(b, h, s, d, key.device), key[:, :, n * BLOCK:], value[:, :, n * BLOCK:])
+
+
+@functools.lru_cache(maxsize=None)
+def _dummies(device: torch.device, heads: int, head_dim: int):
+    """The slot pool and bases the plain path passes (never read), made once per shape: allocating them inside a
+    captured step would add two fills per layer. 16 slot bytes: the same specialization as a real slot pool."""
+    return (torch.zeros(1, 16, dtype=torch.uint8, device=device),
+            torch.zeros(2, heads, head_dim, dtype=torch.uint8, device=device))
 
 
 def plain_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                           mask: torch.Tensor | None = None, plain=None, **tuning) -> torch.Tensor:
-    """The same kernel over plain BF16 KV `[B, H_kv, S, D]`: bit-identical to `gaac_decode_attention` on the
-    compressed form of the same KV. `plain` may pass a precomputed `plain_as_raw_tiles(key, value)`."""
-    raw, table, tail_k, tail_v = plain if plain is not None else plain_as_raw_tiles(key, value)
+                           mask: torch.Tensor | None = None, plain=None, kv_len: torch.Tensor | None = None,
+                           table: torch.Tensor | None = None, **tuning) -> torch.Tensor:
+    """The same kernel over plain BF16 KV `[B, H_kv, S_cap, D]`: bit-identical to `gaac_decode_attention` on the
+    compressed form of the same KV (same kv_len, same split count).
+
+    `kv_len` int32 `[B]`: tokens held per row (None: all S_cap). `table`: `plain_table(...)` of the shape, if
+    precomputed; `plain`: a precomputed `plain_as_raw_tiles(key, value)` (for kv_len None)."""
     d = key.shape[-1]
     c = min(d, 128)
-    dummy_slots = torch.zeros(1, 16, dtype=torch.uint8, device=query.device)  # 16: same specialization as a slot
-    dummy_bases = torch.zeros(2, key.shape[1], d, dtype=torch.uint8, device=query.device)
-    return _launch(query, dummy_slots, raw, c, d, table, tail_k, tail_v, dummy_bases, dummy_bases, scale, mask,
-                   **tuning)
+    if kv_len is None:
+        key, value, table, tail_k, tail_v = plain if plain is not None else plain_as_raw_tiles(key, value)
+        kv_len = lengths(query.shape[0], key.shape[2], query.device)
+    else:
+        if key.stride(-1) != 1 or key.stride(2) != d or key.stride(1) != key.shape[2] * d or \
+                value.stride() != key.stride():
+            key, value = key.contiguous(), value.contiguous()
+        if table is None:
+            table = plain_table(*key.shape[:3], d, query.device)
+        tail_k, tail_v = key, value  # the tail of row b: the rows after its kv_len[b] // 16 blocks (tail_shift)
+    dummy_slots, dummy_bases = _dummies(query.device, key.shape[1], d)
+    return _launch(query, dummy_slots, key, value, c, d, table, tail_k, tail_v, dummy_bases, dummy_bases, scale,
+                   mask, kv_len, int(tail_k is key), **tuning)

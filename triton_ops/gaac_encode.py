@@ -12,25 +12,11 @@ from .device import on_device_of
 
 
 @triton.jit
-def _encode_kernel(x_ptr, b3_ptr, b4_ptr, slot_ptr, esc_out, modes_out, PERIOD, SLOT_BYTES, CAPACITY,
-                   C: tl.constexpr, E_PAD: tl.constexpr):
-    G: tl.constexpr = 2 * C
-    PLANES: tl.constexpr = 16 * C
-    TAGS: tl.constexpr = PLANES + 3 * G
-    TAG_PLANE: tl.constexpr = G // 8
-    ESC: tl.constexpr = TAGS + 2 * TAG_PLANE
-    pid = tl.program_id(0)
-    kind = pid % PERIOD
-    out = slot_ptr + pid.to(tl.int64) * SLOT_BYTES
-    t = tl.arange(0, 16)
-    c = tl.arange(0, C)
-    bits = tl.load(x_ptr + pid.to(tl.int64) * 16 * C + t[:, None] * C + c[None, :]).to(tl.int32) & 0xFFFF
+def tile_modes(bits, b3, b4, C: tl.constexpr):
+    """BF16 bits of one tile (int32 `[16, C]`) and its bases (int32 `[C]`) -> (sign+mantissa `[16, C]`,
+    codes `[2, 8, C]`, modes `[2, C]` (group (half h, channel c)), escape bytes of the tile)."""
     e = (bits >> 7) & 0xFF
     sm = ((bits >> 8) & 0x80) | (bits & 0x7F)
-    tl.store(out + t[:, None] * C + c[None, :], sm.to(tl.uint8))
-
-    b3 = tl.load(b3_ptr + kind * C + c).to(tl.int32)
-    b4 = tl.load(b4_ptr + kind * C + c).to(tl.int32)
     eg = tl.reshape(e, [2, 8, C])  # group (half h, channel c) = tokens 8h..8h+7 of channel c
     d3 = eg - b3[None, None, :]
     d4 = eg - b4[None, None, :]
@@ -39,6 +25,22 @@ def _encode_kernel(x_ptr, b3_ptr, b4_ptr, slot_ptr, esc_out, modes_out, PERIOD, 
     mode = tl.where(fit3, 0, tl.where(fit4, 1, 2))  # [2, C]
     base = tl.where(mode == 0, b3[None, :], tl.where(mode == 1, b4[None, :], 0))
     code = (eg - base[:, None, :]) & 0xFF  # [2, 8, C]
+    w = (mode >= 1).to(tl.int32) + 4 * (mode == 2).to(tl.int32)  # escape bytes per group
+    total = tl.sum(tl.sum(w, axis=1), axis=0)
+    return sm, code, mode, total
+
+
+@triton.jit
+def store_slot(out, sm, code, mode, CAPACITY, C: tl.constexpr, E_PAD: tl.constexpr):
+    """Write one tile's slot at `out` (uint8 pointer) from `tile_modes`' output; escapes past CAPACITY are cut."""
+    G: tl.constexpr = 2 * C
+    PLANES: tl.constexpr = 16 * C
+    TAGS: tl.constexpr = PLANES + 3 * G
+    TAG_PLANE: tl.constexpr = G // 8
+    ESC: tl.constexpr = TAGS + 2 * TAG_PLANE
+    t = tl.arange(0, 16)
+    c = tl.arange(0, C)
+    tl.store(out + t[:, None] * C + c[None, :], sm.to(tl.uint8))
     i = tl.arange(0, 8)[None, :, None]
     h = tl.arange(0, 2)[:, None]
     g = h * C + c[None, :]
@@ -57,7 +59,6 @@ def _encode_kernel(x_ptr, b3_ptr, b4_ptr, slot_ptr, esc_out, modes_out, PERIOD, 
     w = wide + 4 * raw  # escape bytes per group
     first_half = tl.sum(tl.sum(tl.where(h == 0, w, 0), axis=1), axis=0)
     off = tl.cumsum(w, axis=1) - w + tl.where(h == 1, first_half, 0)
-    total = tl.sum(tl.sum(w, axis=1), axis=0)
     ez = tl.arange(0, E_PAD)
     tl.store(out + ESC + ez, tl.zeros([E_PAD], tl.uint8), mask=ez < CAPACITY)
     tl.debug_barrier()  # the zero fill lands before the escape bytes
@@ -67,10 +68,31 @@ def _encode_kernel(x_ptr, b3_ptr, b4_ptr, slot_ptr, esc_out, modes_out, PERIOD, 
     for k in tl.static_range(1, 5):
         plane = tl.sum(((code >> (3 + k)) & 1) << i, axis=1)
         tl.store(esc + k, plane.to(tl.uint8), mask=(raw == 1) & (off + k < CAPACITY))
+
+
+@triton.jit
+def mode_counts(mode):
+    """Groups per mode of one tile (`[4]`, entry 3 unused)."""
+    m = tl.arange(0, 4)
+    return tl.sum(tl.sum((mode[:, :, None] == m[None, None, :]).to(tl.int32), axis=1), axis=0)
+
+
+@triton.jit
+def _encode_kernel(x_ptr, b3_ptr, b4_ptr, slot_ptr, esc_out, modes_out, PERIOD, SLOT_BYTES, CAPACITY,
+                   C: tl.constexpr, E_PAD: tl.constexpr):
+    pid = tl.program_id(0)
+    kind = pid % PERIOD
+    out = slot_ptr + pid.to(tl.int64) * SLOT_BYTES
+    t = tl.arange(0, 16)
+    c = tl.arange(0, C)
+    bits = tl.load(x_ptr + pid.to(tl.int64) * 16 * C + t[:, None] * C + c[None, :]).to(tl.int32) & 0xFFFF
+    b3 = tl.load(b3_ptr + kind * C + c).to(tl.int32)
+    b4 = tl.load(b4_ptr + kind * C + c).to(tl.int32)
+    sm, code, mode, total = tile_modes(bits, b3, b4, C)
+    store_slot(out, sm, code, mode, CAPACITY, C, E_PAD)
     tl.store(esc_out + pid, total)
     m = tl.arange(0, 4)
-    counts = tl.sum(tl.sum((mode[:, :, None] == m[None, None, :]).to(tl.int32), axis=1), axis=0)
-    tl.store(modes_out + pid * 3 + m, counts, mask=m < 3)
+    tl.store(modes_out + pid * 3 + m, mode_counts(mode), mask=m < 3)
 
 
 def gaac_encode(tiles: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, escape_capacity: int):

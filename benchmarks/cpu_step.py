@@ -1,0 +1,93 @@
+"""Decode-step time on the CPU (the path `make demo` shows): GAACCache against DynamicCache on the default model.
+
+SmolLM2-135M-Instruct (BF16), batch 1. For each context the prompt's KV comes from one eager prefill with
+DynamicCache; GAACCache gets the same KV through its own `update` (encoded once), then both run the same decode
+steps (median per step). The GAAC steps' outputs are checked bit for bit against the same attention on the
+DynamicCache.
+
+    python benchmarks/cpu_step.py --contexts 360 4096 --out benchmarks/results/cpu_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gaac_hf import GAACCache  # noqa: E402
+from gaac_hf.cli import shipped_calibration  # noqa: E402
+from gaac_hf.default_model import load_default_model  # noqa: E402
+from gaac_hf.model_layers import cache_kwarg  # noqa: E402
+
+
+def steps(model, cache, context, n):
+    name = cache_kwarg(model)
+    tok = torch.tensor([[42]])
+    times, logits = [], []
+    for i in range(n):
+        t = time.perf_counter()
+        out = model(input_ids=tok, position_ids=torch.tensor([[context + i]]), use_cache=True, **{name: cache})
+        times.append(time.perf_counter() - t)
+        logits.append(out.logits[:, -1])
+        tok = out.logits[:, -1:].argmax(-1)
+    return times, torch.stack(logits)
+
+
+@torch.no_grad()
+def main(argv=None):
+    from transformers import DynamicCache
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--contexts", type=int, nargs="+", default=[360, 4096])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default="benchmarks/results/cpu_step.json")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, _ = load_default_model()
+    name = cache_kwarg(model)
+    calibration = str(shipped_calibration())
+    res = {"torch": torch.__version__, "threads": torch.get_num_threads(), "steps": args.steps, "contexts": {}}
+    for context in args.contexts:
+        ids = torch.randint(10, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
+        model.set_attn_implementation("sdpa")
+        prefill = DynamicCache(config=model.config)
+        model(input_ids=ids, use_cache=True, **{name: prefill})
+        kv = [(layer.keys.clone(), layer.values.clone()) for layer in prefill.layers]
+        row = {}
+        for attn in ("sdpa", "gaac"):
+            model.set_attn_implementation(attn)
+            outs = {}
+            for label, make in (("DynamicCache", lambda: DynamicCache(config=model.config)),
+                                ("GAACCache", lambda: GAACCache.from_pretrained(calibration, config=model.config))):
+                cache = make()
+                for i, (k, v) in enumerate(kv):
+                    cache.update(k, v, i)
+                steps(model, cache, context, 1)  # warm up
+                times, logits = steps(model, cache, context + 1, args.steps)
+                outs[label] = logits
+                row[f"{label} + {attn}"] = round(1e3 * statistics.median(times), 2)
+                print(f"context {context}: {label} + {attn}: {row[f'{label} + {attn}']:.1f} ms/step", flush=True)
+            row[f"bit_identical ({attn})"] = bool(torch.equal(outs["GAACCache"].view(torch.int16),
+                                                              outs["DynamicCache"].view(torch.int16)))
+            row[f"ratio ({attn})"] = round(row[f"GAACCache + {attn}"] / row[f"DynamicCache + {attn}"], 3)
+        res["contexts"][str(context)] = row
+    print("\n| context | " + " | ".join(k for k in next(iter(res["contexts"].values()))) + " |")
+    for c, row in res["contexts"].items():
+        print(f"| {c} | " + " | ".join(str(v) for v in row.values()) + " |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,401 @@
+"""The kernels behind the GAAC caches, one entry point per job, the backend chosen per device in `_backend`.
+
+* `encode` / `decode`: tiles <-> slots (the Triton kernels on CUDA, the torch codec elsewhere; bit-identical).
+* `decode_attention` / `plain_decode_attention`: single-query attention over a compressed `DecodeRecord` or over
+  plain BF16 KV, the same math either way (so their outputs are bit-identical), registered as `torch.library` custom
+  ops (`gaac::decode_attention`, `gaac::plain_decode_attention`) with fake implementations, so Dynamo traces through
+  them and a captured CUDA graph replays them. Lengths come from a device tensor `kv_len` int32 `[B]`; the split
+  count comes from a `DecodePlan`, made once per shape (FlashInfer's plan/run split).
+* `append_token` (`gaac::append_token`): one decode token into a static layer, finalizing the blocks it completes,
+  with no host synchronization (a static cache's whole decode-step update).
+
+Backends: `gaac_cuda` (the CUDA C++ package, when installed and available for the device), else Triton on CUDA,
+else the torch reference. The torch reference of the attention is block-chunked with an fp32 online softmax; the
+Triton kernel and the CUDA kernel each agree with themselves across compressed and plain KV, bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .codec import encode_tiles
+from .cpu_decode import decode_slots
+from .format import BLOCK_TOKENS
+
+try:  # the CUDA C++ kernels (a separate package); absent: Triton on CUDA
+    import gaac_cuda
+except ImportError:
+    gaac_cuda = None
+
+# Tokens per step of the torch reference's online softmax (part of its math: compressed and plain KV both use it).
+REFERENCE_CHUNK_TOKENS = 512
+
+
+def _backend(device: torch.device) -> str:
+    """`"gaac_cuda"`, `"triton"` or `"torch"`: which kernels serve tensors on `device`. The one place that decides.
+
+    `GAAC_HF_BACKEND=triton` runs the Triton kernels on CPU tensors too (under `TRITON_INTERPRET=1`: the tests
+    check the CUDA path's ops end to end that way)."""
+    device = torch.device(device)
+    forced = os.environ.get("GAAC_HF_BACKEND")
+    if forced:
+        if forced not in ("torch", "triton", "gaac_cuda"):
+            raise ValueError(f"GAAC_HF_BACKEND must be torch, triton or gaac_cuda, not {forced!r}")
+        return forced
+    if device.type != "cuda":
+        return "torch"
+    if gaac_cuda is not None and gaac_cuda.available(device):
+        return "gaac_cuda"
+    return "triton"
+
+
+# --- plan --------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DecodePlan:
+    """Launch decisions for one shape, made once (at cache construction), not per step."""
+
+    batch: int
+    kv_heads: int
+    max_blocks: int
+    head_dim: int
+    device: str
+    splits: int
+
+
+def splits(batch: int, kv_heads: int, max_blocks: int, device, head_dim: int = 128) -> int:
+    """Split count of the decode attention over at most `max_blocks` blocks (1 for the torch reference)."""
+    device = torch.device(device)
+    backend = _backend(device)
+    if backend == "gaac_cuda":
+        return int(getattr(_cuda_plan(batch, kv_heads, max_blocks, head_dim, str(device)), "splits", 1))
+    if backend == "triton":
+        from triton_ops.gaac_attention import num_splits
+
+        return num_splits(batch * kv_heads, max_blocks, device)
+    return 1
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(batch: int, kv_heads: int, max_blocks: int, head_dim: int, device: str) -> DecodePlan:
+    return DecodePlan(batch, kv_heads, max_blocks, head_dim, device,
+                      splits(batch, kv_heads, max_blocks, device, head_dim))
+
+
+def plan(batch: int, kv_heads: int, max_blocks: int, head_dim: int, device) -> DecodePlan:
+    """The `DecodePlan` of a shape (cached: the same shape always gets the same plan)."""
+    return _plan(int(batch), int(kv_heads), int(max_blocks), int(head_dim), str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_plan(batch, kv_heads, max_blocks, head_dim, device):
+    return gaac_cuda.plan(batch, kv_heads, max_blocks, head_dim, torch.device(device))
+
+
+# --- tiles -------------------------------------------------------------------------------------------------------
+def encode(tiles: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, capacity: int):
+    """BF16 tiles `[..., P, 16, C]`, bases uint8 `[P, C]` -> `(slots [..., P, slot_bytes], fits [..., P],
+    mode counts int32 [..., P, 3])`."""
+    if tiles.is_cuda:
+        from triton_ops.gaac_encode import gaac_encode
+
+        slots, esc, counts = gaac_encode(tiles, base3, base4, capacity)
+        return slots, esc <= capacity, counts
+    enc = encode_tiles(tiles, base3, base4, capacity)
+    counts = torch.stack([(enc.modes == m).sum(-1, dtype=torch.int32) for m in range(3)], -1)
+    return enc.slots, enc.fits, counts
+
+
+def decode(table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor, base3: torch.Tensor,
+           base4: torch.Tensor) -> torch.Tensor:
+    """Entries `[..., P]` (slot >= 0, else -1 - raw) with bases uint8 `[P, C]` -> BF16 tiles `[..., P, 16, C]`."""
+    channels = raw_pool.shape[-1]
+    if table.is_cuda:
+        from triton_ops.gaac_decode import gaac_decode
+
+        return gaac_decode(table, slot_pool, raw_pool, base3, base4)
+    # the CPU: decode every entry as a slot (raw entries, a small share, read slot 0 and are overwritten after)
+    lead, p = table.shape[:-1], table.shape[-1]
+    flat = table.reshape(-1)
+    idx = flat.clamp(min=0).long()
+    n = flat.numel() // max(p, 1)
+    b3 = base3.unsqueeze(0).expand(n, p, channels).reshape(-1, channels)
+    b4 = base4.unsqueeze(0).expand(n, p, channels).reshape(-1, channels)
+    slots = slot_pool.index_select(0, idx) if slot_pool.shape[0] else \
+        torch.zeros(idx.numel(), slot_pool.shape[1], dtype=torch.uint8)
+    out = decode_slots(slots, b3, b4, channels)
+    raw = (flat < 0).nonzero().reshape(-1)
+    if raw.numel():
+        out.index_copy_(0, raw, raw_pool.index_select(0, -1 - flat[raw].long()))
+    return out.reshape(*lead, p, BLOCK_TOKENS, channels)
+
+
+def tiles_of(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """K, V `[B, H, n * 16, D]` -> tiles `[B, n, 2 * H * tiles, 16, C]` (position order of the block table)."""
+    b, h, s, d = k.shape
+    c = min(d, 128)
+    x = torch.stack([k, v], 1).reshape(b, 2, h, s // BLOCK_TOKENS, BLOCK_TOKENS, d // c, c)
+    return x.permute(0, 3, 1, 2, 5, 4, 6).reshape(b, s // BLOCK_TOKENS, 2 * h * (d // c), BLOCK_TOKENS, c)
+
+
+def blocks_of(tiles: torch.Tensor, heads: int) -> torch.Tensor:
+    """Inverse of `tiles_of`: `[B, n, 2 * H * tiles, 16, C]` -> KV `[B, 2, H, n * 16, D]`."""
+    b, n, p, _, c = tiles.shape
+    t = p // (2 * heads)
+    x = tiles.reshape(b, n, 2, heads, t, BLOCK_TOKENS, c).permute(0, 2, 3, 1, 5, 4, 6)
+    return x.reshape(b, 2, heads, n * BLOCK_TOKENS, t * c)
+
+
+# --- the torch reference of the decode attention -----------------------------------------------------------------
+def reference_decode(query: torch.Tensor, chunks, length: int, scale: float, mask: torch.Tensor | None = None,
+                     kv_len: torch.Tensor | None = None, chunk_tokens: int = REFERENCE_CHUNK_TOKENS) -> torch.Tensor:
+    """Single-query attention, block-chunked with an fp32 online softmax; GQA without repeat_kv.
+
+    `query` `[B, H_q, D]`; `chunks(start, end)` returns BF16 K, V `[B, H_kv, end - start, D]` of tokens
+    `[start, end)`; `mask` None, bool (True = attend) or additive float, `[B|1, 1|H_q, 1, S >= length]`;
+    `kv_len` int32 `[B]`: row b attends to its first `kv_len[b]` tokens only (None: all `length`).
+    Returns `[B, H_q, D]` in the query dtype.
+    """
+    b, hq, d = query.shape
+    m = denom = acc = None
+    ragged = kv_len is not None and bool((kv_len != length).any())
+    for start in range(0, length, chunk_tokens):
+        end = min(start + chunk_tokens, length)
+        k, v = chunks(start, end)
+        hkv = k.shape[1]
+        n_rep = hq // hkv
+        if m is None:
+            q = query.float().reshape(b, hkv, n_rep, d)
+            m = torch.full((b, hkv, n_rep, 1), float("-inf"), dtype=torch.float32, device=query.device)
+            denom = torch.zeros((b, hkv, n_rep, 1), dtype=torch.float32, device=query.device)
+            acc = torch.zeros((b, hkv, n_rep, d), dtype=torch.float32, device=query.device)
+        keep = None
+        if ragged:
+            keep = torch.arange(start, end, device=query.device)[None, :] < kv_len[:, None].to(query.device)
+            k = torch.where(keep[:, None, :, None], k, 0)
+            v = torch.where(keep[:, None, :, None], v, 0)
+        s = torch.matmul(q, k.float().transpose(-1, -2)) * scale  # [B, H_kv, n_rep, n]
+        if mask is not None:
+            mc = mask[:, :, -1, start:end]  # [B|1, 1|H_q, n]
+            mc = mc.unsqueeze(2) if mc.shape[1] == 1 else mc.reshape(mc.shape[0], hkv, n_rep, -1)
+            s = s.masked_fill(~mc, float("-inf")) if mc.dtype == torch.bool else s + mc.float()
+        if keep is not None:
+            s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(s - m_safe)
+        alpha = torch.exp(m - m_safe)
+        denom = denom * alpha + p.sum(-1, keepdim=True)
+        acc = acc * alpha + torch.matmul(p, v.float())
+        m = m_new
+    if m is None:
+        return torch.zeros_like(query)
+    out = torch.where(denom > 0, acc / denom, torch.zeros_like(acc))
+    return out.reshape(b, hq, d).to(query.dtype)
+
+
+def _compressed_chunks(slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, kv_len_list):
+    """`chunks(start, end)` over a compressed layer: finalized blocks decoded from the table, each row's tail placed
+    after its own finalized blocks."""
+    b, _, _, h, t = table.shape
+    c = raw_pool.shape[-1]
+    p = 2 * h * t
+    b3, b4 = base3.reshape(p, c), base4.reshape(p, c)
+    n_fin = [n // BLOCK_TOKENS for n in kv_len_list]
+
+    def chunks(start: int, end: int):
+        b0, b1 = start // BLOCK_TOKENS, -(-end // BLOCK_TOKENS)
+        tiles = decode(table[:, b0:b1].reshape(b, b1 - b0, p), slot_pool, raw_pool, b3, b4)
+        kv = blocks_of(tiles, h)  # [B, 2, H, (b1 - b0) * 16, D]
+        for row, nf in enumerate(n_fin):
+            if b0 <= nf < b1:
+                at = (nf - b0) * BLOCK_TOKENS
+                n = min(tail_k.shape[2], BLOCK_TOKENS)
+                kv[row, 0, :, at:at + n] = tail_k[row, :, :n]
+                kv[row, 1, :, at:at + n] = tail_v[row, :, :n]
+        kv = kv[:, :, :, :end - start]
+        return kv[:, 0], kv[:, 1]
+
+    return chunks
+
+
+def _mask4(mask: torch.Tensor | None) -> torch.Tensor | None:
+    return None if mask is None else mask[:, None, None, :]
+
+
+# --- custom ops ----------------------------------------------------------------------------------------------------
+# Each op's body is a plain function too: eager callers (GAACCache) skip the dispatcher's per-call cost.
+def _decode_attention_impl(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, kv_len, mask, scale,
+                           num_splits):
+    backend = _backend(query.device)
+    if backend == "gaac_cuda":
+        b, h, d = query.shape[0], table.shape[3], query.shape[-1]
+        return gaac_cuda.decode_attention(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, kv_len,
+                                          mask, scale, _cuda_plan(b, h, table.shape[1], d, str(query.device)))
+    if backend == "triton":
+        from triton_ops.gaac_attention import gaac_decode_attention
+
+        return gaac_decode_attention(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, scale, mask,
+                                     kv_len=kv_len, num_splits=num_splits)
+    lens = kv_len.tolist()
+    chunks = _compressed_chunks(slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, lens)
+    return reference_decode(query, chunks, max(lens), scale, _mask4(mask), kv_len)
+
+
+@torch.library.custom_op("gaac::decode_attention", mutates_args=())
+def _decode_attention_op(query: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor, table: torch.Tensor,
+                         tail_k: torch.Tensor, tail_v: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor,
+                         kv_len: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                         num_splits: int) -> torch.Tensor:
+    return _decode_attention_impl(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, kv_len, mask,
+                                  scale, num_splits)
+
+
+@_decode_attention_op.register_fake
+def _(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, kv_len, mask, scale, num_splits):
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+def _plain_decode_attention_impl(query, key, value, table, kv_len, mask, scale, num_splits):
+    backend = _backend(query.device)
+    if backend == "gaac_cuda":
+        b, h, s, d = key.shape
+        return gaac_cuda.plain_decode_attention(query, key, value, kv_len, mask, scale,
+                                                _cuda_plan(b, h, s // BLOCK_TOKENS, d, str(query.device)))
+    if backend == "triton":
+        from triton_ops.gaac_attention import plain_decode_attention
+
+        return plain_decode_attention(query, key, value, scale, mask, kv_len=kv_len, table=table,
+                                      num_splits=num_splits)
+    lens = kv_len.tolist()
+    return reference_decode(query, lambda s, e: (key[:, :, s:e], value[:, :, s:e]), max(lens), scale, _mask4(mask),
+                            kv_len)
+
+
+@torch.library.custom_op("gaac::plain_decode_attention", mutates_args=())
+def _plain_decode_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               table: torch.Tensor | None, kv_len: torch.Tensor, mask: torch.Tensor | None,
+                               scale: float, num_splits: int) -> torch.Tensor:
+    return _plain_decode_attention_impl(query, key, value, table, kv_len, mask, scale, num_splits)
+
+
+@_plain_decode_attention_op.register_fake
+def _(query, key, value, table, kv_len, mask, scale, num_splits):
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+@dataclass
+class DecodeRecord:
+    """What the decode attention reads of one compressed layer (no layer internals): pools, block table, BF16 tail,
+    windows, device lengths, plan. `base3`/`base4` uint8 `[2, H_kv, D]`."""
+
+    slot_pool: torch.Tensor
+    raw_pool: torch.Tensor
+    table: torch.Tensor
+    tail_k: torch.Tensor
+    tail_v: torch.Tensor
+    base3: torch.Tensor
+    base4: torch.Tensor
+    kv_len: torch.Tensor
+    plan: DecodePlan
+
+
+@dataclass
+class PlainRecord:
+    """The same for plain BF16 KV `[B, H_kv, S_cap, D]` (the bit-exact twin): buffers, table of their raw-tile
+    addressing (or None), device lengths, plan."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    table: torch.Tensor | None
+    kv_len: torch.Tensor
+    plan: DecodePlan
+
+
+def decode_attention(query: torch.Tensor, record: DecodeRecord, mask: torch.Tensor | None,
+                     scale: float) -> torch.Tensor:
+    """`[B, H_q, D]` BF16 query over a compressed layer -> `[B, H_q, D]`; mask bool `[B, S_mask]` or None."""
+    r = record
+    op = torch.ops.gaac.decode_attention if torch.compiler.is_compiling() else _decode_attention_impl
+    return op(query, r.slot_pool, r.raw_pool, r.table, r.tail_k, r.tail_v, r.base3, r.base4, r.kv_len, mask, scale,
+              r.plan.splits)
+
+
+def plain_decode_attention(query: torch.Tensor, record: PlainRecord, mask: torch.Tensor | None,
+                           scale: float) -> torch.Tensor:
+    r = record
+    op = torch.ops.gaac.plain_decode_attention if torch.compiler.is_compiling() else _plain_decode_attention_impl
+    return op(query, r.key, r.value, r.table, r.kv_len, mask, scale, r.plan.splits)
+
+
+# --- the static layer's decode-step update -------------------------------------------------------------------------
+def store_blocks(tiles: torch.Tensor, rows: torch.Tensor, first_block: torch.Tensor, base3, base4, capacity: int,
+                 slot_pool, raw_pool, table, slot_modes, raw_modes, counts) -> None:
+    """Encode complete blocks and store them (eager; one host synchronization sizes the allocation).
+
+    `tiles` `[R, n, P, 16, C]` of rows `rows` (long `[R]`), blocks `first_block[r] ..+ n`; the pools' last rows
+    are scratch; `counts` int32 `[2]` (slots, raw tiles taken) is advanced; a counter past its pool's capacity
+    (the caller grows the pools first, so only a caller's bug gets there) sends tiles to the scratch row."""
+    r, n, p, _, c = tiles.shape
+    slots, fits, modes = encode(tiles, base3, base4, capacity)
+    fits = fits.reshape(-1)
+    used = counts.tolist()
+    n_fit = int(fits.sum())
+    slot_at = used[0] + torch.cumsum(fits, 0) - 1
+    raw_at = used[1] + torch.cumsum(~fits, 0) - 1
+    slot_at = torch.where(fits & (slot_at < slot_pool.shape[0] - 1), slot_at, slot_pool.shape[0] - 1)
+    raw_at = torch.where(~fits & (raw_at < raw_pool.shape[0] - 1), raw_at, raw_pool.shape[0] - 1)
+    modes = modes.reshape(-1, 3)
+    slot_pool.index_copy_(0, slot_at, slots.reshape(-1, slots.shape[-1]))
+    slot_modes.index_copy_(0, slot_at, modes)
+    raw_pool.index_copy_(0, raw_at, tiles.reshape(-1, BLOCK_TOKENS, c))
+    raw_modes.index_copy_(0, raw_at, modes)
+    entries = torch.where(fits, slot_at, -1 - raw_at).to(torch.int32).reshape(r, n, *table.shape[2:])
+    blocks = first_block.reshape(r, 1) + torch.arange(n, device=tiles.device)
+    table[rows.reshape(r, 1), blocks] = entries
+    counts += torch.tensor([n_fit, fits.numel() - n_fit], dtype=counts.dtype, device=counts.device)
+
+
+@torch.library.custom_op("gaac::append_token",
+                         mutates_args=("tail_k", "tail_v", "kv_len", "slot_pool", "raw_pool", "table", "slot_modes",
+                                       "raw_modes", "counts"))
+def _append_token_op(key: torch.Tensor, value: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor,
+                     kv_len: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, slot_pool: torch.Tensor,
+                     raw_pool: torch.Tensor, table: torch.Tensor, slot_modes: torch.Tensor, raw_modes: torch.Tensor,
+                     counts: torch.Tensor) -> None:
+    c = raw_pool.shape[-1]
+    p = base3.numel() // c
+    capacity = slot_pool.shape[-1] - (16 * c + 6 * c + c // 2)
+    if _backend(key.device) != "torch":
+        from triton_ops.gaac_append import gaac_append
+
+        gaac_append(key, value, tail_k, tail_v, kv_len, base3.reshape(p, c), base4.reshape(p, c), slot_pool,
+                    raw_pool, table, slot_modes, raw_modes, counts)
+        kv_len.add_(1)
+        return
+    rows = torch.arange(key.shape[0], device=key.device)
+    pos = (kv_len % BLOCK_TOKENS).long()
+    tail_k[rows, :, pos] = key[:, :, 0]
+    tail_v[rows, :, pos] = value[:, :, 0]
+    kv_len.add_(1)
+    done = (kv_len % BLOCK_TOKENS == 0).nonzero().reshape(-1)
+    if done.numel():  # on the CPU a branch costs nothing; the CUDA kernel runs every step instead
+        tiles = tiles_of(tail_k[done], tail_v[done])  # [R, 1, P, 16, C]
+        store_blocks(tiles, done, (kv_len[done] // BLOCK_TOKENS - 1).long(), base3.reshape(p, c),
+                     base4.reshape(p, c), capacity, slot_pool, raw_pool, table, slot_modes, raw_modes, counts)
+
+
+@_append_token_op.register_fake
+def _(key, value, tail_k, tail_v, kv_len, base3, base4, slot_pool, raw_pool, table, slot_modes, raw_modes, counts):
+    return None
+
+
+def append_token(key: torch.Tensor, value: torch.Tensor, record: DecodeRecord, slot_modes: torch.Tensor,
+                 raw_modes: torch.Tensor, counts: torch.Tensor) -> None:
+    """One token per row (`[B, H, 1, D]`) into a static compressed layer, finalizing completed blocks in place."""
+    r = record
+    torch.ops.gaac.append_token(key, value, r.tail_k, r.tail_v, r.kv_len, r.base3, r.base4, r.slot_pool, r.raw_pool,
+                                r.table, slot_modes, raw_modes, counts)

@@ -1,0 +1,382 @@
+"""GAACStaticCache: compiled decode steps bit-exact against the plain twin, one graph, pool overflow, bad input.
+
+The twin (`PlainStaticCache`) holds the same tokens as plain BF16 in the same static layout and is read by the same
+attention code (`gaac::plain_decode_attention`), so every comparison here is `torch.equal` on bit patterns. Compiled
+runs use Dynamo with `fullgraph=True` (a graph break is an error); most use the `aot_eager` backend to keep the CPU
+suite fast, one uses inductor, as `generate` does by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import tiny_llama_config
+from transformers import AutoModelForCausalLM
+from transformers.generation.configuration_utils import CompileConfig
+
+import gaac_hf  # noqa: F401  (registers "gaac")
+from gaac_hf import ops
+from gaac_hf.calibrate import calibrate
+from gaac_hf.calibration import CalibrationMismatchError, GAACCalibration
+from gaac_hf.model_layers import cache_kwarg
+from gaac_hf.static_cache import (GAACCacheFullError, GAACPoolOverflowError, GAACStaticCache, PlainStaticCache)
+
+VOCAB = 512
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels' tests: interpreted on the CPU
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _ids(n: int, seed: int, batch: int = 1) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """Tiny Llama on "gaac" attention, calibrated on its own KV with escape capacity 16 (about half the tiles raw,
+    so both storage classes carry data)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_llama_config(), dtype=torch.bfloat16).eval()
+    calibration = calibrate(model, [_ids(128, 100)[0]], "random ids")
+    calibration = GAACCalibration(dataclasses.replace(calibration.config, escape_capacity=16), calibration.base3,
+                                  calibration.base4)
+    model.set_attn_implementation("gaac")
+    return model, calibration
+
+
+def _compile_config(backend: str = "aot_eager") -> CompileConfig:
+    cc = CompileConfig(fullgraph=True, backend=backend, mode=None if backend != "inductor" else "default")
+    cc._compile_all_devices = True  # generate compiles on CUDA by itself; on the CPU it has to be asked
+    return cc
+
+
+def _same(a, b) -> bool:
+    return torch.equal(a.sequences, b.sequences) and len(a.scores) == len(b.scores) and all(
+        torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a.scores, b.scores))
+
+
+def _generate_both(model, calibration, ids, max_cache_len, compile_backend="aot_eager", **kw):
+    kw = {"max_new_tokens": 24, "min_new_tokens": 24, "output_scores": True, "return_dict_in_generate": True, **kw}
+    if compile_backend is not None:
+        kw["compile_config"] = _compile_config(compile_backend)
+    name = cache_kwarg(model)
+    outs = []
+    for make in (lambda: GAACStaticCache(model.config, max_cache_len, calibration),
+                 lambda: PlainStaticCache(model.config, max_cache_len)):
+        torch._dynamo.reset()
+        cache = make()
+        torch.manual_seed(5)
+        outs.append((model.generate(ids, **kw, **{name: cache}), cache))
+    return outs
+
+
+MODES = {
+    "greedy": dict(do_sample=False),
+    "sampling": dict(do_sample=True, top_k=20, temperature=0.9),
+    "beam": dict(do_sample=False, num_beams=3),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_compiled_generate_equals_plain_twin(llama, mode):
+    model, calibration = llama
+    (out, cache), (ref, _) = _generate_both(model, calibration, _ids(37, 1), 96, **MODES[mode])
+    assert _same(out, ref)
+    assert cache.stats()["slots"] > 0 and cache.stats()["raw_tiles"] > 0
+
+
+def test_compiled_left_padded_batch_equals_plain_twin(llama):
+    model, calibration = llama
+    ids = _ids(29, 2, batch=3)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    mask[2, :16] = 0
+    (out, _), (ref, _) = _generate_both(model, calibration, ids, 80, attention_mask=mask, do_sample=False)
+    assert _same(out, ref)
+
+
+def test_compiled_long_generation_crosses_many_blocks(llama):
+    """1,024 compiled decode steps: 64 block finalizations inside the traced step."""
+    model, calibration = llama
+    kw = dict(max_new_tokens=1024, min_new_tokens=1024, do_sample=False)
+    (out, cache), (ref, _) = _generate_both(model, calibration, _ids(9, 3), 1040, **kw)
+    assert _same(out, ref)
+    assert cache.stats()["layers"][0]["blocks"] == (9 + 1023) // 16
+
+
+def test_generate_compiles_with_inductor(llama):
+    """What generate does on CUDA by itself: inductor, fullgraph. The step was compiled (Dynamo counted frames) and
+    both caches still agree bit for bit."""
+    from torch._dynamo.utils import counters
+
+    model, calibration = llama
+    counters.clear()
+    (out, _), (ref, _) = _generate_both(model, calibration, _ids(20, 4), 48, compile_backend="inductor",
+                                        do_sample=False, max_new_tokens=6, min_new_tokens=6)
+    assert counters["stats"]["unique_graphs"] >= 2  # one decode graph per cache
+    assert _same(out, ref)
+
+
+def test_triton_kernels_in_the_compiled_step(llama, monkeypatch):
+    """The CUDA path's ops (Triton append/finalize kernel, the attention kernel reading device lengths, the plain
+    twin's raw-tile table) inside the compiled generate step, run on the CPU under Triton's interpreter: compressed
+    equals twin, across a block boundary, for a left-padded batch."""
+    from triton_ops.device import interpreted
+
+    if not interpreted():
+        pytest.skip("on a GPU tests/test_gpu_static_cache.py runs these kernels on CUDA tensors")
+    monkeypatch.setenv("GAAC_HF_BACKEND", "triton")
+    model, calibration = llama
+    ids = _ids(27, 14, batch=2)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    (out, cache), (ref, _) = _generate_both(model, calibration, ids, 48, attention_mask=mask, do_sample=False,
+                                            max_new_tokens=6, min_new_tokens=6)
+    assert _same(out, ref)
+    assert cache.stats()["layers"][0]["blocks"] == 2
+
+
+def _decode_logits(model, cache, ids, steps, forward):
+    name = cache_kwarg(model)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **{name: cache})  # prefill, eager
+        tok = torch.full((ids.shape[0], 1), 7)
+        logits = []
+        for i in range(steps):
+            pos = torch.full((ids.shape[0], 1), ids.shape[1] + i)
+            out = forward(input_ids=tok, position_ids=pos, use_cache=True, **{name: cache})
+            logits.append(out.logits[:, -1].clone())
+            tok = out.logits[:, -1:].argmax(-1)
+    return torch.stack(logits)
+
+
+def test_hand_loop_compiled_forward(llama):
+    """`torch.compile(model.forward, fullgraph=True)` in a hand-written loop (prefill eager, 20 decode steps that
+    finalize a block), the compressed cache against the twin."""
+    model, calibration = llama
+    got = []
+    for cache in (GAACStaticCache(model.config, 64, calibration), PlainStaticCache(model.config, 64)):
+        torch._dynamo.reset()
+        step = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+        got.append(_decode_logits(model, cache, _ids(13, 5), 20, step))
+    assert torch.equal(got[0].view(torch.int32), got[1].view(torch.int32))
+
+
+@pytest.mark.parametrize("cls", ["gaac", "plain"])
+def test_decode_step_is_one_graph(llama, cls):
+    model, calibration = llama
+    name = cache_kwarg(model)
+    cache = GAACStaticCache(model.config, 64, calibration) if cls == "gaac" else PlainStaticCache(model.config, 64)
+    with torch.no_grad():
+        model(input_ids=_ids(31, 6), use_cache=True, **{name: cache})
+        torch._dynamo.reset()
+        ex = torch._dynamo.explain(model)(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[31]]),
+                                          use_cache=True, **{name: cache})  # token 32 completes block 2
+    assert (ex.graph_count, ex.graph_break_count) == (1, 0), ex.break_reasons
+    if cls == "gaac":
+        assert cache.stats()["layers"][0]["blocks"] == 2
+
+
+# --- pools -------------------------------------------------------------------------------------------------------
+def test_raw_pool_overflow_is_raised_not_silent(llama):
+    """A compiled hand-written loop that never checks (an eager forward checks when it builds its mask): the raw
+    pool runs out inside the compiled step, tiles are dropped, and the next check says so instead of returning
+    garbage quietly."""
+    model, calibration = llama
+    cache = GAACStaticCache(model.config, 160, calibration, raw_tiles=1)
+    torch._dynamo.reset()
+    step = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+    _decode_logits(model, cache, _ids(5, 7), 90, step)
+    assert cache.layers[0].counts[1] > cache.layers[0].n_raw
+    with pytest.raises(GAACPoolOverflowError, match="dropped"):
+        cache.check()
+    with pytest.raises(GAACPoolOverflowError):
+        cache.stats()
+
+
+def test_raw_pool_grows_between_steps_in_generate(llama):
+    """The same tiny raw pool under generate: the checks between steps grow it, nothing is dropped, and the
+    output is still bit-identical to the twin."""
+    model, calibration = llama
+    kw = dict(max_new_tokens=120, min_new_tokens=120, output_scores=True, return_dict_in_generate=True,
+              do_sample=False)
+    name = cache_kwarg(model)
+    cache = GAACStaticCache(model.config, 160, calibration, raw_tiles=1)
+    out = model.generate(_ids(5, 8), **kw, **{name: cache})
+    ref = model.generate(_ids(5, 8), **kw, **{name: PlainStaticCache(model.config, 160)})
+    assert _same(out, ref)
+    layer = cache.stats()["layers"][0]
+    assert layer["raw_capacity"] > 1 and layer["raw_taken"] <= layer["raw_capacity"]
+
+
+def test_stats_report_resident_and_allocated_bytes(llama):
+    model, calibration = llama
+    name = cache_kwarg(model)
+    cache = GAACStaticCache(model.config, 256, calibration)
+    with torch.no_grad():
+        model(input_ids=_ids(70, 9), use_cache=True, **{name: cache})
+    s = cache.stats()
+    assert s["bf16_bytes"] == 2 * 70 * 2 * 2 * 64 * 2  # layers x tokens x K|V x heads x dim x bytes
+    assert 0 < s["bytes"]["total"] < s["allocated_bytes"]["total"]
+    assert s["layers"][0]["blocks"] == 4 and s["layers"][0]["tokens"] == 70
+
+
+def test_triton_append_kernel_matches_torch_path():
+    """The CUDA append kernel (under Triton's interpreter here) leaves the very same state as the torch path:
+    tails, lengths, counters and the decoded finalized blocks, through several block completions."""
+    from triton_ops.gaac_append import gaac_append
+
+    from triton_cases import realistic_kv
+
+    gen = torch.Generator().manual_seed(3)
+    b, h, d, blocks, cap = 2, 2, 128, 4, 48
+    c = d
+    p = 2 * h
+    fixed = 16 * c + 6 * c + c // 2
+    tokens, vals, base3, base4 = realistic_kv(b, h, 40, d, gen)
+
+    def state(device):
+        n_all = b * blocks * p
+        kw = dict(device=device)
+        return dict(tail_k=torch.zeros(b, h, 16, d, dtype=torch.bfloat16, **kw),
+                    tail_v=torch.zeros(b, h, 16, d, dtype=torch.bfloat16, **kw),
+                    kv_len=torch.zeros(b, dtype=torch.int32, **kw),
+                    slot_pool=torch.zeros(n_all + 1, fixed + cap, dtype=torch.uint8, **kw),
+                    raw_pool=torch.zeros(n_all + 1, 16, c, dtype=torch.bfloat16, **kw),
+                    table=torch.full((b, blocks, 2, h, 1), -1 - n_all, dtype=torch.int32, **kw),
+                    slot_modes=torch.zeros(n_all + 1, 3, dtype=torch.int32, **kw),
+                    raw_modes=torch.zeros(n_all + 1, 3, dtype=torch.int32, **kw),
+                    counts=torch.zeros(2, dtype=torch.int32, **kw))
+
+    ref, got = state("cpu"), state(DEVICE)
+    for i in range(40):
+        k, v = tokens[:, :, i:i + 1], vals[:, :, i:i + 1]
+        torch.ops.gaac.append_token(k, v, ref["tail_k"], ref["tail_v"], ref["kv_len"], base3, base4,
+                                    ref["slot_pool"], ref["raw_pool"], ref["table"], ref["slot_modes"],
+                                    ref["raw_modes"], ref["counts"])
+        gaac_append(k.to(DEVICE), v.to(DEVICE), got["tail_k"], got["tail_v"], got["kv_len"],
+                    base3.reshape(p, c).to(DEVICE), base4.reshape(p, c).to(DEVICE), got["slot_pool"], got["raw_pool"],
+                    got["table"], got["slot_modes"], got["raw_modes"], got["counts"])
+        got["kv_len"].add_(1)
+    got = {k: t.cpu() for k, t in got.items()}
+    assert torch.equal(ref["kv_len"], got["kv_len"]) and torch.equal(ref["counts"], got["counts"])
+    assert ref["counts"][0] > 0 and ref["counts"][1] > 0
+    for s in (ref, got):
+        s["kv"] = ops.blocks_of(ops.decode(s["table"][:, :2].reshape(b, 2, p), s["slot_pool"], s["raw_pool"],
+                                           base3.reshape(p, c), base4.reshape(p, c)), h)
+    assert torch.equal(ref["kv"][:, 0].view(torch.int16), tokens[:, :, :32].view(torch.int16))
+    assert torch.equal(ref["kv"][:, 1].view(torch.int16), vals[:, :, :32].view(torch.int16))
+    assert torch.equal(got["kv"].view(torch.int16), ref["kv"].view(torch.int16))
+    assert torch.equal(got["tail_k"][:, :, :8].view(torch.int16), tokens[:, :, 32:].view(torch.int16))
+
+
+def test_triton_attention_reads_device_lengths():
+    """The Triton kernel over a static layout (table of NB_cap blocks, 16-row tail, per-row kv_len on the device):
+    compressed equals plain bit for bit, for rows of different lengths, at one fixed split count."""
+    from triton_ops.gaac_attention import gaac_decode_attention, plain_decode_attention
+
+    from triton_cases import realistic_kv
+
+    gen = torch.Generator().manual_seed(4)
+    b, h, nrep, d, cap_blocks = 2, 2, 2, 64, 5
+    s_cap = cap_blocks * 16
+    key, value, base3, base4 = realistic_kv(b, h, s_cap, d, gen)
+    kv_len = torch.tensor([45, 70], dtype=torch.int32)
+    # compress every complete block of each row with the torch path, build the 16-row tails
+    p = 2 * h
+    tiles = ops.tiles_of(key, value)  # [B, NB, P, 16, C]
+    n_all = b * cap_blocks * p
+    slot_pool = torch.zeros(n_all + 1, 16 * d + 6 * d + d // 2 + 32, dtype=torch.uint8)
+    raw_pool = torch.zeros(n_all + 1, 16, d, dtype=torch.bfloat16)
+    table = torch.full((b, cap_blocks, 2, h, 1), -1 - n_all, dtype=torch.int32)
+    counts = torch.zeros(2, dtype=torch.int32)
+    modes = torch.zeros(n_all + 1, 3, dtype=torch.int32)
+    ops.store_blocks(tiles, torch.arange(b), torch.zeros(b, dtype=torch.long), base3.reshape(p, d),
+                     base4.reshape(p, d), 32, slot_pool, raw_pool, table, modes, modes.clone(), counts)
+    assert counts[0] > 0 and counts[1] > 0  # both storage classes
+    tail_k = torch.stack([key[i, :, (n // 16) * 16:(n // 16) * 16 + 16] for i, n in enumerate(kv_len.tolist())])
+    tail_v = torch.stack([value[i, :, (n // 16) * 16:(n // 16) * 16 + 16] for i, n in enumerate(kv_len.tolist())])
+    q = torch.randn(b, h * nrep, d, generator=gen).to(torch.bfloat16)
+    mask = torch.ones(b, s_cap, dtype=torch.bool)
+    mask[0, :3] = False
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    for splits in (1, 3):
+        got = gaac_decode_attention(to(q), to(slot_pool), to(raw_pool), to(table), to(tail_k), to(tail_v), to(base3),
+                                    to(base4), 0.125, to(mask), kv_len=to(kv_len), num_splits=splits).cpu()
+        ref = plain_decode_attention(to(q), to(key), to(value), 0.125, to(mask), kv_len=to(kv_len),
+                                     num_splits=splits).cpu()
+        assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+    # and it is attention over each row's own tokens
+    for i, n in enumerate(kv_len.tolist()):
+        k = key[i, :, :n].float().repeat_interleave(nrep, 0)
+        v = value[i, :, :n].float().repeat_interleave(nrep, 0)
+        s = torch.einsum("hd,hsd->hs", q[i].float(), k) * 0.125
+        s = s.masked_fill(~mask[i, :n], float("-inf"))
+        want = torch.einsum("hs,hsd->hd", s.softmax(-1), v)
+        assert ((got[i].float() - want).norm() / want.norm()).item() < 1e-2
+
+
+# --- bad input ----------------------------------------------------------------------------------------------------
+def test_prompt_longer_than_max_cache_len_is_rejected_before_any_work(llama):
+    model, calibration = llama
+    cache = GAACStaticCache(model.config, 32, calibration)
+    with pytest.raises(GAACCacheFullError, match="max_cache_len=32"):
+        model.generate(_ids(40, 10), max_new_tokens=2, **{cache_kwarg(model): cache})
+    assert not cache.layers[0].is_initialized
+
+
+def test_generation_past_max_cache_len_is_an_error(llama):
+    model, calibration = llama
+    cache = GAACStaticCache(model.config, 40, calibration)
+    with pytest.raises(GAACCacheFullError, match="max_cache_len=40"):
+        model.generate(_ids(30, 11), max_new_tokens=30, min_new_tokens=30, do_sample=False,
+                       **{cache_kwarg(model): cache})
+
+
+def test_batch_larger_than_max_batch_size_is_rejected(llama):
+    model, calibration = llama
+    cache = GAACStaticCache(model.config, 64, calibration, max_batch_size=2)
+    with pytest.raises(ValueError, match="larger than max_batch_size=2"):
+        model.generate(_ids(10, 12, batch=3), max_new_tokens=2, **{cache_kwarg(model): cache})
+    assert not cache.layers[0].is_initialized
+
+
+def test_calibration_for_another_model_is_rejected(llama):
+    model, calibration = llama
+    with pytest.raises(CalibrationMismatchError):
+        GAACStaticCache(tiny_llama_config(num_key_value_heads=4), 64, calibration)
+    with pytest.raises(TypeError, match="GAACCalibration"):
+        GAACStaticCache(model.config, 64, 3.5)
+
+
+def test_stock_attention_is_refused(llama):
+    """The static caches hand their layers to the "gaac" attention; any other attention would read a 16-row tail."""
+    model, calibration = llama
+    model.set_attn_implementation("sdpa")
+    try:
+        with pytest.raises(ValueError, match="gaac"):
+            model.generate(_ids(10, 13), max_new_tokens=2,
+                           **{cache_kwarg(model): GAACStaticCache(model.config, 64, calibration)})
+    finally:
+        model.set_attn_implementation("gaac")
+
+
+def test_generate_benchmark_runs_tiny(tmp_path):
+    """benchmarks/generate.py end to end at tiny scale on the CPU (what the lead runs on the H200 at 16K-128K)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "generate.py"
+    spec = importlib.util.spec_from_file_location("generate_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "generate.json"
+    res = bench.main(["--tiny", "--contexts", "40", "--steps", "3", "--warmup", "1", "--out", str(out)])
+    row = res["contexts"]["40"]
+    assert row["lossless_vs_twin"] == {"tokens": True, "logit_bits": True}
+    for label in ("compiled GAACStaticCache", "compiled twin (plain BF16, same op)", "compiled StaticCache + sdpa",
+                  "eager DynamicCache + flash sdpa", "eager GAACCache + gaac"):
+        assert row[label]["step_ms"] > 0
+    assert 0 < row["resident_kv"]["gaac_bytes"] < row["resident_kv"]["bf16_bytes"]
+    assert out.exists()
