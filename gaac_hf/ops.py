@@ -24,7 +24,7 @@ import torch
 
 from .codec import encode_tiles
 from .cpu_decode import decode_slots
-from .format import BLOCK_TOKENS
+from .format import BLOCK_TOKENS, TileLayout
 
 try:  # the CUDA C++ kernels (a separate package); absent: Triton on CUDA
     import gaac_cuda
@@ -70,8 +70,8 @@ def splits(batch: int, kv_heads: int, max_blocks: int, device, head_dim: int = 1
     """Split count of the decode attention over at most `max_blocks` blocks (1 for the torch reference)."""
     device = torch.device(device)
     backend = _backend(device)
-    if backend == "gaac_cuda":
-        return int(getattr(_cuda_plan(batch, kv_heads, max_blocks, head_dim, str(device)), "splits", 1))
+    if backend == "gaac_cuda":  # the CUDA kernel's split count depends on the shape alone (host arithmetic)
+        return gaac_cuda.plan(batch, kv_heads, 1, head_dim, max_blocks * BLOCK_TOKENS, device, plain=True).nsplit
     if backend == "triton":
         from triton_ops.gaac_attention import num_splits
 
@@ -91,8 +91,14 @@ def plan(batch: int, kv_heads: int, max_blocks: int, head_dim: int, device) -> D
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_plan(batch, kv_heads, max_blocks, head_dim, device):
-    return gaac_cuda.plan(batch, kv_heads, max_blocks, head_dim, torch.device(device))
+def _cuda_plan(batch, kv_heads, rep, head_dim, max_blocks, slot_bytes, plain, nsplit, device):
+    return gaac_cuda.plan(batch, kv_heads, rep, head_dim, max_blocks * BLOCK_TOKENS, torch.device(device),
+                          slot_bytes=slot_bytes, plain=plain, nsplit=nsplit)
+
+
+def _cuda_serves(query: torch.Tensor, kv_heads: int) -> bool:
+    """The CUDA kernel covers this shape (at most 8 query heads per kv-head, head_dim 64/128/256); else Triton."""
+    return query.shape[1] // kv_heads <= gaac_cuda.MAX_GROUP_HEADS and query.shape[-1] in (64, 128, 256)
 
 
 # --- tiles -------------------------------------------------------------------------------------------------------
@@ -231,11 +237,15 @@ def _mask4(mask: torch.Tensor | None) -> torch.Tensor | None:
 def _decode_attention_impl(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, kv_len, mask, scale,
                            num_splits):
     backend = _backend(query.device)
-    if backend == "gaac_cuda":
-        b, h, d = query.shape[0], table.shape[3], query.shape[-1]
+    if backend == "gaac_cuda" and _cuda_serves(query, table.shape[3]):
+        b, hq, d = query.shape
+        h = table.shape[3]
+        channels = raw_pool.shape[-1]
+        layout = TileLayout(channels, slot_pool.shape[-1] - TileLayout(channels, 0).fixed_bytes)
+        plan_ = _cuda_plan(b, h, hq // h, d, table.shape[1], layout.slot_bytes, False, num_splits, str(query.device))
         return gaac_cuda.decode_attention(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, kv_len,
-                                          mask, scale, _cuda_plan(b, h, table.shape[1], d, str(query.device)))
-    if backend == "triton":
+                                          mask, scale, layout, plan_)
+    if backend in ("triton", "gaac_cuda"):
         from triton_ops.gaac_attention import gaac_decode_attention
 
         return gaac_decode_attention(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, scale, mask,
@@ -261,11 +271,11 @@ def _(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, kv_len, m
 
 def _plain_decode_attention_impl(query, key, value, table, kv_len, mask, scale, num_splits):
     backend = _backend(query.device)
-    if backend == "gaac_cuda":
+    if backend == "gaac_cuda" and _cuda_serves(query, key.shape[1]):
         b, h, s, d = key.shape
-        return gaac_cuda.plain_decode_attention(query, key, value, kv_len, mask, scale,
-                                                _cuda_plan(b, h, s // BLOCK_TOKENS, d, str(query.device)))
-    if backend == "triton":
+        plan_ = _cuda_plan(b, h, query.shape[1] // h, d, s // BLOCK_TOKENS, 0, True, num_splits, str(query.device))
+        return gaac_cuda.plain_decode_attention(query, key, value, kv_len, mask, scale, plan_)
+    if backend in ("triton", "gaac_cuda"):
         from triton_ops.gaac_attention import plain_decode_attention
 
         return plain_decode_attention(query, key, value, scale, mask, kv_len=kv_len, table=table,
