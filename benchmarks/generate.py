@@ -315,6 +315,7 @@ def main(argv=None):
         if g and "compiled twin (plain BF16, same op)" in row:
             row["speedup_vs_twin"] = round(row["compiled twin (plain BF16, same op)"]["step_ms"] / g, 3)
         results["contexts"][str(context)] = row
+        Path(args.out).write_text(json.dumps(results, indent=1))  # a partial run keeps what it measured
     results["wall_s"] = round(time.time() - t_start, 1)
 
     labels = [k for k in next(iter(results["contexts"].values())) if isinstance(
