@@ -344,13 +344,21 @@ def plain_decode_attention(query: torch.Tensor, record: PlainRecord, mask: torch
 # --- the static layer's decode-step update -------------------------------------------------------------------------
 def store_blocks(tiles: torch.Tensor, rows: torch.Tensor, first_block: torch.Tensor, base3, base4, capacity: int,
                  slot_pool, raw_pool, table, slot_modes, raw_modes, counts) -> None:
-    """Encode complete blocks and store them (eager; one host synchronization sizes the allocation).
-
-    `tiles` `[R, n, P, 16, C]` of rows `rows` (long `[R]`), blocks `first_block[r] ..+ n`; the pools' last rows
-    are scratch; `counts` int32 `[2]` (slots, raw tiles taken) is advanced; a counter past its pool's capacity
-    (the caller grows the pools first, so only a caller's bug gets there) sends tiles to the scratch row."""
-    r, n, p, _, c = tiles.shape
+    """Encode complete blocks and store them (eager): `encode`, then `place_blocks`."""
     slots, fits, modes = encode(tiles, base3, base4, capacity)
+    place_blocks(slots, fits, modes, tiles, rows, first_block, slot_pool, raw_pool, table, slot_modes, raw_modes,
+                 counts)
+
+
+def place_blocks(slots, fits, modes, tiles: torch.Tensor, rows: torch.Tensor, first_block: torch.Tensor, slot_pool,
+                 raw_pool, table, slot_modes, raw_modes, counts) -> None:
+    """Store encoded blocks (eager; one host synchronization sizes the allocation).
+
+    `tiles` `[R, n, P, 16, C]` of rows `rows` (long `[R]`), blocks `first_block[r] ..+ n`, with their `encode`
+    output; the pools' last rows are scratch; `counts` int32 `[2]` (slots, raw tiles taken) is advanced; a counter
+    past its pool's capacity (the caller grows the pools first, so only a caller's bug gets there) sends tiles to
+    the scratch row."""
+    r, n, p, _, c = tiles.shape
     fits = fits.reshape(-1)
     used = counts.tolist()
     n_fit = int(fits.sum())

@@ -272,14 +272,16 @@ class GAACStaticLayer(_StaticLayerBase):
         step = max(1, ENCODE_MAX_TILES // (self.batch * p))
         for b0 in range(0, nb, step):
             b1 = min(nb, b0 + step)
-            self.check_counts(*self.counts.tolist())
-            self.grow_raw(int(self.counts[1]) + (b1 - b0) * self.batch * p + 2 * self.headroom)
             t0, t1 = b0 * BLOCK_TOKENS, b1 * BLOCK_TOKENS
             tiles = ops.tiles_of(k[:, :, t0:t1], v[:, :, t0:t1])
+            slots, fits, modes = ops.encode(tiles, r.base3.reshape(p, c), r.base4.reshape(p, c),
+                                            self.layout.escape_capacity)
+            slots_used, raws_used = self.counts.tolist()
+            self.check_counts(slots_used, raws_used)
+            self.grow_raw(raws_used + int((~fits).sum()) + 2 * self.headroom)  # exactly what this chunk needs
             first = torch.full((self.batch,), length // BLOCK_TOKENS + b0, dtype=torch.long, device=self.device)
-            ops.store_blocks(tiles, rows, first, r.base3.reshape(p, c), r.base4.reshape(p, c),
-                             self.layout.escape_capacity, r.slot_pool, r.raw_pool, r.table, self.slot_modes,
-                             self.raw_modes, self.counts)
+            ops.place_blocks(slots, fits, modes, tiles, rows, first, r.slot_pool, r.raw_pool, r.table,
+                             self.slot_modes, self.raw_modes, self.counts)
         rest = k.shape[-2] - nb * BLOCK_TOKENS
         r.tail_k[:, :, :rest].copy_(k[:, :, nb * BLOCK_TOKENS:])
         r.tail_v[:, :, :rest].copy_(v[:, :, nb * BLOCK_TOKENS:])
