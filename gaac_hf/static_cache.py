@@ -401,7 +401,7 @@ class _StaticCacheBase(Cache):
         stock = StaticCache(config=config, max_cache_len=max_cache_len).layers
         layers = [make_layer(i) if t == "full_attention" else stock[i] for i, t in enumerate(types)]
         self.config = config
-        self.max_cache_len = max_cache_len
+        self._max_cache_len = max_cache_len
         self._calls = 0
         self._next_check = 0
         super().__init__(layers=layers, offloading=offloading, offload_only_non_sliding=True)
@@ -413,6 +413,10 @@ class _StaticCacheBase(Cache):
     @property
     def max_batch_size(self) -> int | None:
         return self._max_batch_size
+
+    @property
+    def max_cache_len(self) -> int:  # a read-only property of `Cache` in some transformers releases (5.17)
+        return self._max_cache_len
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
