@@ -80,14 +80,13 @@ BASELINES = {
 
 
 def final_suite():
-    """Each precision's documented default (`LowBitConfig.default`), mixed precisions, the former KIVI-32 default,
-    and `QuantizedCache` at the bits it supports."""
+    """Each precision's documented default (`LowBitConfig.default`), mixed precisions and the former KIVI-32
+    default (`--suite baselines`: transformers' `QuantizedCache`)."""
     suite = {}
-    for p in ("K8V8", "K4V4", "K2V2", "K1V1", "K4V2", "K2V4"):
+    for p in ("K2V2", "K1V1", "K4V4", "K8V8", "K2V4", "K4V2"):
         suite[f"{p} default"] = ("lowbit", {"config": LowBitConfig.default(p).to_spec()})
-    for p in ("K4V4", "K2V2", "K1V1"):
+    for p in ("K2V2", "K1V1"):
         suite[f"{p} kivi32"] = lowbit(p, **KIVI)
-    suite.update(BASELINES)
     return suite
 
 
@@ -168,7 +167,7 @@ def plot(rows, ref_ppl, path):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--suite", choices=("sweep", "final"), default="final")
+    p.add_argument("--suite", choices=("sweep", "final", "baselines"), default="final")
     p.add_argument("--only", nargs="*", help="labels of the suite to run (default: all)")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--windows", type=int, default=2)
@@ -179,9 +178,11 @@ def main():
     p.add_argument("--out", default="benchmarks/results/lowbit_quality.json")
     p.add_argument("--markdown", help="write the table here (default: --out with .md)")
     p.add_argument("--plot", help="write a quality vs bits/element plot here")
+    p.add_argument("--merge", nargs="*", default=[], help="result files of the same protocol whose rows join the "
+                   "table and plot (run separately, e.g. the QuantizedCache baselines)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    suite = SWEEP if args.suite == "sweep" else final_suite()
+    suite = {"sweep": SWEEP, "final": final_suite(), "baselines": BASELINES}[args.suite]
     if args.only:
         suite = {k: suite[k] for k in args.only}
     model, tok = load_default_model()
@@ -226,6 +227,11 @@ def main():
               f"top-1 {100 * r['top1_agreement']:.2f}% KL {r['kl']:.4f} [{r['seconds']:.0f}s]", flush=True)
         out_path.write_text(json.dumps({"protocol": protocol, "reference_ppl": ref_ppl, "rows": rows,
                                         "torch": torch.__version__}, indent=1) + "\n")
+    for other in args.merge:
+        extra = json.loads(Path(other).read_text())
+        if extra.get("protocol") != protocol:
+            raise SystemExit(f"{other} was measured under another protocol: {extra.get('protocol')}")
+        rows = {**extra["rows"], **rows}
     md = table(rows, ref_ppl)
     print(md)
     md_path = Path(args.markdown or out_path.with_suffix(".md"))

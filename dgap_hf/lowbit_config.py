@@ -167,10 +167,15 @@ class LowBitConfig:
         return cls.from_spec(spec)
 
 
-# The measured best options per precision (benchmarks/results/lowbit_quality.md). Filled from the sweep.
+# The measured best options per precision (benchmarks/results/lowbit_sweep.md, selection on a 1K-token window; the
+# defaults are then reported on held-out 2K-token windows in benchmarks/results/lowbit_quality.md). Keys in groups of
+# 128 tokens and values in groups of 64 channels keep the statistics at 0.375 bits per element; residual_length 0
+# keeps the full-precision residual within the 128-token window; four sink tokens and the Hadamard rotation help at
+# every precision below 8 bits; Lloyd-Max ("normal") levels help at 2 bits, not at 4 (higher KL).
+_GROUPS = {"key_group_size": 128, "value_group_size": 64, "residual_length": 0}
 DEFAULTS: dict[str, dict] = {
-    "K1V1": {},
-    "K2V2": {},
-    "K4V4": {},
-    "K8V8": {},
+    "K1V1": {**_GROUPS, "sink_length": 4, "rotation": "hadamard"},
+    "K2V2": {**_GROUPS, "sink_length": 4, "rotation": "hadamard", "levels": "normal"},
+    "K4V4": {**_GROUPS, "sink_length": 4, "rotation": "hadamard"},
+    "K8V8": dict(_GROUPS),
 }

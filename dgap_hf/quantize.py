@@ -143,13 +143,13 @@ class QuantizedGroups:
     outlier_index: torch.Tensor | None = None
 
     @property
-    def _TENSORS(self) -> tuple[str, ...]:
+    def _tensor_names(self) -> tuple[str, ...]:
         base = ("packed", "scale", "zero")
         return base if self.outlier_values is None else base + ("outlier_values", "outlier_index")
 
     @property
     def nbytes(self) -> int:
-        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self._TENSORS)
+        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self._tensor_names)
 
     @property
     def outlier_bytes(self) -> int:
@@ -167,13 +167,14 @@ class QuantizedGroups:
 
     def map(self, fn) -> "QuantizedGroups":
         """Apply `fn` to each tensor (they share their leading dims)."""
-        return replace(self, **{n: fn(getattr(self, n)) for n in self._TENSORS})
+        return replace(self, **{n: fn(getattr(self, n)) for n in self._tensor_names})
 
     def cat(self, other: "QuantizedGroups", dim: int) -> "QuantizedGroups":
         if ((other.bits, other.mode, other.group_size, other.outlier_values is None)
                 != (self.bits, self.mode, self.group_size, self.outlier_values is None)):
             raise ValueError("cannot concatenate groups of different formats")
-        return replace(self, **{n: torch.cat([getattr(self, n), getattr(other, n)], dim) for n in self._TENSORS})
+        return replace(self, **{n: torch.cat([getattr(self, n), getattr(other, n)], dim)
+                                for n in self._tensor_names})
 
     def to(self, device) -> "QuantizedGroups":
         return self.map(lambda t: t.to(device, non_blocking=True))
@@ -212,7 +213,8 @@ def quantize_groups(x: torch.Tensor, bits: int, mode: str = "minmax", outliers: 
         mu = xf.mean(-1, keepdim=True)
         sd = xf.std(-1, keepdim=True, correction=0)
         edges = (levels[1:] + levels[:-1]) / 2
-        codes = torch.bucketize((xf - mu) / torch.where(sd > 0, sd, torch.ones_like(sd)), edges)
+        z = ((xf - mu) / torch.where(sd > 0, sd, torch.ones_like(sd))).contiguous()
+        codes = torch.bucketize(z, edges)
         c = levels[codes]
         c_mean = c.mean(-1, keepdim=True)
         c_var = ((c - c_mean) ** 2).mean(-1, keepdim=True)
