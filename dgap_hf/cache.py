@@ -361,7 +361,11 @@ class LowBitCache(Cache):
     def __init__(self, config=None, precision: str | LowBitConfig = "K2V2", *, key_bits: int | None = None,
                  value_bits: int | None = None, group_size: int | None = None, offloading: bool = False,
                  offload_only_non_sliding: bool = False, **options):
-        quant = precision if isinstance(precision, LowBitConfig) else LowBitConfig.default(precision)
+        head_dim = None
+        if config is not None:
+            tc = text_config(config)
+            head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        quant = precision if isinstance(precision, LowBitConfig) else LowBitConfig.default(precision, head_dim)
         if key_bits is not None or value_bits is not None:
             kb = quant.key_bits if key_bits is None else check_bits(key_bits, "key_bits")
             vb = quant.value_bits if value_bits is None else check_bits(value_bits, "value_bits")
@@ -373,9 +377,7 @@ class LowBitCache(Cache):
             quant = quant.replace(**options)
         except TypeError as e:
             raise TypeError(f"LowBitCache: {e} (the options are LowBitConfig's fields)") from None
-        if config is not None:
-            tc = text_config(config)
-            head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        if head_dim is not None:
             quant.check_head_dim(head_dim)
         self.config = config
         self.quant_config = quant

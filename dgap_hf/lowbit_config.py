@@ -9,6 +9,7 @@ best options per precision (`benchmarks/results/lowbit_quality.md`); `LowBitCach
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from .precision import UnknownPrecisionError, format_precision, normalize_precision, parse_precision
@@ -106,11 +107,18 @@ class LowBitConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def default(cls, precision: str, **changes) -> "LowBitConfig":
+    def default(cls, precision: str, head_dim: int | None = None, **changes) -> "LowBitConfig":
         """The measured best options for `precision` (mixed precisions take those of their key bits), with
-        `changes` on top."""
+        `changes` on top. With `head_dim`, the defaults fit it: a value group that does not divide it shrinks to
+        their common divisor, and a Hadamard rotation becomes a seeded random one when it is not a power of two."""
         kb, vb = parse_precision(precision)
-        base = DEFAULTS.get(format_precision(kb, vb)) or DEFAULTS[format_precision(kb, kb)]
+        base = dict(DEFAULTS.get(format_precision(kb, vb)) or DEFAULTS[format_precision(kb, kb)])
+        if head_dim is not None:
+            g = base.get("value_group_size", cls.value_group_size)
+            if head_dim % g:
+                base["value_group_size"] = math.gcd(g, head_dim)
+            if base.get("rotation") == "hadamard" and head_dim & (head_dim - 1):
+                base["rotation"] = "random"
         return cls(**{**base, "precision": format_precision(kb, vb), **changes})
 
     # --- spec (JSON) ----------------------------------------------------------------------------------------------

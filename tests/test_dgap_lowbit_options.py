@@ -222,3 +222,11 @@ def test_quantized_cache_harness_counts_bits(backend):
     assert math.isclose(st["bits_per_element"], 2 + 2 * 16 / 64, rel_tol=1e-12)  # codes + BF16 scale and zero
     with pytest.raises(ValueError, match="128-token window"):
         quantized_cache(model.config, backend, residual_length=256)
+
+
+def test_defaults_fit_the_head_dim():
+    assert LowBitConfig.default("K2V2", head_dim=32).value_group_size == 32
+    assert LowBitConfig.default("K2V2", head_dim=96).rotation == "random"
+    assert LowBitConfig.default("K2V2", head_dim=64) == LowBitConfig.default("K2V2")
+    small = LowBitCache(tiny_llama_config(head_dim=32, hidden_size=64, num_attention_heads=2), "K2V2")
+    assert small.quant_config.value_group_size == 32
