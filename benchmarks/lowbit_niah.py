@@ -4,7 +4,8 @@ The cases of `benchmarks/dgap_niah.py` (RULER-style needles in the Debian Refere
 scores the share of asked values in the answer. SmolLM2-135M-Instruct in float32 on the CPU; the prompt is
 prefilled in one step (the prefill attends at full precision; the answer is decoded from the quantized cache).
 
-    python benchmarks/lowbit_niah.py --lengths 2048 --tasks multikey --samples 6 --out benchmarks/results/lowbit_niah.json
+    python benchmarks/lowbit_niah.py --lengths 2048 --tasks multikey --samples 6 \\
+        --out benchmarks/results/lowbit_niah.json
 """
 
 import argparse

@@ -13,9 +13,15 @@ tokens a low-bit cache keeps (sinks, residual beyond 128 tokens) are counted at 
 element are slightly pessimistic next to a BF16 run; `QuantizedCache` statistics are counted at BF16 (2 bytes).
 Results are appended per cache to `--out` (a rerun skips caches already measured under the same protocol).
 
-    python benchmarks/lowbit_quality.py --suite sweep --windows 1 --tokens 2048 --out benchmarks/results/lowbit_sweep.json
-    python benchmarks/lowbit_quality.py --suite final --windows 2 --first-window 1 --tokens 2048 \\
-        --out benchmarks/results/lowbit_quality.json --plot benchmarks/results/lowbit_quality.png
+    python benchmarks/lowbit_quality.py --suite sweep --tokens 1024 --windows 1 --threads 1 \\
+        --out benchmarks/results/lowbit_sweep.json
+    python benchmarks/lowbit_quality.py --suite baselines --tokens 2048 --windows 1 --first-window 1 --threads 1 \\
+        --out benchmarks/results/lowbit_baselines.json
+    python benchmarks/lowbit_quality.py --suite final --tokens 2048 --windows 1 --first-window 1 --threads 1 \\
+        --out benchmarks/results/lowbit_quality.json --merge benchmarks/results/lowbit_baselines.json \\
+        --plot benchmarks/results/lowbit_quality.png
+
+One intra-op thread (`--threads 1`) is much faster than two on a busy machine.
 """
 
 import argparse
@@ -137,35 +143,42 @@ def score(lp, ref, target):
 
 def table(rows, ref_ppl) -> str:
     lines = [f"Reference (DynamicCache) PPL {ref_ppl:.3f}.", "",
-             "| cache | bits/elt | PPL | PPL vs ref | top-1 agreement | KL(ref ‖ cache) |", "|---|---|---|---|---|---|"]
+             "| cache | bits/elt | PPL | PPL vs ref | top-1 agreement | KL(ref ‖ cache) |",
+             "|---|---|---|---|---|---|"]
     for label, r in sorted(rows.items(), key=lambda kv: -kv[1]["bits_per_element"]):
-        lines.append(f"| {label} | {r['bits_per_element']:.3f} | {r['ppl']:.3f} | {100 * (r['ppl'] / ref_ppl - 1):+.2f}% "
+        lines.append(f"| {label} | {r['bits_per_element']:.3f} | {r['ppl']:.3f} "
+                     f"| {100 * (r['ppl'] / ref_ppl - 1):+.2f}% "
                      f"| {100 * r['top1_agreement']:.2f}% | {r['kl']:.4f} |")
     return "\n".join(lines)
 
 
 def plot(rows, ref_ppl, path):
+    """KL(reference || cache) (log) and top-1 agreement against bits per element, LowBitCache vs QuantizedCache."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for kind, marker, color in (("LowBitCache", "o", "tab:blue"), ("QuantizedCache", "s", "tab:red")):
-        pts = [(r["bits_per_element"], 100 * (r["ppl"] / ref_ppl - 1), lab) for lab, r in rows.items()
-               if lab.startswith("QuantizedCache") == (kind == "QuantizedCache")]
-        if not pts:
-            continue
-        ax.scatter([p[0] for p in pts], [max(p[1], 1e-3) for p in pts], marker=marker, color=color, label=kind)
-        for x, y, lab in pts:
-            ax.annotate(lab.replace("QuantizedCache ", ""), (x, max(y, 1e-3)), fontsize=6, xytext=(3, 3),
-                        textcoords="offset points")
-    ax.set_yscale("log")
-    ax.set_xlabel("bits per K/V element (all but the recent 128-token window)")
-    ax.set_ylabel("perplexity increase over DynamicCache (%)")
-    ax.set_title("SmolLM2-135M, Debian Reference, teacher-forced")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    metrics = (("kl", "KL(DynamicCache || cache) per token (nats)", True),
+               ("top1_agreement", "top-1 agreement with DynamicCache", False))
+    for ax, (key, ylabel, log) in zip(axes, metrics):
+        for kind, marker, color in (("LowBitCache", "o", "tab:blue"), ("QuantizedCache", "s", "tab:red")):
+            pts = [(r["bits_per_element"], max(r[key], 1e-5), lab) for lab, r in rows.items()
+                   if lab.startswith("QuantizedCache") == (kind == "QuantizedCache")]
+            if not pts:
+                continue
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, label=kind)
+            for x, y, lab in pts:
+                ax.annotate(lab.replace("QuantizedCache ", ""), (x, y), fontsize=6, xytext=(3, 3),
+                            textcoords="offset points")
+        if log:
+            ax.set_yscale("log")
+        ax.set_xlabel("bits per K/V element (all but the recent 128-token window)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"SmolLM2-135M, Debian Reference, teacher-forced (DynamicCache PPL {ref_ppl:.3f})")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
 
@@ -243,8 +256,8 @@ def main():
     cmd = "python benchmarks/lowbit_quality.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in (("suite", args.suite), ("tokens", args.tokens),
                                                      ("windows", args.windows), ("first_window", args.first_window)))
-    md_path.write_text(f"{protocol['model']}, {protocol['text']}, {len(windows)} window(s) of {args.tokens} tokens from "
-                       f"window {args.first_window}, teacher-forced in chunks of {args.chunk}, "
+    md_path.write_text(f"{protocol['model']}, {protocol['text']}, {len(windows)} window(s) of {args.tokens} tokens "
+                       f"from window {args.first_window}, teacher-forced in chunks of {args.chunk}, "
                        f"{protocol['dtype']}. `{cmd}`\n\n{md}\n")
     if args.plot:
         plot(rows, ref_ppl, args.plot)

@@ -218,7 +218,8 @@ def quantize_groups(x: torch.Tensor, bits: int, mode: str = "minmax", outliers: 
         c = levels[codes]
         c_mean = c.mean(-1, keepdim=True)
         c_var = ((c - c_mean) ** 2).mean(-1, keepdim=True)
-        scale = ((c - c_mean) * (xf - mu)).mean(-1, keepdim=True) / torch.where(c_var > 0, c_var, torch.ones_like(c_var))
+        cov = ((c - c_mean) * (xf - mu)).mean(-1, keepdim=True)
+        scale = cov / torch.where(c_var > 0, c_var, torch.ones_like(c_var))
         zero = mu - scale * c_mean
         return QuantizedGroups(pack_bits(codes.to(torch.uint8), bits), scale.squeeze(-1).to(STAT_DTYPE),
                                zero.squeeze(-1).to(STAT_DTYPE), bits, mode, g, out_v, out_i)

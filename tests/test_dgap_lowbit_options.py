@@ -27,7 +27,7 @@ def _kv(b, s, h=2, d=64, seed=0):
     return torch.randn(b, h, s, d, generator=g), torch.randn(b, h, s, d, generator=g)
 
 
-# --- validation --------------------------------------------------------------------------------------------------------
+# --- validation ------------------------------------------------------------------------------------------------
 def test_config_errors_name_the_problem():
     cfg = tiny_llama_config()  # head_dim 64
     with pytest.raises(UnknownPrecisionError):
