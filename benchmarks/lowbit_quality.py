@@ -69,6 +69,7 @@ SWEEP = {  # selection runs on window 0; `final` reports the chosen defaults on 
     "K2V2 g128/64 sink4 hadamard normal k-outlier1": lowbit("K2V2", **G, sink_length=4, rotation="hadamard",
                                                             levels="normal", key_outliers=1),
     "K1V1 g128/64": lowbit("K1V1", **G),
+    "K2V2 g128/64 sink16 hadamard normal": lowbit("K2V2", **G, sink_length=16, rotation="hadamard", levels="normal"),
     "K1V1 g128/64 hadamard": lowbit("K1V1", **G, rotation="hadamard"),
     "K2V2 g128/64 hadamard normal": lowbit("K2V2", **G, rotation="hadamard", levels="normal"),
     "K4V4 g128/64 hadamard": lowbit("K4V4", **G, rotation="hadamard"),

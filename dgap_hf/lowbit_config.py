@@ -127,6 +127,8 @@ class LowBitConfig:
         return {
             "spec_version": SPEC_VERSION, **dataclasses.asdict(self),
             "key_bits": self.key_bits, "value_bits": self.value_bits,
+            # version-1 readers know one group size; written when keys and values share it
+            **({"group_size": self.key_group_size} if self.key_group_size == self.value_group_size else {}),
             "key_grouping": "per channel, groups of key_group_size tokens",
             "value_grouping": "per token, groups of value_group_size channels",
             "stat_dtype": "bfloat16", "packing": "uint8, little-end first",
