@@ -10,6 +10,7 @@
 from hf_common import __version__
 
 from .cache import LowBitCache, LowBitLayer
+from .lowbit_config import LowBitConfig
 from .features import FEATURE_SPEC, PHI_NAMES, XI_NAMES, candidate_features, detector_features
 from .models import DGAPArtifactError, DGAPCorrector, DGAPDetector, DGAPMismatchError, DGAPModel
 from .precision import UnknownPrecisionError, format_precision, parse_precision
@@ -28,6 +29,7 @@ __all__ = [
     "DGAPMismatchError",
     "DGAPModel",
     "LowBitCache",
+    "LowBitConfig",
     "LowBitLayer",
     "TracePairs",
     "TrainConfig",

@@ -13,8 +13,17 @@ A `LowBitLayer` stores
   never requantized (append-only); only `crop` into the quantized prefix brings a group back (dequantized) into the
   residual;
 * optionally the **sink**: the first `sink_length` tokens of the sequence, kept in the model's dtype for good
-  (attention sinks draw a large share of attention; quantizing their keys shifts every score). Default 0 (plain
-  KIVI grouping).
+  (attention sinks draw a large share of attention; quantizing their keys shifts every score).
+
+The options (group sizes, sinks, rotation, non-uniform levels, outliers) are a `LowBitConfig`
+(`dgap_hf.lowbit_config`). With a rotation the layer quantizes `x @ R` and returns `x_hat @ R.T` (post-RoPE keys;
+the attention needs no change).
+
+Pre-RoPE keys are out of reach without patching models: `cache.update` receives post-RoPE keys and neither the
+position embeddings (`cos`, `sin`) nor the `position_ids` (transformers 5.x passes only the attention kwargs). A
+cache could invert RoPE itself from the config's rope parameters at its own token counts, but that is only exact for
+rows without left padding and for the `rotate_half` layout; a robust version needs `cos`/`sin` in the update's
+`cache_kwargs` (as transformers 4.x passed them).
 
 `update()` returns K/V `[B, H_kv, S, D]` in the input dtype: the quantized prefix dequantized, then the residual and
 the new tokens at full precision (tokens flushed in this very update are returned at full precision once, as
@@ -29,10 +38,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .precision import format_precision, parse_precision
-from .quantize import (
-    ONE_BIT_MODES, QuantizedGroups, check_bits, dequantize_keys, dequantize_values, quantize_keys, quantize_values,
-)
+from .lowbit_config import RESIDUAL_WINDOW, LowBitConfig
+from .precision import format_precision
+from .quantize import QuantizedGroups, check_bits, dequantize_keys, dequantize_values, quantize_keys, quantize_values
+from .rotation import rotation_matrix
 
 
 def text_config(config):
@@ -65,24 +74,26 @@ class LowBitLayer(CacheLayerMixin):
     is_compileable = False
 
     def __init__(self, key_bits: int = 2, value_bits: int = 2, group_size: int = 32, residual_length: int = 128,
-                 one_bit_mode: str = "sign", layer_idx: int | None = None, sink_length: int = 0):
-        self.key_bits = check_bits(key_bits, "key_bits")
-        self.value_bits = check_bits(value_bits, "value_bits")
-        if one_bit_mode not in ONE_BIT_MODES:
-            raise ValueError(f"one_bit_mode must be one of {ONE_BIT_MODES}, not {one_bit_mode!r}")
-        if group_size <= 0 or group_size % 8:
-            raise ValueError(f"group_size must be a positive multiple of 8 (whole packed bytes), not {group_size}")
-        if residual_length < 0:
-            raise ValueError(f"residual_length must be >= 0, not {residual_length}")
-        self.group_size = int(group_size)
-        self.residual_length = int(residual_length)
-        if sink_length < 0:
-            raise ValueError(f"sink_length must be >= 0, not {sink_length}")
-        self.sink_length = int(sink_length)
-        self.one_bit_mode = one_bit_mode
+                 one_bit_mode: str = "sign", layer_idx: int | None = None, sink_length: int = 0, *,
+                 config: LowBitConfig | None = None):
+        if config is None:
+            if residual_length < 0:
+                raise ValueError(f"residual_length must be >= 0, not {residual_length}")
+            if sink_length < 0:
+                raise ValueError(f"sink_length must be >= 0, not {sink_length}")
+            config = LowBitConfig(format_precision(check_bits(key_bits, "key_bits"), check_bits(value_bits,
+                                  "value_bits")), key_group_size=group_size, value_group_size=group_size,
+                                  residual_length=residual_length, sink_length=sink_length, one_bit_mode=one_bit_mode)
+        self.config = config
+        self.key_bits, self.value_bits = config.key_bits, config.value_bits
+        self.group_size = config.key_group_size  # flush granularity (tokens)
+        self.residual_length = config.residual_length
+        self.sink_length = config.sink_length
+        self.one_bit_mode = config.one_bit_mode
         self.layer_idx = layer_idx
         super().__init__()
         self.device = None
+        self._rot = None
         self._clear()
 
     def _clear(self) -> None:
@@ -128,10 +139,9 @@ class LowBitLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         d = value_states.shape[-1]
-        if d % self.group_size:
-            raise ValueError(
-                f"values are quantized in groups of group_size={self.group_size} channels, but head_dim is {d}; "
-                f"pick a group_size that divides {d}")
+        self.config.check_head_dim(d)
+        self._rot = (rotation_matrix(self.config.rotation, d, self.config.rotation_seed, key_states.device)
+                     if self.config.rotation != "none" else None)
         self.device = key_states.device
         self.dtype = key_states.dtype
         self.batch = key_states.shape[0]
@@ -143,11 +153,22 @@ class LowBitLayer(CacheLayerMixin):
         self.is_initialized = True
 
     # --- storage --------------------------------------------------------------------------------------------------
+    def _rotate(self, x: torch.Tensor, which: str, inverse: bool = False) -> torch.Tensor:
+        if self._rot is None or not self.config.rotates(which):
+            return x
+        r = self._rot.T if inverse else self._rot
+        return (x.float() @ r).to(x.dtype)
+
+    def _dequantize(self, qk: QuantizedGroups, qv: QuantizedGroups, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self._rotate(dequantize_keys(qk, torch.float32), "k", inverse=True).to(dtype)
+        v = self._rotate(dequantize_values(qv, torch.float32), "v", inverse=True).to(dtype)
+        return k, v
+
     def _dequantized(self, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = dtype or self.dtype
         if self._n_quant == 0:
             return self._res_k[:, :, :0].to(dtype), self._res_v[:, :, :0].to(dtype)
-        return dequantize_keys(self._qk, dtype), dequantize_values(self._qv, dtype)
+        return self._dequantize(self._qk, self._qv, dtype)
 
     def _full(self) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self._dequantized()
@@ -155,8 +176,11 @@ class LowBitLayer(CacheLayerMixin):
 
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize whole groups `k`, `v` `[B, H, n * G, D]` and append them to the quantized prefix."""
-        qk = quantize_keys(k, self.key_bits, self.group_size, self.one_bit_mode)
-        qv = quantize_values(v, self.value_bits, self.group_size, self.one_bit_mode)
+        c = self.config
+        qk = quantize_keys(self._rotate(k.float(), "k"), c.key_bits, c.key_group_size, c.one_bit_mode, c.levels,
+                           c.key_outliers)
+        qv = quantize_values(self._rotate(v.float(), "v"), c.value_bits, c.value_group_size, c.one_bit_mode, c.levels,
+                             c.value_outliers)
         self._qk = qk if self._qk is None else self._qk.cat(qk, 2)
         self._qv = qv if self._qv is None else self._qv.cat(qv, 2)
         self._n_quant += k.shape[-2]
@@ -234,8 +258,9 @@ class LowBitLayer(CacheLayerMixin):
         g = self.group_size
         groups, rest = divmod(new_len, g)
         if rest:
-            k = dequantize_keys(self._qk.map(lambda t: t[:, :, groups:groups + 1]), self.dtype)[:, :, :rest]
-            v = dequantize_values(self._qv.map(lambda t: t[:, :, groups * g:new_len]), self.dtype)
+            k, v = self._dequantize(self._qk.map(lambda t: t[:, :, groups:groups + 1]),
+                                    self._qv.map(lambda t: t[:, :, groups * g:(groups + 1) * g]), self.dtype)
+            k, v = k[:, :, :rest], v[:, :, :rest]
         else:
             k, v = self._res_k[:, :, :0], self._res_v[:, :, :0]
         self._res_k, self._res_v = k.clone(), v.clone()
@@ -289,102 +314,126 @@ class LowBitLayer(CacheLayerMixin):
 
     # --- accounting -----------------------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """True resident bytes: packed codes, BF16 statistics and the full-precision residual, K and V."""
+        """Resident bytes, K and V. `bytes["residual"]` is the newest `min(residual_tokens, 128)` tokens in full
+        precision (the recent window); every other byte (packed codes, BF16 statistics, outliers, sinks, older
+        full-precision residual tokens as `"pending"`) is in the other entries and in `bytes["total"]`.
+        `bits_per_element` = `8 * total / elements outside the recent window`."""
         tokens = self.get_seq_length()
         out = {"layer": self.layer_idx, "precision": self.precision, "rows": self.batch, "tokens": tokens,
                "quantized_tokens": self._n_quant, "residual_tokens": self.residual_tokens,
                "sink_tokens": self.sink_tokens}
-        zero = {"key_codes": 0, "key_stats": 0, "value_codes": 0, "value_stats": 0, "residual": 0}
+        b = {"key_codes": 0, "key_stats": 0, "key_outliers": 0, "value_codes": 0, "value_stats": 0,
+             "value_outliers": 0, "sink": 0, "pending": 0}
+        window = min(self.residual_tokens, RESIDUAL_WINDOW)
+        per_token = 0
         if self.is_initialized:
-            zero["residual"] = sum(t.numel() * t.element_size()
-                                   for t in (self._res_k, self._res_v, self._sink_k, self._sink_v))
+            per_token = 2 * self.batch * self._res_k.shape[1] * self._res_k.shape[3]  # K and V elements per token
+            elt = self._res_k.element_size()
+            b["sink"] = self.sink_tokens * per_token * elt
+            b["pending"] = (self.residual_tokens - window) * per_token * elt
             if self._qk is not None:
-                zero.update(key_codes=self._qk.packed_bytes, key_stats=self._qk.stat_bytes,
-                            value_codes=self._qv.packed_bytes, value_stats=self._qv.stat_bytes)
-        zero["total"] = sum(zero.values())
-        elements = 2 * self.batch * tokens * (self._res_k.shape[1] * self._res_k.shape[3] if self.is_initialized else 0)
-        out.update(bytes=zero, elements=elements, fp16_bytes=2 * elements,
-                   ratio=(2 * elements / zero["total"]) if zero["total"] else float("nan"),
-                   bits_per_element=(8 * zero["total"] / elements) if elements else float("nan"))
+                b.update(key_codes=self._qk.packed_bytes, key_stats=self._qk.stat_bytes,
+                         key_outliers=self._qk.outlier_bytes, value_codes=self._qv.packed_bytes,
+                         value_stats=self._qv.stat_bytes, value_outliers=self._qv.outlier_bytes)
+        b["total"] = sum(b.values())
+        b["residual"] = window * per_token * (self._res_k.element_size() if self.is_initialized else 0)
+        elements = per_token * tokens
+        counted = per_token * (tokens - window)
+        out.update(bytes=b, elements=elements, counted_elements=counted, bf16_bytes=2 * elements,
+                   ratio=(2 * elements / (b["total"] + b["residual"])) if b["total"] + b["residual"] else float("nan"),
+                   bits_per_element=(8 * b["total"] / counted) if counted else float("nan"))
         return out
 
 
 class LowBitCache(Cache):
     """Packed low-bit KV cache: `model.generate(..., cache=LowBitCache(model.config, "K2V2"))`.
 
-    `precision` is a `"K<b>V<b>"` string (bits 1, 2, 4 or 8; mixed such as `"K2V4"` allowed); `key_bits` /
-    `value_bits` override its halves. `group_size` tokens (keys, per channel) / channels (values, per token) share
-    one BF16 scale and zero-point; `residual_length` recent tokens stay in full precision; 1-bit groups use
-    `one_bit_mode` (`"sign"`: mean +/- mean absolute deviation, or `"minmax"`); the first `sink_length` tokens
-    stay in full precision (attention sinks; default 0).
+    `precision` is a `"K<b>V<b>"` string (bits 1, 2, 4 or 8; mixed such as `"K2V4"` allowed), which selects that
+    precision's measured best options (`LowBitConfig.default`), or a `LowBitConfig`. Keyword options override it:
+    `key_bits` / `value_bits`, `group_size` (both group sizes) and any `LowBitConfig` field (`sink_length`,
+    `rotation`, `levels`, `key_outliers`, ...). To reproduce the quantizer a DGAP artifact was trained on, pass
+    `LowBitConfig.from_spec(artifact.quantizer[precision])`.
 
     With `config=None` every layer is a low-bit layer, created lazily (not for hybrid/sliding models). Pass the cache
     empty to `generate`, and `reset()` it before reusing it for an unrelated prompt.
     """
 
-    def __init__(self, config=None, precision: str = "K2V2", *, key_bits: int | None = None,
-                 value_bits: int | None = None, group_size: int = 32, residual_length: int = 128,
-                 one_bit_mode: str = "sign", sink_length: int = 0, offloading: bool = False,
-                 offload_only_non_sliding: bool = False):
-        kb, vb = parse_precision(precision)
-        kb = kb if key_bits is None else check_bits(key_bits, "key_bits")
-        vb = vb if value_bits is None else check_bits(value_bits, "value_bits")
+    def __init__(self, config=None, precision: str | LowBitConfig = "K2V2", *, key_bits: int | None = None,
+                 value_bits: int | None = None, group_size: int | None = None, offloading: bool = False,
+                 offload_only_non_sliding: bool = False, **options):
+        head_dim = None
+        if config is not None:
+            tc = text_config(config)
+            head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        quant = precision if isinstance(precision, LowBitConfig) else LowBitConfig.default(precision, head_dim)
+        if key_bits is not None or value_bits is not None:
+            kb = quant.key_bits if key_bits is None else check_bits(key_bits, "key_bits")
+            vb = quant.value_bits if value_bits is None else check_bits(value_bits, "value_bits")
+            options["precision"] = format_precision(kb, vb)
+        if group_size is not None:
+            options.setdefault("key_group_size", group_size)
+            options.setdefault("value_group_size", group_size)
+        try:
+            quant = quant.replace(**options)
+        except TypeError as e:
+            raise TypeError(f"LowBitCache: {e} (the options are LowBitConfig's fields)") from None
+        if head_dim is not None:
+            quant.check_head_dim(head_dim)
         self.config = config
-        self.layer_kwargs = dict(key_bits=kb, value_bits=vb, group_size=group_size,
-                                 residual_length=residual_length, one_bit_mode=one_bit_mode,
-                                 sink_length=sink_length)
-        LowBitLayer(**self.layer_kwargs)  # validate the options now, not at the first update
+        self.quant_config = quant
         if config is None:
-            super().__init__(layer_class_to_replicate=functools.partial(LowBitLayer, **self.layer_kwargs),
+            super().__init__(layer_class_to_replicate=functools.partial(LowBitLayer, config=quant),
                              offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
             return
         types = layer_types(config)
         stock = DynamicCache(config=config).layers
         if len(stock) != len(types):
             raise ValueError(f"DynamicCache built {len(stock)} layers for a config with {len(types)} layer types")
-        layers = [LowBitLayer(**self.layer_kwargs, layer_idx=i) if t == "full_attention" else stock[i]
+        layers = [LowBitLayer(config=quant, layer_idx=i) if t == "full_attention" else stock[i]
                   for i, t in enumerate(types)]
         super().__init__(layers=layers, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
 
     @property
     def precision(self) -> str:
-        return format_precision(self.layer_kwargs["key_bits"], self.layer_kwargs["value_bits"])
+        return self.quant_config.precision
 
     @property
     def low_bit_layers(self) -> list[int]:
         return [i for i, layer in enumerate(self.layers) if isinstance(layer, LowBitLayer)]
 
     def quantizer_spec(self) -> dict:
-        """JSON description of the quantizer (recorded in DGAP artifacts)."""
-        return {
-            "precision": self.precision, **self.layer_kwargs,
-            "key_grouping": "per channel, groups of group_size tokens",
-            "value_grouping": "per token, groups of group_size channels",
-            "stat_dtype": "bfloat16", "packing": "uint8, little-end first",
-            "minmax": "asymmetric zero + q * scale, statistics rounded outward",
-            "sign": "1 bit: mean +/- mean absolute deviation",
-            "sink": "the first sink_length tokens stay in the model dtype",
-        }
+        """JSON description of the quantizer (recorded in DGAP artifacts; `LowBitConfig.from_spec` reads it)."""
+        return self.quant_config.to_spec()
 
     def stats(self) -> dict:
-        """Resident bytes per storage class (summed over low-bit layers), vs 16-bit KV, plus per-layer stats.
+        """Resident bytes per storage class (summed over low-bit layers), vs BF16 KV, plus per-layer stats.
 
+        `bytes["residual"]` is the recent full-precision window (at most 128 tokens per layer); `bytes["total"]`
+        everything else, including `bytes["rotation"]` (the resident rotation matrix, float32, once per cache).
+        `bits_per_element` = `8 * total / elements outside the window`; `ratio` = BF16 bytes / all resident bytes.
         `uncompressed_bytes` counts the stock (sliding-window, ...) layers' keys/values, left at full precision."""
         per_layer = {i: self.layers[i].stats() for i in self.low_bit_layers}
-        keys = ("key_codes", "key_stats", "value_codes", "value_stats", "residual", "total")
+        keys = ("key_codes", "key_stats", "key_outliers", "value_codes", "value_stats", "value_outliers", "sink",
+                "pending", "total", "residual")
         total = {k: sum(s["bytes"][k] for s in per_layer.values()) for k in keys}
+        rot = next((self.layers[i]._rot for i in per_layer if self.layers[i]._rot is not None), None)
+        total["rotation"] = 0 if rot is None else rot.numel() * rot.element_size()
+        total["total"] += total["rotation"]
         elements = sum(s["elements"] for s in per_layer.values())
+        counted = sum(s["counted_elements"] for s in per_layer.values())
         other = 0
         for i, layer in enumerate(self.layers):
             if i not in per_layer and isinstance(getattr(layer, "keys", None), torch.Tensor):
                 other += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+        resident = total["total"] + total["residual"]
         return {
             "precision": self.precision,
             "bytes": total,
             "elements": elements,
-            "fp16_bytes": 2 * elements,
-            "ratio": 2 * elements / total["total"] if total["total"] else float("nan"),
-            "bits_per_element": 8 * total["total"] / elements if elements else float("nan"),
+            "counted_elements": counted,
+            "bf16_bytes": 2 * elements,
+            "ratio": 2 * elements / resident if resident else float("nan"),
+            "bits_per_element": 8 * total["total"] / counted if counted else float("nan"),
             "uncompressed_bytes": other,
             "layers": per_layer,
         }

@@ -27,16 +27,28 @@ statistics are stored in BF16. Modes:
   `a = mean|x - mu|`, and `x_hat = mu +/- a`. With exact statistics the group's mean squared error is exactly
   `var - a^2` (so never worse than replacing the group by its mean, and `(1 - 2/pi) var ~ 0.363 var` for Gaussian
   data), whereas 1-bit min/max puts the two levels at the extremes of the group.
+* `"normal"` (2 or 4 bits): non-uniform levels, the Lloyd-Max quantizer of a standard normal
+  (`normal_levels(bits)`: +/-0.453, +/-1.510 at 2 bits). A group is standardized by its mean and standard deviation,
+  each element gets the nearest level, then `zero` and `scale` are refitted by least squares on the codes
+  (`x_hat = zero + scale * level[q]`), which is the 1-bit sign mode's rule (mean +/- MAD) carried to more levels.
+
+Outliers (dense-and-sparse, as in KVQuant): `outliers=n` keeps the `n` elements of each group farthest from the
+group mean in BF16 with their uint8 position in the group; the dense part is quantized without them (they are
+replaced by the mean of the others) and they are written back on dequantization. Cost: `n * 24` bits per group.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
 
+import math
+
 BITS = (1, 2, 4, 8)
 ONE_BIT_MODES = ("sign", "minmax")
+MODES = ("minmax", "sign", "normal")
 STAT_DTYPE = torch.bfloat16
 _BF16_EPS = 2.0 ** -7  # spacing of BF16 values in [1, 2)
 
@@ -58,6 +70,20 @@ def minmax_error_bound_from_range(lo: torch.Tensor, hi: torch.Tensor, bits: int)
 def relative_error_bound(bits: int) -> float:
     """`minmax_error_bound_from_range / (hi - lo)` for groups with `|lo| << hi - lo`."""
     return 0.5 / (2 ** check_bits(bits) - 1) * (1 + _BF16_EPS)
+
+
+@functools.lru_cache(maxsize=None)
+def normal_levels(bits: int) -> tuple[float, ...]:
+    """Lloyd-Max reconstruction levels of N(0, 1) with `2^bits` levels (ascending), by Lloyd's iteration on the
+    closed-form centroids `(phi(a) - phi(b)) / (Phi(b) - Phi(a))` of each cell `[a, b]`."""
+    n = 2 ** check_bits(bits)
+    pdf = lambda t: math.exp(-t * t / 2) / math.sqrt(2 * math.pi)  # noqa: E731
+    cdf = lambda t: 0.5 * (1 + math.erf(t / math.sqrt(2)))  # noqa: E731
+    levels = [(-1 + (2 * i + 1) / n) * 2.5 for i in range(n)]
+    for _ in range(500):
+        edges = [-math.inf] + [(a + b) / 2 for a, b in zip(levels, levels[1:])] + [math.inf]
+        levels = [(pdf(a) - pdf(b)) / max(cdf(b) - cdf(a), 1e-300) for a, b in zip(edges, edges[1:])]
+    return tuple(levels)
 
 
 # --- packing ---------------------------------------------------------------------------------------------------------
@@ -103,7 +129,8 @@ class QuantizedGroups:
     """Packed codes plus BF16 statistics of groups of `group_size` elements.
 
     `packed` is uint8 `[*lead, group_size * bits / 8]`; `scale` and `zero` are BF16 `[*lead]`. In `"sign"` mode
-    `scale` holds the mean absolute deviation and `zero` the mean.
+    `scale` holds the mean absolute deviation and `zero` the mean. With outliers, `outlier_values` (BF16) and
+    `outlier_index` (uint8 position in the group) are `[*lead, n]`.
     """
 
     packed: torch.Tensor
@@ -112,12 +139,23 @@ class QuantizedGroups:
     bits: int
     mode: str
     group_size: int
+    outlier_values: torch.Tensor | None = None
+    outlier_index: torch.Tensor | None = None
 
-    _TENSORS = ("packed", "scale", "zero")
+    @property
+    def _tensor_names(self) -> tuple[str, ...]:
+        base = ("packed", "scale", "zero")
+        return base if self.outlier_values is None else base + ("outlier_values", "outlier_index")
 
     @property
     def nbytes(self) -> int:
-        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self._TENSORS)
+        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self._tensor_names)
+
+    @property
+    def outlier_bytes(self) -> int:
+        if self.outlier_values is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.outlier_values, self.outlier_index))
 
     @property
     def packed_bytes(self) -> int:
@@ -129,31 +167,62 @@ class QuantizedGroups:
 
     def map(self, fn) -> "QuantizedGroups":
         """Apply `fn` to each tensor (they share their leading dims)."""
-        return replace(self, **{n: fn(getattr(self, n)) for n in self._TENSORS})
+        return replace(self, **{n: fn(getattr(self, n)) for n in self._tensor_names})
 
     def cat(self, other: "QuantizedGroups", dim: int) -> "QuantizedGroups":
-        if (other.bits, other.mode, other.group_size) != (self.bits, self.mode, self.group_size):
+        if ((other.bits, other.mode, other.group_size, other.outlier_values is None)
+                != (self.bits, self.mode, self.group_size, self.outlier_values is None)):
             raise ValueError("cannot concatenate groups of different formats")
-        return replace(self, **{n: torch.cat([getattr(self, n), getattr(other, n)], dim) for n in self._TENSORS})
+        return replace(self, **{n: torch.cat([getattr(self, n), getattr(other, n)], dim)
+                                for n in self._tensor_names})
 
     def to(self, device) -> "QuantizedGroups":
         return self.map(lambda t: t.to(device, non_blocking=True))
 
 
-def quantize_groups(x: torch.Tensor, bits: int, mode: str = "minmax") -> QuantizedGroups:
-    """Quantize the last dim of `x` (one group) to `bits` bits. `mode="sign"` needs `bits == 1`."""
+def quantize_groups(x: torch.Tensor, bits: int, mode: str = "minmax", outliers: int = 0) -> QuantizedGroups:
+    """Quantize the last dim of `x` (one group) to `bits` bits. `mode="sign"` needs `bits == 1`, `mode="normal"`
+    2 or 4 bits. `outliers`: elements per group kept in BF16 (the farthest from the group mean)."""
     check_bits(bits)
-    if mode not in ONE_BIT_MODES:
-        raise ValueError(f"mode must be one of {ONE_BIT_MODES}, not {mode!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
     if mode == "sign" and bits != 1:
         raise ValueError("sign mode is a 1-bit quantizer")
+    if mode == "normal" and bits not in (2, 4):
+        raise ValueError(f"normal (non-uniform) levels are for 2 or 4 bits, not {bits}")
     g = x.shape[-1]
+    if not 0 <= outliers < g or outliers > 255:
+        raise ValueError(f"outliers per group must be in [0, min({g}, 256)), not {outliers}")
     xf = x.float()
+    out_v = out_i = None
+    if outliers:
+        mu = xf.mean(-1, keepdim=True)
+        out_i = (xf - mu).abs().topk(outliers, -1).indices
+        out_v = xf.gather(-1, out_i).to(STAT_DTYPE)
+        keep = torch.ones_like(xf, dtype=torch.bool).scatter_(-1, out_i, False)
+        rest_mean = (xf * keep).sum(-1, keepdim=True) / (g - outliers)
+        xf = torch.where(keep, xf, rest_mean)  # the dense part, without the outliers
+        out_i = out_i.to(torch.uint8)
     if mode == "sign":
         mu = xf.mean(-1, keepdim=True).to(STAT_DTYPE)
         mad = (xf - mu.float()).abs().mean(-1, keepdim=True).to(STAT_DTYPE)
         codes = (xf >= mu.float()).to(torch.uint8)
-        return QuantizedGroups(pack_bits(codes, 1), mad.squeeze(-1), mu.squeeze(-1), 1, mode, g)
+        return QuantizedGroups(pack_bits(codes, 1), mad.squeeze(-1), mu.squeeze(-1), 1, mode, g, out_v, out_i)
+    if mode == "normal":
+        levels = torch.tensor(normal_levels(bits), device=x.device)
+        mu = xf.mean(-1, keepdim=True)
+        sd = xf.std(-1, keepdim=True, correction=0)
+        edges = (levels[1:] + levels[:-1]) / 2
+        z = ((xf - mu) / torch.where(sd > 0, sd, torch.ones_like(sd))).contiguous()
+        codes = torch.bucketize(z, edges)
+        c = levels[codes]
+        c_mean = c.mean(-1, keepdim=True)
+        c_var = ((c - c_mean) ** 2).mean(-1, keepdim=True)
+        cov = ((c - c_mean) * (xf - mu)).mean(-1, keepdim=True)
+        scale = cov / torch.where(c_var > 0, c_var, torch.ones_like(c_var))
+        zero = mu - scale * c_mean
+        return QuantizedGroups(pack_bits(codes.to(torch.uint8), bits), scale.squeeze(-1).to(STAT_DTYPE),
+                               zero.squeeze(-1).to(STAT_DTYPE), bits, mode, g, out_v, out_i)
     levels = 2 ** bits - 1
     lo = xf.amin(-1, keepdim=True)
     hi = xf.amax(-1, keepdim=True)
@@ -161,18 +230,23 @@ def quantize_groups(x: torch.Tensor, bits: int, mode: str = "minmax") -> Quantiz
     scale = _bf16_up((hi - zero.float()) / levels)
     s = scale.float()
     codes = torch.round((xf - zero.float()) / torch.where(s > 0, s, torch.ones_like(s))).clamp_(0, levels)
-    return QuantizedGroups(pack_bits(codes.to(torch.uint8), bits), scale.squeeze(-1), zero.squeeze(-1), bits, mode, g)
+    return QuantizedGroups(pack_bits(codes.to(torch.uint8), bits), scale.squeeze(-1), zero.squeeze(-1), bits, mode, g,
+                           out_v, out_i)
 
 
 def dequantize_groups(q: QuantizedGroups, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`QuantizedGroups` -> values `[*lead, group_size]` in `dtype` (computed in float32)."""
-    codes = unpack_bits(q.packed, q.bits).float()
+    codes = unpack_bits(q.packed, q.bits)
     s = q.scale.float().unsqueeze(-1)
     z = q.zero.float().unsqueeze(-1)
     if q.mode == "sign":
-        out = z + (2 * codes - 1) * s
+        out = z + (2 * codes.float() - 1) * s
+    elif q.mode == "normal":
+        out = z + torch.tensor(normal_levels(q.bits), device=codes.device)[codes.long()] * s
     else:
-        out = z + codes * s
+        out = z + codes.float() * s
+    if q.outlier_values is not None:
+        out = out.scatter(-1, q.outlier_index.long(), q.outlier_values.float())
     return out.to(dtype)
 
 
@@ -184,7 +258,18 @@ def minmax_error_bound(q: QuantizedGroups) -> torch.Tensor:
 
 
 # --- KV layouts ------------------------------------------------------------------------------------------------------
-def quantize_keys(k: torch.Tensor, bits: int, group_size: int, one_bit_mode: str = "sign") -> QuantizedGroups:
+def group_mode(bits: int, one_bit_mode: str = "sign", levels: str = "uniform") -> str:
+    """The `quantize_groups` mode of a `bits`-bit group: `one_bit_mode` at 1 bit, `"normal"` for 2/4 bits with
+    `levels="normal"`, else `"minmax"`."""
+    if levels not in ("uniform", "normal"):
+        raise ValueError(f"levels must be 'uniform' or 'normal', not {levels!r}")
+    if bits == 1:
+        return one_bit_mode
+    return "normal" if levels == "normal" and bits in (2, 4) else "minmax"
+
+
+def quantize_keys(k: torch.Tensor, bits: int, group_size: int, one_bit_mode: str = "sign", levels: str = "uniform",
+                  outliers: int = 0) -> QuantizedGroups:
     """Keys `[B, H, S, D]` (`S % group_size == 0`), per channel over groups of `group_size` tokens.
 
     Codes `[B, H, S/G, D, G*bits/8]`, statistics `[B, H, S/G, D]`."""
@@ -192,7 +277,7 @@ def quantize_keys(k: torch.Tensor, bits: int, group_size: int, one_bit_mode: str
     if s % group_size:
         raise ValueError(f"keys are quantized in whole groups of {group_size} tokens, got {s} tokens")
     x = k.reshape(b, h, s // group_size, group_size, d).transpose(-1, -2)
-    return quantize_groups(x, bits, one_bit_mode if bits == 1 else "minmax")
+    return quantize_groups(x, bits, group_mode(bits, one_bit_mode, levels), outliers)
 
 
 def dequantize_keys(q: QuantizedGroups, dtype: torch.dtype) -> torch.Tensor:
@@ -201,7 +286,8 @@ def dequantize_keys(q: QuantizedGroups, dtype: torch.dtype) -> torch.Tensor:
     return x.transpose(-1, -2).reshape(b, h, n * g, d)
 
 
-def quantize_values(v: torch.Tensor, bits: int, group_size: int, one_bit_mode: str = "sign") -> QuantizedGroups:
+def quantize_values(v: torch.Tensor, bits: int, group_size: int, one_bit_mode: str = "sign", levels: str = "uniform",
+                    outliers: int = 0) -> QuantizedGroups:
     """Values `[B, H, S, D]` (`D % group_size == 0`), per token over groups of `group_size` channels.
 
     Codes `[B, H, S, D/G, G*bits/8]`, statistics `[B, H, S, D/G]`."""
@@ -209,7 +295,7 @@ def quantize_values(v: torch.Tensor, bits: int, group_size: int, one_bit_mode: s
     if d % group_size:
         raise ValueError(f"values are quantized in groups of {group_size} channels; head_dim {d} is not a multiple")
     x = v.reshape(b, h, s, d // group_size, group_size)
-    return quantize_groups(x, bits, one_bit_mode if bits == 1 else "minmax")
+    return quantize_groups(x, bits, group_mode(bits, one_bit_mode, levels), outliers)
 
 
 def dequantize_values(q: QuantizedGroups, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,83 @@
+"""Needle-in-a-haystack with each precision's default `LowBitCache` and transformers' `QuantizedCache`.
+
+The cases of `benchmarks/dgap_niah.py` (RULER-style needles in the Debian Reference, seeded); greedy answers, a case
+scores the share of asked values in the answer. SmolLM2-135M-Instruct in float32 on the CPU; the prompt is
+prefilled in one step (the prefill attends at full precision; the answer is decoded from the quantized cache).
+
+    python benchmarks/lowbit_niah.py --lengths 2048 --tasks multikey --samples 6 \\
+        --out benchmarks/results/lowbit_niah.json
+"""
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dgap_niah import make_case  # noqa: E402
+
+from dgap_hf import LowBitCache, LowBitConfig  # noqa: E402
+from dgap_hf.baselines import quantized_cache  # noqa: E402
+from gaac_hf.corpus import DEBIAN_REFERENCE, read_text_files  # noqa: E402
+from gaac_hf.default_model import load_default_model  # noqa: E402
+from gaac_hf.model_layers import cache_kwarg  # noqa: E402
+
+CACHES = {
+    "DynamicCache": lambda cfg: DynamicCache(config=cfg),
+    "K4V4 default": lambda cfg: LowBitCache(cfg, "K4V4"),
+    "K2V2 default": lambda cfg: LowBitCache(cfg, "K2V2"),
+    "K1V1 default": lambda cfg: LowBitCache(cfg, "K1V1"),
+    "K2V2 kivi32 (former default)": lambda cfg: LowBitCache(cfg, LowBitConfig("K2V2")),
+    "QuantizedCache quanto 2 keys per channel": lambda cfg: quantized_cache(cfg, "quanto", 2, axis_key=-1),
+}
+
+
+@torch.no_grad()
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048])
+    ap.add_argument("--samples", type=int, default=6)
+    ap.add_argument("--tasks", default="multikey")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="benchmarks/results/lowbit_niah.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tok = load_default_model()
+    model.float()
+    kw = cache_kwarg(model)
+    hay = tok(read_text_files(DEBIAN_REFERENCE).text, add_special_tokens=False).input_ids
+    scores = {name: {} for name in CACHES}
+    t0 = time.time()
+    for length in args.lengths:
+        for task in args.tasks.split(","):
+            rng = random.Random(f"{task}-{length}")
+            cases = [make_case(task, hay, tok, length, rng) for _ in range(args.samples)]
+            for name, make in CACHES.items():
+                got = []
+                for ids, want in cases:
+                    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12 * len(want),
+                                         do_sample=False, pad_token_id=tok.eos_token_id, **{kw: make(model.config)})
+                    text = tok.decode(out[0, ids.shape[1]:])
+                    got.append(sum(v in text for v in want) / len(want))
+                scores[name][f"{task}@{length}"] = sum(got) / len(got)
+                print(f"{name:40s} {task:10s} {length:5d}: {scores[name][f'{task}@{length}']:.2f}", flush=True)
+    cols = list(next(iter(scores.values())))
+    table = ["| cache | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    table += [f"| {name} | " + " | ".join(f"{100 * s[c]:.0f}%" for c in cols) + " |" for name, s in scores.items()]
+    print("\n".join(table))
+    Path(args.out).write_text(json.dumps({"model": "HuggingFaceTB/SmolLM2-135M-Instruct (float32, CPU)",
+                                          "haystack": DEBIAN_REFERENCE[0], "samples": args.samples, "scores": scores,
+                                          "seconds": time.time() - t0, "torch": torch.__version__}, indent=1) + "\n")
+    Path(args.out).with_suffix(".md").write_text(
+        f"Multi-key NIAH, {args.samples} seeded cases per cell (`python benchmarks/lowbit_niah.py --lengths "
+        f"{' '.join(map(str, args.lengths))} --tasks {args.tasks} --samples {args.samples}`).\n\n"
+        + "\n".join(table) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""`LowBitConfig`: the validated options of a `LowBitCache` quantizer, and their JSON spec (recorded in artifacts).
+
+The dataclass defaults are plain KIVI grouping (keys per channel, values per token, groups of 32, a 128-token
+full-precision residual, no sinks, no rotation, uniform levels, no outliers): the quantizer the shipped DGAP artifact
+was trained on, and what a spec without the newer fields means. `LowBitConfig.default(precision)` gives the measured
+best options per precision (`benchmarks/results/lowbit_quality.md`); `LowBitCache(config, "K2V2")` uses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from .precision import UnknownPrecisionError, format_precision, normalize_precision, parse_precision
+from .quantize import ONE_BIT_MODES, check_bits
+from .rotation import ROTATIONS, check_rotation
+
+SPEC_VERSION = 2
+RESIDUAL_WINDOW = 128  # the most recent full-precision tokens `stats()` reports apart from the quantized storage
+LEVELS = ("uniform", "normal")
+ROTATE = ("kv", "k", "v")
+# descriptive entries of a spec (written for readers, not options)
+_PROSE = ("key_grouping", "value_grouping", "stat_dtype", "packing", "minmax", "sign", "sink", "normal", "rotation_doc",
+          "outliers_doc", "spec_version", "key_bits", "value_bits", "group_size")
+
+
+@dataclass(frozen=True)
+class LowBitConfig:
+    """Options of the `LowBitCache` quantizer (validated on construction).
+
+    * `precision`: `"K<b>V<b>"`, bits 1, 2, 4 or 8.
+    * `key_group_size`: tokens per key group (keys per channel); `value_group_size`: channels per value group
+      (values per token; must divide head_dim). Multiples of 8 (whole packed bytes).
+    * `residual_length`: recent tokens always in full precision (the residual holds `residual_length` to
+      `residual_length + key_group_size - 1` tokens; `stats()` counts any beyond 128 with the quantized storage).
+    * `sink_length`: first tokens kept in full precision for good (attention sinks).
+    * `one_bit_mode`: 1-bit groups, `"sign"` (mean +/- MAD) or `"minmax"`.
+    * `levels`: `"uniform"` or `"normal"` (Lloyd-Max levels of a Gaussian) for 2- and 4-bit groups.
+    * `rotation`: `"none"`, `"hadamard"` or `"random"` (seeded by `rotation_seed`), applied post-RoPE to the
+      keys and/or values (`rotate`: `"kv"`, `"k"`, `"v"`) before quantization and undone on dequantization.
+    * `key_outliers` / `value_outliers`: elements per group kept in BF16 (dense-and-sparse).
+    * `head_dim`: when set, the head dimension the config is for (checked against the model).
+    """
+
+    precision: str = "K2V2"
+    key_group_size: int = 32
+    value_group_size: int = 32
+    residual_length: int = 128
+    sink_length: int = 0
+    one_bit_mode: str = "sign"
+    levels: str = "uniform"
+    rotation: str = "none"
+    rotate: str = "kv"
+    rotation_seed: int = 0
+    key_outliers: int = 0
+    value_outliers: int = 0
+    head_dim: int | None = field(default=None)
+
+    def __post_init__(self):
+        object.__setattr__(self, "precision", format_precision(*parse_precision(self.precision)))
+        for name in ("key_group_size", "value_group_size"):
+            g = getattr(self, name)
+            if not isinstance(g, int) or g <= 0 or g % 8:
+                raise ValueError(f"{name} must be a positive multiple of 8 (whole packed bytes), not {g!r}")
+        for name in ("residual_length", "sink_length", "key_outliers", "value_outliers", "rotation_seed"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be an integer >= 0, not {getattr(self, name)!r}")
+        if self.one_bit_mode not in ONE_BIT_MODES:
+            raise ValueError(f"one_bit_mode must be one of {ONE_BIT_MODES}, not {self.one_bit_mode!r}")
+        if self.levels not in LEVELS:
+            raise ValueError(f"levels must be one of {LEVELS}, not {self.levels!r}")
+        if self.levels == "normal" and not {self.key_bits, self.value_bits} & {2, 4}:
+            raise ValueError(f"levels='normal' applies to 2- and 4-bit groups; {self.precision} has none")
+        if self.rotate not in ROTATE:
+            raise ValueError(f"rotate must be one of {ROTATE}, not {self.rotate!r}")
+        check_rotation(self.rotation, self.head_dim)
+        for name, g in (("key_outliers", self.key_group_size), ("value_outliers", self.value_group_size)):
+            if getattr(self, name) >= min(g, 256):
+                raise ValueError(f"{name}={getattr(self, name)} must be below the group size {g} (and 256)")
+        if self.head_dim is not None:
+            self.check_head_dim(self.head_dim)
+
+    @property
+    def key_bits(self) -> int:
+        return parse_precision(self.precision)[0]
+
+    @property
+    def value_bits(self) -> int:
+        return parse_precision(self.precision)[1]
+
+    def rotates(self, which: str) -> bool:
+        """Whether the `"k"`eys or `"v"`alues are rotated."""
+        return self.rotation != "none" and which in self.rotate
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise `ValueError` if this config cannot quantize heads of `head_dim` channels."""
+        if self.head_dim is not None and head_dim != self.head_dim:
+            raise ValueError(f"this low-bit config (rotation {self.rotation!r}) is for head_dim {self.head_dim}, "
+                             f"the model has head_dim {head_dim}")
+        if head_dim % self.value_group_size:
+            raise ValueError(f"values are quantized in groups of value_group_size={self.value_group_size} channels, "
+                             f"but head_dim is {head_dim}; pick a group size that divides {head_dim}")
+        check_rotation(self.rotation, head_dim)
+
+    def replace(self, **changes) -> "LowBitConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def default(cls, precision: str, head_dim: int | None = None, **changes) -> "LowBitConfig":
+        """The measured best options for `precision` (mixed precisions take those of their key bits), with
+        `changes` on top. With `head_dim`, the defaults fit it: a value group that does not divide it shrinks to
+        their common divisor, and a Hadamard rotation becomes a seeded random one when it is not a power of two."""
+        kb, vb = parse_precision(precision)
+        base = dict(DEFAULTS.get(format_precision(kb, vb)) or DEFAULTS[format_precision(kb, kb)])
+        if head_dim is not None:
+            g = base.get("value_group_size", cls.value_group_size)
+            if head_dim % g:
+                base["value_group_size"] = math.gcd(g, head_dim)
+            if base.get("rotation") == "hadamard" and head_dim & (head_dim - 1):
+                base["rotation"] = "random"
+        return cls(**{**base, "precision": format_precision(kb, vb), **changes})
+
+    # --- spec (JSON) ----------------------------------------------------------------------------------------------
+    def to_spec(self) -> dict:
+        """JSON description, read back by `from_spec` (plus descriptive entries for readers of the artifact)."""
+        return {
+            "spec_version": SPEC_VERSION, **dataclasses.asdict(self),
+            "key_bits": self.key_bits, "value_bits": self.value_bits,
+            # version-1 readers know one group size; written when keys and values share it
+            **({"group_size": self.key_group_size} if self.key_group_size == self.value_group_size else {}),
+            "key_grouping": "per channel, groups of key_group_size tokens",
+            "value_grouping": "per token, groups of value_group_size channels",
+            "stat_dtype": "bfloat16", "packing": "uint8, little-end first",
+            "minmax": "asymmetric zero + q * scale, statistics rounded outward",
+            "sign": "1 bit: mean +/- mean absolute deviation",
+            "normal": "levels='normal': Lloyd-Max levels of N(0,1), zero/scale refitted by least squares",
+            "sink": "the first sink_length tokens stay in the model dtype",
+            "rotation_doc": "x @ R before quantization, x_hat @ R.T after (post-RoPE); R from rotation, "
+                            "rotation_seed, head_dim",
+            "outliers_doc": "per group, the elements farthest from the mean kept in BF16 with a uint8 index",
+        }
+
+    @classmethod
+    def from_spec(cls, spec: dict) -> "LowBitConfig":
+        """Inverse of `to_spec`. A spec without `spec_version` (artifacts before it) is plain KIVI with one
+        `group_size` and no sinks: missing options take the dataclass defaults, which are exactly that."""
+        if not isinstance(spec, dict) or "precision" not in spec:
+            raise ValueError(f"a low-bit quantizer spec is a dict with a 'precision', not {spec!r}")
+        version = spec.get("spec_version", 1)
+        if version not in (1, SPEC_VERSION):
+            raise ValueError(f"unknown low-bit quantizer spec_version {version!r} (this package reads 1 and "
+                             f"{SPEC_VERSION})")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(spec) - names - set(_PROSE))
+        if unknown:
+            raise ValueError(f"unknown low-bit quantizer options {unknown} in the spec")
+        kw = {k: v for k, v in spec.items() if k in names}
+        if "group_size" in spec:  # version 1: one group size for keys and values
+            kw.setdefault("key_group_size", spec["group_size"])
+            kw.setdefault("value_group_size", spec["group_size"])
+        cfg = cls(**kw)
+        for name in ("key_bits", "value_bits"):
+            if name in spec and check_bits(spec[name], name) != getattr(cfg, name):
+                raise ValueError(f"the spec's {name}={spec[name]} contradicts its precision {cfg.precision}")
+        return cfg
+
+    @classmethod
+    def from_artifact(cls, artifact, precision: str) -> "LowBitConfig":
+        """The quantizer a `DGAPModel` artifact recorded for `precision` (what its detector and corrector were
+        trained on): `LowBitCache(model.config, LowBitConfig.from_artifact(dgap_model, "K2V2"))`."""
+        name = normalize_precision(precision)
+        spec = (artifact.quantizer or {}).get(name)
+        if spec is None:
+            raise UnknownPrecisionError(f"the DGAP artifact records no quantizer for {name}; it has "
+                                        f"{sorted(artifact.quantizer)}")
+        return cls.from_spec(spec)
+
+
+# The measured best options per precision (benchmarks/results/lowbit_sweep.md, selection on a 1K-token window; the
+# defaults are then reported on held-out 2K-token windows in benchmarks/results/lowbit_quality.md). Keys in groups of
+# 128 tokens and values in groups of 64 channels keep the statistics at 0.375 bits per element; residual_length 0
+# keeps the full-precision residual within the 128-token window; four sink tokens and the Hadamard rotation help at
+# every precision below 8 bits; Lloyd-Max ("normal") levels help at 2 bits, not at 4 (higher KL).
+_GROUPS = {"key_group_size": 128, "value_group_size": 64, "residual_length": 0}
+DEFAULTS: dict[str, dict] = {
+    "K1V1": {**_GROUPS, "sink_length": 4, "rotation": "hadamard"},
+    "K2V2": {**_GROUPS, "sink_length": 4, "rotation": "hadamard", "levels": "normal"},
+    "K4V4": {**_GROUPS, "sink_length": 4, "rotation": "hadamard"},
+    "K8V8": dict(_GROUPS),
+}
