@@ -135,6 +135,8 @@ class _StaticLayerBase(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.max_cache_len
 
+    get_max_cache_shape = get_max_length  # the name transformers versions before 5.2x call
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: permute rows in place (static addresses; finalized tiles are shared, never copied)."""
         if self.is_initialized:
@@ -401,7 +403,7 @@ class _StaticCacheBase(Cache):
         stock = StaticCache(config=config, max_cache_len=max_cache_len).layers
         layers = [make_layer(i) if t == "full_attention" else stock[i] for i, t in enumerate(types)]
         self.config = config
-        self.max_cache_len = max_cache_len
+        self._max_cache_len = max_cache_len  # behind a property: some transformers versions define one on Cache
         self._calls = 0
         self._next_check = 0
         super().__init__(layers=layers, offloading=offloading, offload_only_non_sliding=True)
@@ -413,6 +415,10 @@ class _StaticCacheBase(Cache):
     @property
     def max_batch_size(self) -> int | None:
         return self._max_batch_size
+
+    @property
+    def max_cache_len(self) -> int:
+        return self._max_cache_len
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
