@@ -180,6 +180,7 @@ class GAACStaticLayer(_StaticLayerBase):
         b = key_states.shape[0]
         dev = key_states.device
         self.batch, self.device = b, dev
+        self.batch_size = b  # what Cache.batch_size reads, set on initialization as StaticLayer does
         n_all = b * self.max_blocks * self.tile_positions
         n_raw = self.raw_tiles if self.raw_tiles is not None else \
             min(n_all, math.ceil(1.5 * self.raw_share * n_all) + 2 * self.headroom)
@@ -358,6 +359,7 @@ class PlainStaticLayer(_StaticLayerBase):
         self._check_input(key_states, value_states)
         b, dev = key_states.shape[0], key_states.device
         self.batch, self.device = b, dev
+        self.batch_size = b
         s_cap = self.max_blocks * BLOCK_TOKENS
         shape = (b, self.num_kv_heads, s_cap, self.head_dim)
         self.keys = _static(torch.zeros(shape, dtype=torch.bfloat16, device=dev))
