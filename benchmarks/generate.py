@@ -39,6 +39,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -226,12 +227,21 @@ def main(argv=None):
                           "host_ms": ms(statistics.median(hosts))}
             print(f"  {label:<34} {row[label]['step_ms']:9.3f} ms", flush=True)
 
-        # compiled GAACStaticCache, and its plain twin (one capacity for every context: built once, refilled)
-        model.set_attn_implementation("gaac")
-        for label, make in (("compiled GAACStaticCache", lambda: GAACStaticCache(model.config, cap, calibration)),
-                            ("compiled twin (plain BF16, same op)", lambda: PlainStaticCache(model.config, cap))):
+        def attempt(label, fn):
+            """Run one variant; an error is recorded in the JSON and the others still run."""
             if label in args.skip:
-                continue
+                return
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001  (one failing variant must not lose the others' numbers)
+                traceback.print_exc()
+                row[label] = {"error": f"{type(e).__name__}: {e}"[:800]}
+                print(f"  {label:<34} FAILED: {row[label]['error'][:200]}", flush=True)
+
+        # compiled GAACStaticCache, and its plain twin (one capacity for every context: built once, refilled)
+        def static_variant(label, make):
+            nonlocal gaac_cache, plain_cache
+            model.set_attn_implementation("gaac")
             cache = gaac_cache if label.startswith("compiled GAAC") else plain_cache
             if cache is None:
                 cache = make()
@@ -266,6 +276,10 @@ def main(argv=None):
                 cache.check()
             else:
                 plain_cache = cache
+
+        for label, make in (("compiled GAACStaticCache", lambda: GAACStaticCache(model.config, cap, calibration)),
+                            ("compiled twin (plain BF16, same op)", lambda: PlainStaticCache(model.config, cap))):
+            attempt(label, lambda: static_variant(label, make))
         a, b = logits.get("compiled GAACStaticCache"), logits.get("compiled twin (plain BF16, same op)")
         if a is not None and b is not None:
             row["lossless_vs_twin"] = {"tokens": bool(torch.equal(a.argmax(-1), b.argmax(-1))),
@@ -273,17 +287,16 @@ def main(argv=None):
             print(f"  lossless vs twin: {row['lossless_vs_twin']}", flush=True)
 
         # compiled StaticCache + sdpa (its own capacity per context: its attention reads the whole buffer)
-        model.set_attn_implementation("sdpa")
-        label = "compiled StaticCache + sdpa"
-        if label not in args.skip:
+        def static_sdpa(label="compiled StaticCache + sdpa"):
+            model.set_attn_implementation("sdpa")
             cache = StaticCache(config=model.config, max_cache_len=context + warmup + steps + 16)
             fill(cache, kv, context, device)
             times, hosts, _ = Stepper(model, compiled_forward(label), cache, context, device).run(steps, warmup)
             record(label, times, hosts)
-            del cache
+
         # eager DynamicCache + flash sdpa
-        label = "eager DynamicCache + flash sdpa"
-        if label not in args.skip:
+        def dynamic_flash(label="eager DynamicCache + flash sdpa"):
+            model.set_attn_implementation("sdpa")
             cache = DynamicCache(config=model.config)
             fill(cache, kv, context, device)
             ctx = contextlib.nullcontext()
@@ -294,37 +307,46 @@ def main(argv=None):
             with ctx:
                 times, hosts, _ = Stepper(model, model.forward, cache, context, device).run(steps, warmup)
             record(label, times, hosts)
-            del cache
+
         # eager GAACCache + gaac
-        label = "eager GAACCache + gaac"
-        if label not in args.skip:
+        def gaac_eager(label="eager GAACCache + gaac"):
             model.set_attn_implementation("gaac")
             cache = GAACCache(model.config, calibration)
             fill(cache, kv, context, device)
             times, hosts, _ = Stepper(model, model.forward, cache, context, device).run(steps, warmup)
             record(label, times, hosts)
-            del cache
+
+        for label, fn in (("compiled StaticCache + sdpa", static_sdpa), ("eager DynamicCache + flash sdpa",
+                                                                        dynamic_flash),
+                          ("eager GAACCache + gaac", gaac_eager)):
+            attempt(label, fn)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
         g = row.get("compiled GAACStaticCache", {}).get("step_ms")
         base = [row[k]["step_ms"] for k in ("compiled StaticCache + sdpa", "eager DynamicCache + flash sdpa")
-                if k in row]
+                if "step_ms" in row.get(k, {})]
         if g and base:
             row["speedup_vs_best_baseline"] = round(min(base) / g, 3)
-        if g and "compiled twin (plain BF16, same op)" in row:
+        if g and "step_ms" in row.get("compiled twin (plain BF16, same op)", {}):
             row["speedup_vs_twin"] = round(row["compiled twin (plain BF16, same op)"]["step_ms"] / g, 3)
         results["contexts"][str(context)] = row
-        Path(args.out).write_text(json.dumps(results, indent=1))  # a partial run keeps what it measured
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=1))  # after every context: a crash keeps the rest
     results["wall_s"] = round(time.time() - t_start, 1)
 
-    labels = [k for k in next(iter(results["contexts"].values())) if isinstance(
-        next(iter(results["contexts"].values()))[k], dict) and "step_ms" in next(iter(results["contexts"].values()))[k]]
+    labels = [k for r in results["contexts"].values() for k, v in r.items()
+              if isinstance(v, dict) and ("step_ms" in v or "error" in v)]
+    labels = list(dict.fromkeys(labels))
     print("\n| decode step (ms) | " + " | ".join(str(c) for c in results["contexts"]) + " |")
     print("|---|" + "---|" * len(results["contexts"]))
     for label in labels:
-        print(f"| {label} | " + " | ".join(f"{r[label]['step_ms']:.3f}" if label in r else "-"
-                                          for r in results["contexts"].values()) + " |")
+        print(f"| {label} | " + " | ".join(f"{r[label]['step_ms']:.3f}" if "step_ms" in r.get(label, {}) else
+                                          ("error" if label in r else "-") for r in results["contexts"].values())
+              + " |")
     for key in ("speedup_vs_best_baseline", "speedup_vs_twin"):
         print(f"| {key} | " + " | ".join(str(r.get(key, "-")) for r in results["contexts"].values()) + " |")
     for c, r in results["contexts"].items():

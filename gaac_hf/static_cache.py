@@ -135,6 +135,8 @@ class _StaticLayerBase(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.max_cache_len
 
+    get_max_cache_shape = get_max_length  # the name transformers versions before 5.2x call
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: permute rows in place (static addresses; finalized tiles are shared, never copied)."""
         if self.is_initialized:
@@ -178,6 +180,7 @@ class GAACStaticLayer(_StaticLayerBase):
         b = key_states.shape[0]
         dev = key_states.device
         self.batch, self.device = b, dev
+        self.batch_size = b  # what Cache.batch_size reads, set on initialization as StaticLayer does
         n_all = b * self.max_blocks * self.tile_positions
         n_raw = self.raw_tiles if self.raw_tiles is not None else \
             min(n_all, math.ceil(1.5 * self.raw_share * n_all) + 2 * self.headroom)
@@ -356,6 +359,7 @@ class PlainStaticLayer(_StaticLayerBase):
         self._check_input(key_states, value_states)
         b, dev = key_states.shape[0], key_states.device
         self.batch, self.device = b, dev
+        self.batch_size = b
         s_cap = self.max_blocks * BLOCK_TOKENS
         shape = (b, self.num_kv_heads, s_cap, self.head_dim)
         self.keys = _static(torch.zeros(shape, dtype=torch.bfloat16, device=dev))
@@ -401,7 +405,7 @@ class _StaticCacheBase(Cache):
         stock = StaticCache(config=config, max_cache_len=max_cache_len).layers
         layers = [make_layer(i) if t == "full_attention" else stock[i] for i, t in enumerate(types)]
         self.config = config
-        self._max_cache_len = max_cache_len
+        self._max_cache_len = max_cache_len  # behind a property: some transformers versions define one on Cache
         self._calls = 0
         self._next_check = 0
         super().__init__(layers=layers, offloading=offloading, offload_only_non_sliding=True)
@@ -415,7 +419,7 @@ class _StaticCacheBase(Cache):
         return self._max_batch_size
 
     @property
-    def max_cache_len(self) -> int:  # a read-only property of `Cache` in some transformers releases (5.17)
+    def max_cache_len(self) -> int:
         return self._max_cache_len
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
