@@ -35,8 +35,10 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from hf_common.cache_layers import RowSelectionMixin, full_attention_layers, stock_layer_bytes, sum_layer_bytes
+from hf_common.model_config import text_config
 
 from .lowbit_config import RESIDUAL_WINDOW, LowBitConfig
 from .precision import format_precision
@@ -44,29 +46,7 @@ from .quantize import QuantizedGroups, check_bits, dequantize_keys, dequantize_v
 from .rotation import rotation_matrix
 
 
-def text_config(config):
-    get = getattr(config, "get_text_config", None)
-    return get(decoder=True) if get is not None else config
-
-
-def layer_types(config) -> list[str]:
-    """Per-layer cache types of a transformers config (`full_attention`, `sliding_attention`, ...)."""
-    config = text_config(config)
-    try:
-        from transformers.cache_utils import get_layer_types_and_kwargs
-
-        return list(get_layer_types_and_kwargs(config)[0])
-    except (ImportError, AttributeError):
-        pass
-    types = getattr(config, "layer_types", None)
-    if types is None:
-        window = getattr(config, "sliding_window", None)
-        use = getattr(config, "use_sliding_window", True)
-        types = ["sliding_attention" if window is not None and use else "full_attention"] * config.num_hidden_layers
-    return ["dummy" if t in ("moe", "mlp") else t for t in types]
-
-
-class LowBitLayer(CacheLayerMixin):
+class LowBitLayer(RowSelectionMixin, CacheLayerMixin):
     """Packed low-bit KV of one full-attention layer (see the module docstring)."""
 
     is_sliding = False
@@ -272,6 +252,8 @@ class LowBitLayer(CacheLayerMixin):
         self._n_quant = groups * g
 
     def _select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows `index` (beam search, ...): the rows of the packed codes, statistics, sink and residual are
+        selected (no requantization)."""
         index = index.to(self.device)
         pick = lambda t: t.index_select(0, index)  # noqa: E731
         self._res_k, self._res_v = pick(self._res_k), pick(self._res_v)
@@ -279,19 +261,6 @@ class LowBitLayer(CacheLayerMixin):
         if self._qk is not None:
             self._qk, self._qv = self._qk.map(pick), self._qv.map(pick)
         self.batch = self._res_k.shape[0]
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: permute the rows of the packed codes, statistics and residual (no requantization)."""
-        if self.is_initialized:
-            self._select_rows(beam_idx.long())
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            self._select_rows(torch.arange(self.batch, device=self.device).repeat_interleave(repeats))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            self._select_rows(torch.arange(self.batch, device=self.device)[indices])
 
     def reset(self) -> None:
         self._clear()
@@ -385,12 +354,7 @@ class LowBitCache(Cache):
             super().__init__(layer_class_to_replicate=functools.partial(LowBitLayer, config=quant),
                              offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
             return
-        types = layer_types(config)
-        stock = DynamicCache(config=config).layers
-        if len(stock) != len(types):
-            raise ValueError(f"DynamicCache built {len(stock)} layers for a config with {len(types)} layer types")
-        layers = [LowBitLayer(config=quant, layer_idx=i) if t == "full_attention" else stock[i]
-                  for i, t in enumerate(types)]
+        layers = full_attention_layers(config, lambda i: LowBitLayer(config=quant, layer_idx=i))
         super().__init__(layers=layers, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
 
     @property
@@ -415,16 +379,13 @@ class LowBitCache(Cache):
         per_layer = {i: self.layers[i].stats() for i in self.low_bit_layers}
         keys = ("key_codes", "key_stats", "key_outliers", "value_codes", "value_stats", "value_outliers", "sink",
                 "pending", "total", "residual")
-        total = {k: sum(s["bytes"][k] for s in per_layer.values()) for k in keys}
+        total = sum_layer_bytes(per_layer, "bytes", keys)
         rot = next((self.layers[i]._rot for i in per_layer if self.layers[i]._rot is not None), None)
         total["rotation"] = 0 if rot is None else rot.numel() * rot.element_size()
         total["total"] += total["rotation"]
         elements = sum(s["elements"] for s in per_layer.values())
         counted = sum(s["counted_elements"] for s in per_layer.values())
-        other = 0
-        for i, layer in enumerate(self.layers):
-            if i not in per_layer and isinstance(getattr(layer, "keys", None), torch.Tensor):
-                other += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+        other = stock_layer_bytes(self.layers, per_layer)
         resident = total["total"] + total["residual"]
         return {
             "precision": self.precision,

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import torch
 from torch.utils._pytree import tree_map
-from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from hf_common.cache_layers import RowSelectionMixin, full_attention_layers, stock_layer_bytes, sum_layer_bytes
 
 from . import ops
 from .calibration import CalibrationMismatchError, GAACCalibration
 from .format import BLOCK_TABLE_ENTRY_BYTES, BLOCK_TOKENS, MODE_NAMES, TileLayout, tile_split
-from .model_layers import layer_types_and_kwargs, text_config
+from .model_layers import text_config
 from .tile_pool import TilePool, grow
 
 GAAC_ATTENTION_NAME = "gaac"
@@ -215,7 +216,7 @@ class GAACLazyKV(torch.Tensor):
         return func(*args, **kwargs)
 
 
-class GAACLayer(CacheLayerMixin):
+class GAACLayer(RowSelectionMixin, CacheLayerMixin):
     """The GAAC-compressed cache of one full-attention layer (see the module docstring)."""
 
     is_sliding = False
@@ -432,25 +433,14 @@ class GAACLayer(CacheLayerMixin):
         self.pool.dirty = True
 
     def _select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows `index` (beam search, `batch_repeat_interleave`, `batch_select_indices`): the rows' table
+        entries and tails are selected; finalized tiles are shared, not re-encoded."""
         index = index.to(self.device)
         self._table = self._table[:, :self.n_blocks].index_select(0, index)
         self._tail_k = self._tail_k.index_select(0, index)
         self._tail_v = self._tail_v.index_select(0, index)
         self.batch = self._table.shape[0]
         self.pool.dirty = True
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: permute the rows' table entries and tails (finalized tiles are shared, not re-encoded)."""
-        if self.is_initialized:
-            self._select_rows(beam_idx.long())
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            self._select_rows(torch.arange(self.batch, device=self.device).repeat_interleave(repeats))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            self._select_rows(torch.arange(self.batch, device=self.device)[indices])
 
     def reset(self) -> None:
         """Forget every token; the pools keep their capacity for reuse."""
@@ -545,16 +535,9 @@ class GAACCache(Cache):
         self.config = config
         self.calibration = calibration
         self.lazy = lazy
-        types, _ = layer_types_and_kwargs(config)
-        # The non-full-attention layers are exactly the ones DynamicCache(config=...) builds (same classes, same
-        # sliding windows), so sliding and hybrid models return the same K/V lengths as with DynamicCache.
-        stock = DynamicCache(config=config).layers
-        if len(stock) != len(types):
-            raise ValueError(f"DynamicCache built {len(stock)} layers for a config with {len(types)} layer types")
         # Under tensor parallelism each rank's layers see a contiguous slice of the KV heads; the rank comes from
         # tp_rank/tp_size or, when they are not given, from torch.distributed (the whole world is one TP group).
-        layers = [GAACLayer(calibration, i, tp_rank, tp_size) if t == "full_attention" else stock[i]
-                  for i, t in enumerate(types)]
+        layers = full_attention_layers(config, lambda i: GAACLayer(calibration, i, tp_rank, tp_size))
         super().__init__(layers=layers, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
 
     @classmethod
@@ -601,17 +584,13 @@ class GAACCache(Cache):
         """
         layers = {i: self.layers[i].stats() for i in self.gaac_layers}
         keys = ("slots", "raw", "tail", "block_table", "total")
-        total = {k: sum(s["bytes"][k] for s in layers.values()) for k in keys}
+        total = sum_layer_bytes(layers, "bytes", keys)
         alloc_keys = ("slot_pool", "raw_pool", "tail", "block_table", "total")
-        allocated = {k: sum(s["allocated_bytes"].get(k, 0) for s in layers.values()) for k in alloc_keys}
+        allocated = sum_layer_bytes(layers, "allocated_bytes", alloc_keys)
         bf16 = sum(s["bf16_bytes"] for s in layers.values())
         modes = {m: sum(s["modes"][m] for s in layers.values()) for m in MODE_NAMES}
         n_groups = sum(modes.values())
-        other = 0
-        for i, layer in enumerate(self.layers):
-            if i not in layers and isinstance(getattr(layer, "keys", None), torch.Tensor):
-                for t in (layer.keys, layer.values):
-                    other += t.numel() * t.element_size()
+        other = stock_layer_bytes(self.layers, layers)
         return {
             "bytes": total,
             "allocated_bytes": allocated,

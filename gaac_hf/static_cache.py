@@ -33,11 +33,13 @@ import torch
 from transformers import StaticCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from hf_common.cache_layers import full_attention_layers
+
 from . import ops
 from .cache import GAAC_ATTENTION_NAME, _check_kv_dtype, resolve_calibration
 from .calibration import CalibrationMismatchError, GAACCalibration
 from .format import BLOCK_TABLE_ENTRY_BYTES, BLOCK_TOKENS, MODE_NAMES, TileLayout, tile_split
-from .model_layers import layer_types_and_kwargs, text_config
+from .model_layers import text_config
 
 # Tiles per encode call of the eager prefill (bounds the encoder's temporary memory).
 ENCODE_MAX_TILES = 8192
@@ -401,9 +403,8 @@ class _StaticCacheBase(Cache):
     def _build(self, config, max_cache_len: int, make_layer, offloading: bool):
         if not isinstance(max_cache_len, int) or max_cache_len < 1:
             raise ValueError(f"max_cache_len must be a positive int, not {max_cache_len!r}")
-        types, _ = layer_types_and_kwargs(config)
         stock = StaticCache(config=config, max_cache_len=max_cache_len).layers
-        layers = [make_layer(i) if t == "full_attention" else stock[i] for i, t in enumerate(types)]
+        layers = full_attention_layers(config, make_layer, stock)
         self.config = config
         self._max_cache_len = max_cache_len  # behind a property: some transformers versions define one on Cache
         self._calls = 0

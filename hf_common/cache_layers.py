@@ -1,0 +1,61 @@
+"""Cache pieces `GAACCache` and `LowBitCache` share: the layer list (full-attention layers get the package's layer,
+every other layer the stock one `DynamicCache(config=...)` builds), the row-selection methods, and the byte tallies.
+
+Imports torch and transformers (only those): import it from cache modules, not from `hf_common/__init__.py`, which
+stays free of torch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from transformers import DynamicCache
+
+from .model_config import layer_types_and_kwargs
+
+
+def full_attention_layers(config, make_layer: Callable[[int], object], stock: list | None = None) -> list:
+    """One cache layer per model layer: `make_layer(i)` for the full-attention layers, the stock transformers layer
+    for every other one: `stock[i]`, by default the layers `DynamicCache(config=config)` builds (same classes, same
+    sliding windows), so sliding and hybrid models return the same K/V lengths as with the stock cache."""
+    types, _ = layer_types_and_kwargs(config)
+    stock = DynamicCache(config=config).layers if stock is None else stock
+    if len(stock) != len(types):
+        raise ValueError(f"the stock cache built {len(stock)} layers for a config with {len(types)} layer types")
+    return [make_layer(i) if t == "full_attention" else stock[i] for i, t in enumerate(types)]
+
+
+class RowSelectionMixin:
+    """`reorder_cache` / `batch_repeat_interleave` / `batch_select_indices` of a cache layer, all through the layer's
+    `_select_rows(index)` (a LongTensor of the rows to keep, in order); `is_initialized`, `batch` and `device` come
+    from the layer."""
+
+    def _select_rows(self, index: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            self._select_rows(beam_idx.long())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._select_rows(torch.arange(self.batch, device=self.device).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._select_rows(torch.arange(self.batch, device=self.device)[indices])
+
+
+def sum_layer_bytes(per_layer: dict, field: str, keys) -> dict:
+    """`{key: sum over the layers' stats()[field][key]}` (a missing key counts 0)."""
+    return {k: sum(s[field].get(k, 0) for s in per_layer.values()) for k in keys}
+
+
+def stock_layer_bytes(layers, skip) -> int:
+    """Bytes of the keys/values the stock (not compressed) layers hold; `skip` the indices of the compressed ones."""
+    total = 0
+    for i, layer in enumerate(layers):
+        if i not in skip and isinstance(getattr(layer, "keys", None), torch.Tensor):
+            total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+    return total
