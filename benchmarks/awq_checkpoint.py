@@ -10,7 +10,7 @@ asymmetric 4-bit grid (scale, zero point), and stored in the AWQ GEMM layout tha
 - `scales`: FP16 [in_features / group_size, out_features];
 - weight[out, in] = (q[in, out] - zero[in // group_size, out]) * scale[in // group_size, out].
 
-Used by `tests/test_awq.py` (tiny Llama, CPU) and `benchmarks/awq_h200.py` (Llama-3.1-8B architecture, on the GPU).
+Used by `tests/test_gaac_awq.py` (tiny Llama, CPU) and `benchmarks/awq_h200.py` (Llama-3.1-8B architecture, on the GPU).
 """
 
 from __future__ import annotations

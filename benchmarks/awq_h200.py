@@ -13,7 +13,7 @@ AWQ integration (gptqmodel kernel chosen by `--backend`), calibrates GAAC on the
 transformers loads AWQ models in FP16 on CUDA whatever `dtype` says. With `--activations bf16` (the default) the
 model is cast to BF16 after loading (scales and norms; the packed int32 weights stay) and the JSON records how far its
 logits moved from the FP16 ones; with `--activations fp16` only DynamicCache runs (GAACCache refuses FP16 KV with a
-TypeError, tested in tests/test_awq.py).
+TypeError, tested in tests/test_gaac_awq.py).
 
     python benchmarks/awq_h200.py --model-dir /tmp/llama8b-awq --backend torch_awq --out $OUT/awq_h200_torch.json
     python benchmarks/awq_h200.py --model tiny --model-dir /tmp/tiny-awq --context 256 --backend auto   # CPU dry run
@@ -95,7 +95,7 @@ def run(args) -> dict:
                                generator=torch.Generator().manual_seed(1))
         calibration = calibrate(model, [prompt], "random token ids (the model's own KV)")
         out["calibration_s"] = time.perf_counter() - t0
-    else:  # GAACCache refuses FP16 KV with a TypeError naming the dtype (tests/test_awq.py)
+    else:  # GAACCache refuses FP16 KV with a TypeError naming the dtype (tests/test_gaac_awq.py)
         runs = RUNS[:2]
     results = {}
     for name in runs:

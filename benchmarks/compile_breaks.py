@@ -20,14 +20,13 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
-from lossless import gqa_model_and_calibration  # noqa: E402
 
 import gaac_hf  # noqa: E402,F401  (registers "gaac")
 from gaac_hf import GAACCache  # noqa: E402
 from gaac_hf.model_layers import cache_kwarg  # noqa: E402
 from gaac_hf.static_cache import GAACStaticCache, PlainStaticCache  # noqa: E402
+from gaac_hf.testing import gqa_model_and_calibration  # noqa: E402
 
 
 def explain_step(model, cache, token):

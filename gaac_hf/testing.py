@@ -1,18 +1,20 @@
-"""The lossless check shared by the GPU, multi-GPU and tensor-parallel tests."""
+"""The lossless check shared by the GPU, multi-GPU and tensor-parallel tests and the benchmarks that rerun them:
+a GQA test model calibrated on its own KV, DynamicCache vs GAACCache generations, bit-identical comparison."""
 
 import torch
 from transformers import DynamicCache
 
-from gaac_hf import GAACCache
-from gaac_hf.model_layers import cache_kwarg
+from .cache import GAACCache
+from .model_layers import cache_kwarg
 
 
 def gqa_model_and_calibration(device):
     """A 3-layer BF16 Llama (8 query / 2 KV heads, head_dim 128) on `device`, GAAC-calibrated on its own KV."""
-    from conftest import tiny_llama_config
     from transformers import AutoModelForCausalLM
 
-    from gaac_hf.calibrate import calibrate
+    from hf_common.testing import tiny_llama_config
+
+    from .calibrate import calibrate
 
     torch.manual_seed(0)
     cfg = tiny_llama_config(num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=128,

@@ -6,6 +6,10 @@
   argument exists;
 * `hf_common.console`: the `gaac-hf` and `dgap-hf` command lines (argument parsing only; each command runs from its
   package's `cli` module).
+* `hf_common.cache_layers`: what `GAACCache` and `LowBitCache` share (the layer list of full-attention layers and
+  stock layers, the row-selection methods, the byte tallies); the one module here that imports torch and
+  transformers at import, so only the cache modules import it;
+* `hf_common.testing`: tiny model configs for the tests and benchmarks of both packages.
 
 It lives outside `gaac_hf` because importing anything under `gaac_hf` runs `gaac_hf/__init__.py`, which registers
 the `"gaac"` attention (and so imports torch and transformers).

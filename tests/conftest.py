@@ -1,3 +1,5 @@
+"""Fixtures only (builders live in `hf_common.testing`, `gaac_hf.testing` and `tests/gaac_triton_cases.py`)."""
+
 import os
 
 # Without a GPU, Triton kernels run in Triton's interpreter; this must be set before anything imports triton.
@@ -26,18 +28,11 @@ def smollm2():
     return load_default_model()
 
 
-def tiny_llama_config(**overrides):
-    from transformers import LlamaConfig
-
-    kw = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
-    kw.update(overrides)
-    return LlamaConfig(**kw)
-
-
 @pytest.fixture(scope="session")
 def tiny_llama():
     from transformers import AutoModelForCausalLM
+
+    from hf_common.testing import tiny_llama_config
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(tiny_llama_config(), dtype=torch.bfloat16).eval()

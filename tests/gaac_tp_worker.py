@@ -1,4 +1,4 @@
-"""One rank of a tensor-parallel generate (run by torchrun from tests/test_tensor_parallel.py): GAACCache vs
+"""One rank of a tensor-parallel generate (run by torchrun from tests/test_gaac_tensor_parallel.py): GAACCache vs
 DynamicCache on a model loaded with tp_plan="auto"; writes this rank's verdict as JSON."""
 
 import json
@@ -6,11 +6,11 @@ import os
 import sys
 
 import torch
-from lossless import generate_both, same_generation
 from transformers import AutoModelForCausalLM
 
 import gaac_hf  # noqa: F401  (registers "gaac")
 from gaac_hf import GAACCalibration
+from gaac_hf.testing import generate_both, same_generation
 
 
 def main(model_dir, calibration_dir, out_dir, attn):

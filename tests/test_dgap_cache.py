@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import tiny_llama_config
+from hf_common.testing import tiny_llama_config
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import dgap_hf.cache as cache_mod

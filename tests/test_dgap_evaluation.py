@@ -123,7 +123,7 @@ def test_shipped_artifact_on_real_low_bit_logits(smollm2):
 # --- transformers' own QuantizedCache ---------------------------------------------------------------------------
 def test_processor_on_top_of_transformers_quantized_cache():
     pytest.importorskip("optimum.quanto")
-    from conftest import tiny_llama_config
+    from hf_common.testing import tiny_llama_config
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList, QuantizedCache
 
     cfg = tiny_llama_config(vocab_size=256, hidden_size=64, intermediate_size=128, head_dim=16)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama_config
+from hf_common.testing import tiny_llama_config
 from transformers import AutoModelForCausalLM
 
 from dgap_hf import DGAPModel, LowBitCache, LowBitConfig, LowBitLayer

@@ -7,7 +7,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import tiny_llama_config
+from hf_common.testing import tiny_llama_config
 from huggingface_hub import HfApi
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 

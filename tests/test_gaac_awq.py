@@ -18,13 +18,13 @@ os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "1")  # gptqmodel's CPU thread po
 pytest.importorskip("gptqmodel", reason="AWQ checkpoints load through gptqmodel: pip install 'gaac-hf[awq]'")
 
 import torch  # noqa: E402
-from conftest import tiny_llama_config  # noqa: E402
-from lossless import generate_both, same_generation  # noqa: E402
 from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
 
 from gaac_hf import GAACCache  # noqa: E402
 from gaac_hf.calibrate import calibrate  # noqa: E402
 from gaac_hf.model_layers import cache_kwarg  # noqa: E402
+from gaac_hf.testing import generate_both, same_generation  # noqa: E402
+from hf_common.testing import tiny_llama_config  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from awq_checkpoint import dequantize_awq, write_awq_checkpoint  # noqa: E402

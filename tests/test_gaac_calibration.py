@@ -6,7 +6,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import tiny_llama_config
+from hf_common.testing import tiny_llama_config
 
 from gaac_hf.calibrate import (
     best_window,

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from triton_cases import realistic_kv
+from gaac_triton_cases import realistic_kv
 
 from gaac_hf.codec import decode_tiles, encode_tiles
 from gaac_hf.cpu_decode import decode_slots

@@ -12,7 +12,7 @@ import torch
 from gaac_cuda import available, decode_attention, plain_decode_attention, plan
 from gaac_cuda.decode_attention import _SOURCE_FILE
 from gaac_hf.format import TileLayout
-from triton_cases import compress_kv, realistic_kv
+from gaac_triton_cases import compress_kv, realistic_kv
 
 gpu = pytest.mark.skipif(not available(), reason="needs a Hopper GPU with NVRTC")
 CUOBJDUMP = None

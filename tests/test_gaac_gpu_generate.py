@@ -5,7 +5,7 @@ import contextlib
 
 import pytest
 import torch
-from lossless import generate_both, gqa_model_and_calibration, same_generation
+from gaac_hf.testing import generate_both, gqa_model_and_calibration, same_generation
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gaac_hf  # noqa: F401  (registers "gaac")

@@ -3,7 +3,7 @@ its decode step is one graph, and the Triton append kernel leaves the state the 
 
 import pytest
 import torch
-from lossless import gqa_model_and_calibration, same_generation
+from gaac_hf.testing import gqa_model_and_calibration, same_generation
 
 import gaac_hf  # noqa: F401  (registers "gaac")
 from gaac_hf import ops

@@ -3,8 +3,8 @@ there, and tokens and logits equal DynamicCache (sdpa) or the same kernel over p
 
 import pytest
 import torch
-from conftest import tiny_llama_config
-from lossless import generate_both, same_generation
+from hf_common.testing import tiny_llama_config
+from gaac_hf.testing import generate_both, same_generation
 from transformers import AutoModelForCausalLM
 
 import gaac_hf  # noqa: F401  (registers "gaac")

@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import tiny_llama_config
+from hf_common.testing import tiny_llama_config
 from transformers import AutoModelForCausalLM
 from transformers.generation.configuration_utils import CompileConfig
 
@@ -125,7 +125,7 @@ def test_triton_kernels_in_the_compiled_step(llama, monkeypatch):
     from triton_ops.device import interpreted
 
     if not interpreted():
-        pytest.skip("on a GPU tests/test_gpu_static_cache.py runs these kernels on CUDA tensors")
+        pytest.skip("on a GPU tests/test_gaac_gpu_static_cache.py runs these kernels on CUDA tensors")
     monkeypatch.setenv("GAAC_HF_BACKEND", "triton")
     model, calibration = llama
     ids = _ids(27, 14, batch=2)
@@ -227,7 +227,7 @@ def test_triton_append_kernel_matches_torch_path():
     tails, lengths, counters and the decoded finalized blocks, through several block completions."""
     from triton_ops.gaac_append import gaac_append
 
-    from triton_cases import realistic_kv
+    from gaac_triton_cases import realistic_kv
 
     gen = torch.Generator().manual_seed(3)
     b, h, d, blocks, cap = 2, 2, 128, 4, 48
@@ -276,7 +276,7 @@ def test_triton_attention_reads_device_lengths():
     compressed equals plain bit for bit, for rows of different lengths, at one fixed split count."""
     from triton_ops.gaac_attention import gaac_decode_attention, plain_decode_attention
 
-    from triton_cases import realistic_kv
+    from gaac_triton_cases import realistic_kv
 
     gen = torch.Generator().manual_seed(4)
     b, h, nrep, d, cap_blocks = 2, 2, 2, 64, 5

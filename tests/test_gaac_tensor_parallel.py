@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_llama_config
+from hf_common.testing import tiny_llama_config
 from transformers import AutoModelForCausalLM
 
 from gaac_hf.calibrate import calibrate
@@ -38,7 +38,7 @@ def test_tensor_parallel_generation_is_lossless(artifacts, attn, tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
-           os.path.join(HERE, "tp_worker.py"), str(artifacts / "model"), str(artifacts / "calib"), str(tmp_path),
+           os.path.join(HERE, "gaac_tp_worker.py"), str(artifacts / "model"), str(artifacts / "calib"), str(tmp_path),
            attn]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

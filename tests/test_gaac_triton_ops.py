@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton_ops is imported
 triton = pytest.importorskip("triton")
 
-from triton_cases import compress_kv, realistic_kv  # noqa: E402
+from gaac_triton_cases import compress_kv, realistic_kv  # noqa: E402
 
 from gaac_hf.codec import decode_tiles  # noqa: E402
 from triton_ops.gaac_attention import gaac_decode_attention, plain_decode_attention  # noqa: E402

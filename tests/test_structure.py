@@ -12,9 +12,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("gaac_hf", "dgap_hf", "hf_common", "triton_ops")
-# dgap_hf/cache.py still has its own text_config / layer_types: it is being rewritten in another branch (issue 14),
-# which moves it onto hf_common.model_config. Remove this entry when that lands.
-PENDING_COPIES = {"dgap_hf/cache.py"}
 
 
 def module_files(root: Path = ROOT) -> dict[str, Path]:
@@ -121,13 +118,38 @@ def test_shared_helpers_have_one_home(name):
     for mod, path in module_files().items():
         rel = str(path.relative_to(ROOT))
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.FunctionDef) and node.name.lstrip("_") == name and rel not in PENDING_COPIES:
+            if isinstance(node, ast.FunctionDef) and node.name.lstrip("_") == name:
                 homes.append(rel)
     assert len(homes) <= 1, f"{name} is defined in {homes}"
     # and the copies' tell-tale: reading get_text_config by hand
     readers = [str(p.relative_to(ROOT)) for p in module_files().values()
-               if "get_text_config" in p.read_text() and str(p.relative_to(ROOT)) not in PENDING_COPIES]
+               if "get_text_config" in p.read_text()]
     assert readers == ["hf_common/model_config.py"]
+
+
+ROW_SELECTION = ("reorder_cache", "batch_repeat_interleave", "batch_select_indices")
+
+
+def test_dynamic_caches_share_the_layer_builder_and_row_selection():
+    """GAACCache and LowBitCache build their layer lists with `hf_common.cache_layers` (the only module that builds a
+    stock `DynamicCache` for its layers) and get the row-selection trio from its mixin."""
+    from dgap_hf.cache import LowBitLayer
+    from gaac_hf.cache import GAACLayer
+    from hf_common.cache_layers import RowSelectionMixin
+
+    for cls in (GAACLayer, LowBitLayer):
+        assert issubclass(cls, RowSelectionMixin)
+        assert not set(ROW_SELECTION) & set(vars(cls)), f"{cls.__name__} redefines the row selection"
+        assert "_select_rows" in vars(cls)
+    builders = [str(p.relative_to(ROOT)) for p in module_files().values() if "DynamicCache(config=config)" in
+                re.sub(r'""".*?"""|#.*', "", p.read_text(), flags=re.S)]
+    assert builders == ["hf_common/cache_layers.py"]
+
+
+def test_hf_common_imports_no_torch():
+    out = _python("import sys\nimport hf_common, hf_common.model_config, hf_common.artifacts, hf_common.console\n"
+                  "print('torch imported:', 'torch' in sys.modules)\n")
+    assert "torch imported: False" in out
 
 
 def _python(code: str) -> str:
@@ -179,3 +201,21 @@ def test_dgap_hf_version_and_defaults_in_help(capsys):
         build_parser().parse_args(["collect", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: K1V1,K2V2,K4V4,K8V8)" in text and "(default: 128)" in text
+
+
+SHARED_TESTS = {"test_structure.py", "test_packaging.py", "test_model_identity.py", "test_artifact_paths.py"}
+
+
+def test_tests_are_named_by_product_and_import_no_conftest():
+    """`tests/test_gaac_*` / `tests/test_dgap_*` (plus the few shared ones); builders come from helper modules, never
+    from conftest (fixtures only); no benchmark reaches into tests/ through sys.path."""
+    tests = ROOT / "tests"
+    unnamed = [p.name for p in tests.glob("test_*.py")
+               if not p.name.startswith(("test_gaac_", "test_dgap_")) and p.name not in SHARED_TESTS]
+    assert unnamed == []
+    from_conftest = [p.name for p in tests.glob("*.py") for node in _imports(ast.parse(p.read_text()))
+                     if isinstance(node, ast.ImportFrom) and node.module == "conftest"]
+    assert from_conftest == []
+    reach = [str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").rglob("*.py")
+             if re.search(r"sys\.path\.insert\([^)]*tests", p.read_text())]
+    assert reach == []

@@ -11,7 +11,7 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 MODE=${1:-all}
 if [ "$MODE" != bench ]; then
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x tests/test_cuda_ops.py 2>&1 | tee "$OUT/test_cuda_ops.log" | tail -25
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x tests/test_gaac_cuda_ops.py 2>&1 | tee "$OUT/test_cuda_ops.log" | tail -25
 fi
 if [ "$MODE" != test ]; then
   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/attention.py --real-kv .bench/real_kv_2k.safetensors ${BENCH_ARGS:---no-triton --shapes 2 --cuda-sweep} \

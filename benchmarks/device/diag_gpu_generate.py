@@ -1,19 +1,15 @@
-"""Diagnose a GAACCache-vs-DynamicCache mismatch under sdpa with left padding (tests/test_gpu_generate.py).
+"""Diagnose a GAACCache-vs-DynamicCache mismatch under sdpa with left padding (tests/test_gaac_gpu_generate.py).
 
 Runs the four generate cases of that test, reruns the DynamicCache reference to see whether it is deterministic, and
 checks the CUDA decode kernel against the torch reference decode on every layer's pools.
 
     PYTHONPATH=$PWD python3 benchmarks/device/diag_gpu_generate.py
 """
-import sys
-
 import torch
 
-sys.path.insert(0, "tests")
-from lossless import generate_both, gqa_model_and_calibration, same_generation  # noqa: E402
-
-import gaac_hf  # noqa: E402,F401
-from gaac_hf.codec import decode_tiles  # noqa: E402
+import gaac_hf  # noqa: F401
+from gaac_hf.codec import decode_tiles
+from gaac_hf.testing import generate_both, gqa_model_and_calibration, same_generation
 
 
 def diff(a, b):
