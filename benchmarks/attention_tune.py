@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from attention import SHAPES, bench, compress, real_kv  # noqa: E402
 
 from gaac_hf.format import TileLayout  # noqa: E402
-from triton_ops.gaac_attention import fused_compressed_attention, fused_plain_attention, plain_as_raw_tiles  # noqa: E402,E501
+from triton_ops.gaac_attention import (  # noqa: E402
+    fused_compressed_attention, fused_plain_attention, plain_as_raw_tiles)
 
 
 def main():

@@ -185,3 +185,14 @@ def test_a_layout_that_does_not_match_the_pool_is_refused():
         expand_tiles(*args, TileLayout(64, 48))
     with pytest.raises(ValueError, match="128-channel tiles"):
         expand_tiles(*args, TileLayout(128, 32))
+
+
+def test_triton_ops_restates_no_slot_offset():
+    """The slot layout lives in `gaac_hf/format.py` alone: no kernel file derives a section offset or a slot size."""
+    import re
+    from pathlib import Path
+
+    offset = re.compile(r"^\s*(?:PLANES|TAGS|ESC)\s*:\s*tl\.constexpr\s*=|16 \* (?:C|c|channels) \+ \d+ \*", re.M)
+    root = Path(__file__).resolve().parents[1] / "triton_ops"
+    found = {p.name: offset.findall(p.read_text()) for p in root.glob("*.py")}
+    assert not {name: hits for name, hits in found.items() if hits}

@@ -42,8 +42,8 @@ def chunk_words(slot_ptr, slot_w_ptr, entry, live, b3w, b4w, SLOT_BYTES, C: tl.c
 
     `slot_ptr` / `slot_w_ptr`: the slot pool as bytes / as int32 words. `b3w`, `b4w` `[1, C/2]` uint32: the bases of
     the tile's channels for each word (channel `(4w) % C`). PLANES, TAGS, ESC: the slot layout's byte offsets of
-    the code planes, the mode tags and the escape area (from the caller: `triton_ops.layout`). Returns planes P0..P7, the base word and whether any
-    group is raw (planes 4-7 are zero otherwise)."""
+    the code planes, the mode tags and the escape area (from the caller: `triton_ops.layout`). Returns planes
+    P0..P7, the base word and whether any group is raw (planes 4-7 are zero otherwise)."""
     GW: tl.constexpr = C // 2  # words per tile row of groups (G = 2C groups, 4 per word)
     G: tl.constexpr = 2 * C
     w = tl.arange(0, GW)[None, :]
