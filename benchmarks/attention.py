@@ -23,8 +23,8 @@ from gaac_hf.calibrate import choose_escape_capacity, exponent_histogram, window
 from gaac_hf.codec import encode_tiles, escape_bytes, group_modes, split_fields, split_head
 from gaac_hf.format import TileLayout
 import gaac_cuda
-from triton_ops.gaac_attention import gaac_decode_attention, plain_as_raw_tiles, plain_decode_attention
-from triton_ops.gaac_decode import gaac_decode
+from triton_ops.gaac_attention import fused_compressed_attention, fused_plain_attention, plain_as_raw_tiles
+from triton_ops.gaac_decode import expand_tiles
 
 SHAPES = [  # (name, query heads, kv heads, head_dim, batch, context)
     ("llama8b", 32, 8, 128, 1, 16384), ("llama8b", 32, 8, 128, 1, 32768), ("llama8b", 32, 8, 128, 1, 65536),
@@ -148,6 +148,7 @@ def main():
         k, v = real_kv(pool.cpu(), b, hkv, s, d, gen)
         k, v = k.to(dev), v.to(dev)
         packed, info = compress(k, v)
+        layout = TileLayout(min(d, 128), info["escape_capacity"])
         scale = d ** -0.5
         q = torch.randn(b, hq, d, device=dev).to(torch.bfloat16)
         # correctness on this data
@@ -155,8 +156,8 @@ def main():
             q.float()[:, :, None], k.float(), v.float(), scale=scale, enable_gqa=True)[:, :, 0]
         identical = rel = None
         if not args.no_triton:
-            got = gaac_decode_attention(q, *packed[:5], packed[5], packed[6], scale)
-            plain = plain_decode_attention(q, k, v, scale)
+            got = fused_compressed_attention(q, *packed[:5], packed[5], packed[6], scale, layout)
+            plain = fused_plain_attention(q, k, v, scale, layout)
             identical = torch.equal(got.view(torch.int16), plain.view(torch.int16))
             rel = ((got.float() - ref).norm() / ref.norm()).item()
         # rotating buffers: copies at other addresses
@@ -170,10 +171,10 @@ def main():
 
         def run_gaac(i):
             pk = bufs[i][0]
-            gaac_decode_attention(q, *pk[:5], pk[5], pk[6], scale)
+            fused_compressed_attention(q, *pk[:5], pk[5], pk[6], scale, layout)
 
         def run_plain(i):
-            plain_decode_attention(q, bufs[i][1], bufs[i][2], scale, plain=plains[i])
+            fused_plain_attention(q, bufs[i][1], bufs[i][2], scale, layout, plain=plains[i])
 
         def sdpa(backend):
             def run(i):
@@ -189,8 +190,8 @@ def main():
             n = table.shape[1]
             c = raw_pool.shape[-1]
             period = table.shape[2] * table.shape[3] * table.shape[4]
-            tiles = gaac_decode(table.reshape(b, n, period), slot_pool, raw_pool, b3.reshape(period, c),
-                                b4.reshape(period, c))
+            tiles = expand_tiles(table.reshape(b, n, period), slot_pool, raw_pool, b3.reshape(period, c),
+                                 b4.reshape(period, c), layout)
             kv = tiles.reshape(b, n, 2, hkv, d // c, 16, c).permute(0, 2, 3, 1, 5, 4, 6).reshape(b, 2, hkv, n * 16, d)
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 torch.nn.functional.scaled_dot_product_attention(q4, kv[:, 0], kv[:, 1], scale=scale, enable_gqa=True)
@@ -198,7 +199,6 @@ def main():
         variants = {}
         cuda_info = {}
         if gaac_cuda.available(dev):
-            layout = TileLayout(min(d, 128), info["escape_capacity"])
             kv_len = torch.full((b,), s, dtype=torch.int32, device=dev)
             pc = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes)
             pp = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True)
@@ -283,8 +283,9 @@ def main():
                 row["twin_vs_cudnn" + sfx] = times["cudnn_sdpa" + sfx]["us"] / times["cuda_same_kernel_bf16" + sfx]["us"]
         if shape_index == args.breakdown_shape and not args.no_triton:
             row["breakdown_us"] = {
-                label: bench(lambda i, st=st: gaac_decode_attention(q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6],
-                                                                    scale, stages=st), args.buffers)
+                label: bench(lambda i, st=st: fused_compressed_attention(q, *bufs[i][0][:5], bufs[i][0][5],
+                                                                         bufs[i][0][6], scale, layout, stages=st),
+                             args.buffers)
                 for label, st in (("full", ("recon", "math")), ("no_reconstruction", ("math",)),
                                   ("no_math", ("recon",)), ("loads_only", ()))}
         results["rows"].append(row)

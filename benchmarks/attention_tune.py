@@ -23,7 +23,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.dirname(__file__))
 from attention import SHAPES, bench, compress, real_kv  # noqa: E402
 
-from triton_ops.gaac_attention import gaac_decode_attention, plain_as_raw_tiles, plain_decode_attention  # noqa: E402
+from gaac_hf.format import TileLayout  # noqa: E402
+from triton_ops.gaac_attention import (  # noqa: E402
+    fused_compressed_attention, fused_plain_attention, plain_as_raw_tiles)
 
 
 def main():
@@ -45,6 +47,7 @@ def main():
     k, v = real_kv(load_file(args.real_kv)["kv"], b, hkv, s, d, gen)
     k, v = k.to(dev), v.to(dev)
     packed, info = compress(k, v)
+    layout = TileLayout(min(d, 128), info["escape_capacity"])
     scale = d ** -0.5
     q = torch.randn(b, hq, d, device=dev).to(torch.bfloat16)
     bufs = [(packed, k, v)] + [(tuple(x.clone() for x in packed), k.clone(), v.clone())
@@ -57,10 +60,11 @@ def main():
            "shape": [name, hq, hkv, d, b, s], "info": info, "bf16_bytes": bf16_bytes, "configs": []}
 
     def gaac(cfg):
-        return lambda i: gaac_decode_attention(q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], scale, **cfg)
+        return lambda i: fused_compressed_attention(q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], scale, layout,
+                                                    **cfg)
 
     def plain(cfg):
-        return lambda i: plain_decode_attention(q, bufs[i][1], bufs[i][2], scale, plain=plains[i], **cfg)
+        return lambda i: fused_plain_attention(q, bufs[i][1], bufs[i][2], scale, layout, plain=plains[i], **cfg)
 
     grid = itertools.product(*(map(int, x.split(",")) for x in (args.blocks, args.warps, args.stages, args.per_sm,
                                                                    args.prefetch, args.hoist)))

@@ -5,14 +5,15 @@ Importing this module registers `"gaac"` with `transformers.AttentionInterface` 
 `AutoModelForCausalLM.from_pretrained(..., attn_implementation="gaac")` or `model.set_attn_implementation("gaac")`
 after importing `gaac_hf`.
 
-* Decode (one query token, no unusual kwargs): on CUDA the fused Triton kernel (`triton_ops.gaac_attention`),
-  reading slots, raw tiles and the tail in place, or the same kernel over plain KV. On the CPU
-  `gaac_decode_attention`, a torch reference that walks the KV block by
-  block, `DECODE_CHUNK_BLOCKS` 16-token blocks at a time, with an fp32 online softmax, GQA without `repeat_kv`, and
-  the bool mask (left padding) honoured. Fed `GAACLazyKV` from a `GAACCache`, it decodes one chunk of compressed
-  blocks at a time and never materializes the whole decompressed cache; fed plain BF16 K/V (e.g. from a
-  `DynamicCache`), it slices the same chunks. The chunks it computes on are bit-identical either way, so the output
-  is bit-identical: that is the lossless contract of `"gaac"`.
+* Decode (one query token, no unusual kwargs): `gaac_decode_attention` (the user-facing attention of one query
+  token). On CUDA it runs the fused kernel (`gaac_cuda`, or Triton's `fused_compressed_attention`), reading slots,
+  raw tiles and the tail in place, or the same kernel over plain KV (`fused_plain_attention`). On the CPU it runs
+  the torch reference (`ops.reference_attention`), which walks the KV block by block, `DECODE_CHUNK_BLOCKS`
+  16-token blocks at a time, with an fp32 online softmax, GQA without `repeat_kv`, and the bool mask (left padding)
+  honoured. Fed `GAACLazyKV` from a `GAACCache`, it expands one chunk of compressed blocks at a time and never
+  materializes the whole decompressed cache; fed plain BF16 K/V (e.g. from a `DynamicCache`), it slices the same
+  chunks. The chunks it computes on are bit-identical either way, so the output is bit-identical: that is the
+  lossless contract of `"gaac"`.
 * Anything else (prefill and verify steps with several query tokens, softcap, sinks, position bias, sliding window,
   output_attentions, dropout in training): `transformers.integrations.sdpa_attention.sdpa_attention_forward` over
   the expanded context.
@@ -27,7 +28,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .cache import GAAC_ATTENTION_NAME, CompressedKV, GAACLazyKV
 from .format import BLOCK_TOKENS
-from .ops import DecodePlan, PlainRecord, decode_attention, plain_decode_attention, reference_decode, splits
+from .ops import DecodePlan, PlainRecord, decode_attention, plain_decode_attention, reference_attention, splits
 
 # Blocks of 16 tokens per decode step of the online softmax (the chunking is part of the math: both the compressed
 # and the plain path use it, so they stay bit-identical whatever its value).
@@ -70,7 +71,7 @@ def _mask_rows(mask: torch.Tensor | None, batch: int) -> tuple[bool, torch.Tenso
     return True, mask[:, 0, 0, :].expand(batch, -1)
 
 
-def _fused_decode(query, source, attention_mask, scale):
+def _fused_attention(query, source, attention_mask, scale):
     """The fused kernel on CUDA (through the `gaac::` ops): compressed blocks read in place, or plain KV."""
     b, hq, _, d = query.shape
     ok, mask = _mask_rows(attention_mask, b)
@@ -105,11 +106,11 @@ def gaac_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
         raise ValueError(f"{hq} query heads do not group over {hkv} KV heads")
     scale = d ** -0.5 if scaling is None else scaling
     if query.is_cuda and query.dtype == torch.bfloat16:
-        fused = _fused_decode(query, source, attention_mask, scale)
+        fused = _fused_attention(query, source, attention_mask, scale)
         if fused is not None:
             return fused
-    out = reference_decode(query.reshape(b, hq, d), source.chunk, source.length, scale, attention_mask,
-                           chunk_tokens=BLOCK_TOKENS * (chunk_blocks or DECODE_CHUNK_BLOCKS))
+    out = reference_attention(query.reshape(b, hq, d), source.chunk, source.length, scale, attention_mask,
+                              chunk_tokens=BLOCK_TOKENS * (chunk_blocks or DECODE_CHUNK_BLOCKS))
     return out.unsqueeze(1)
 
 

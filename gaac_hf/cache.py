@@ -351,7 +351,7 @@ class GAACLayer(RowSelectionMixin, CacheLayerMixin):
         """Table entries `[B, n, 2, H, tiles]` -> BF16 KV `[B, 2, H, n * 16, D]`, bit-exact."""
         b, n, _, h, t = table.shape
         b3, b4 = self._flat_bases()
-        tiles = ops.decode(table.reshape(b, n, 2 * h * t), slot_pool, raw_pool, b3, b4)
+        tiles = ops.expand_tiles(table.reshape(b, n, 2 * h * t), slot_pool, raw_pool, b3, b4)
         return ops.blocks_of(tiles, h)
 
     def _decode_blocks(self, b0: int, b1: int) -> torch.Tensor:

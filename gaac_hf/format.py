@@ -64,6 +64,14 @@ class TileLayout:
         if self.escape_capacity < 0 or self.escape_capacity % ALIGN:
             raise ValueError(f"escape capacity must be a non-negative multiple of {ALIGN}, not {self.escape_capacity}")
 
+    @classmethod
+    def of_slot_bytes(cls, channels: int, slot_bytes: int) -> "TileLayout":
+        """The layout whose slots are `slot_bytes` long (e.g. a slot pool's row size)."""
+        capacity = slot_bytes - cls(channels, 0).fixed_bytes
+        if capacity < 0:
+            raise ValueError(f"{slot_bytes}-byte slots are shorter than the fixed part of a {channels}-channel slot")
+        return cls(channels, capacity)
+
     @property
     def elements(self) -> int:
         return BLOCK_TOKENS * self.channels

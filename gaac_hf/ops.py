@@ -1,6 +1,7 @@
 """The kernels behind the GAAC caches, one entry point per job, the backend chosen per device in `_backend`.
 
-* `encode` / `decode`: tiles <-> slots (the Triton kernels on CUDA, the torch codec elsewhere; bit-identical).
+* `encode` / `expand_tiles`: tiles -> slots, block-table entries -> tiles (the Triton kernels on CUDA, the torch
+  codec elsewhere; bit-identical). The slot layout (`format.TileLayout`) is passed down to every kernel.
 * `decode_attention` / `plain_decode_attention`: single-query attention over a compressed `DecodeRecord` or over
   plain BF16 KV, the same math either way (so their outputs are bit-identical), registered as `torch.library` custom
   ops (`gaac::decode_attention`, `gaac::plain_decode_attention`) with fake implementations, so Dynamo traces through
@@ -24,12 +25,16 @@ import torch
 
 from .codec import encode_tiles
 from .cpu_decode import decode_slots
-from .format import BLOCK_TOKENS, TileLayout
+from .format import BLOCK_TOKENS, TileLayout, tile_split
 
 try:  # the CUDA C++ kernels (a separate package); absent: Triton on CUDA
     import gaac_cuda
 except ImportError:
     gaac_cuda = None
+
+# Slot layouts, made once per shape (the eager step asks per layer): by escape capacity, by a pool's row size.
+_tile_layout = functools.lru_cache(maxsize=None)(TileLayout)
+_slot_layout = functools.lru_cache(maxsize=None)(TileLayout.of_slot_bytes)
 
 # Tokens per step of the torch reference's online softmax (part of its math: compressed and plain KV both use it).
 REFERENCE_CHUNK_TOKENS = 512
@@ -108,21 +113,22 @@ def encode(tiles: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, capaci
     if tiles.is_cuda:
         from triton_ops.gaac_encode import gaac_encode
 
-        slots, esc, counts = gaac_encode(tiles, base3, base4, capacity)
+        slots, esc, counts = gaac_encode(tiles, base3, base4, _tile_layout(tiles.shape[-1], capacity))
         return slots, esc <= capacity, counts
     enc = encode_tiles(tiles, base3, base4, capacity)
     counts = torch.stack([(enc.modes == m).sum(-1, dtype=torch.int32) for m in range(3)], -1)
     return enc.slots, enc.fits, counts
 
 
-def decode(table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor, base3: torch.Tensor,
-           base4: torch.Tensor) -> torch.Tensor:
+def expand_tiles(table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor, base3: torch.Tensor,
+                 base4: torch.Tensor) -> torch.Tensor:
     """Entries `[..., P]` (slot >= 0, else -1 - raw) with bases uint8 `[P, C]` -> BF16 tiles `[..., P, 16, C]`."""
     channels = raw_pool.shape[-1]
     if table.is_cuda:
-        from triton_ops.gaac_decode import gaac_decode
+        from triton_ops.gaac_decode import expand_tiles as triton_expand_tiles
 
-        return gaac_decode(table, slot_pool, raw_pool, base3, base4)
+        return triton_expand_tiles(table, slot_pool, raw_pool, base3, base4,
+                                   _slot_layout(channels, slot_pool.shape[-1]))
     # the CPU: decode every entry as a slot (raw entries, a small share, read slot 0 and are overwritten after)
     lead, p = table.shape[:-1], table.shape[-1]
     flat = table.reshape(-1)
@@ -155,9 +161,10 @@ def blocks_of(tiles: torch.Tensor, heads: int) -> torch.Tensor:
     return x.reshape(b, 2, heads, n * BLOCK_TOKENS, t * c)
 
 
-# --- the torch reference of the decode attention -----------------------------------------------------------------
-def reference_decode(query: torch.Tensor, chunks, length: int, scale: float, mask: torch.Tensor | None = None,
-                     kv_len: torch.Tensor | None = None, chunk_tokens: int = REFERENCE_CHUNK_TOKENS) -> torch.Tensor:
+# --- the torch reference of the decode-step attention -------------------------------------------------------------
+def reference_attention(query: torch.Tensor, chunks, length: int, scale: float, mask: torch.Tensor | None = None,
+                        kv_len: torch.Tensor | None = None,
+                        chunk_tokens: int = REFERENCE_CHUNK_TOKENS) -> torch.Tensor:
     """Single-query attention, block-chunked with an fp32 online softmax; GQA without repeat_kv.
 
     `query` `[B, H_q, D]`; `chunks(start, end)` returns BF16 K, V `[B, H_kv, end - start, D]` of tokens
@@ -214,7 +221,7 @@ def _compressed_chunks(slot_pool, raw_pool, table, tail_k, tail_v, base3, base4,
 
     def chunks(start: int, end: int):
         b0, b1 = start // BLOCK_TOKENS, -(-end // BLOCK_TOKENS)
-        tiles = decode(table[:, b0:b1].reshape(b, b1 - b0, p), slot_pool, raw_pool, b3, b4)
+        tiles = expand_tiles(table[:, b0:b1].reshape(b, b1 - b0, p), slot_pool, raw_pool, b3, b4)
         kv = blocks_of(tiles, h)  # [B, 2, H, (b1 - b0) * 16, D]
         for row, nf in enumerate(n_fin):
             if b0 <= nf < b1:
@@ -241,18 +248,19 @@ def _decode_attention_impl(query, slot_pool, raw_pool, table, tail_k, tail_v, ba
         b, hq, d = query.shape
         h = table.shape[3]
         channels = raw_pool.shape[-1]
-        layout = TileLayout(channels, slot_pool.shape[-1] - TileLayout(channels, 0).fixed_bytes)
+        layout = _slot_layout(channels, slot_pool.shape[-1])
         plan_ = _cuda_plan(b, h, hq // h, d, table.shape[1], layout.slot_bytes, False, num_splits, str(query.device))
         return gaac_cuda.decode_attention(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, kv_len,
                                           mask, scale, layout, plan_)
     if backend in ("triton", "gaac_cuda"):
-        from triton_ops.gaac_attention import gaac_decode_attention
+        from triton_ops.gaac_attention import fused_compressed_attention
 
-        return gaac_decode_attention(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, scale, mask,
-                                     kv_len=kv_len, num_splits=num_splits)
+        layout = _slot_layout(raw_pool.shape[-1], slot_pool.shape[-1])
+        return fused_compressed_attention(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, scale,
+                                          layout, mask, kv_len=kv_len, num_splits=num_splits)
     lens = kv_len.tolist()
     chunks = _compressed_chunks(slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, lens)
-    return reference_decode(query, chunks, max(lens), scale, _mask4(mask), kv_len)
+    return reference_attention(query, chunks, max(lens), scale, _mask4(mask), kv_len)
 
 
 @torch.library.custom_op("gaac::decode_attention", mutates_args=())
@@ -276,13 +284,14 @@ def _plain_decode_attention_impl(query, key, value, table, kv_len, mask, scale, 
         plan_ = _cuda_plan(b, h, query.shape[1] // h, d, s // BLOCK_TOKENS, 0, True, num_splits, str(query.device))
         return gaac_cuda.plain_decode_attention(query, key, value, kv_len, mask, scale, plan_)
     if backend in ("triton", "gaac_cuda"):
-        from triton_ops.gaac_attention import plain_decode_attention
+        from triton_ops.gaac_attention import fused_plain_attention
 
-        return plain_decode_attention(query, key, value, scale, mask, kv_len=kv_len, table=table,
-                                      num_splits=num_splits)
+        layout = _tile_layout(tile_split(key.shape[-1])[1], 0)  # no slot is read; its offsets: the same binary
+        return fused_plain_attention(query, key, value, scale, layout, mask, kv_len=kv_len, table=table,
+                                     num_splits=num_splits)
     lens = kv_len.tolist()
-    return reference_decode(query, lambda s, e: (key[:, :, s:e], value[:, :, s:e]), max(lens), scale, _mask4(mask),
-                            kv_len)
+    return reference_attention(query, lambda s, e: (key[:, :, s:e], value[:, :, s:e]), max(lens), scale,
+                               _mask4(mask), kv_len)
 
 
 @torch.library.custom_op("gaac::plain_decode_attention", mutates_args=())
@@ -386,12 +395,12 @@ def _append_token_op(key: torch.Tensor, value: torch.Tensor, tail_k: torch.Tenso
                      counts: torch.Tensor) -> None:
     c = raw_pool.shape[-1]
     p = base3.numel() // c
-    capacity = slot_pool.shape[-1] - (16 * c + 6 * c + c // 2)
+    layout = _slot_layout(c, slot_pool.shape[-1])
     if _backend(key.device) != "torch":
         from triton_ops.gaac_append import gaac_append
 
         gaac_append(key, value, tail_k, tail_v, kv_len, base3.reshape(p, c), base4.reshape(p, c), slot_pool,
-                    raw_pool, table, slot_modes, raw_modes, counts)
+                    raw_pool, table, slot_modes, raw_modes, counts, layout)
         kv_len.add_(1)
         return
     rows = torch.arange(key.shape[0], device=key.device)
@@ -403,7 +412,8 @@ def _append_token_op(key: torch.Tensor, value: torch.Tensor, tail_k: torch.Tenso
     if done.numel():  # on the CPU a branch costs nothing; the CUDA kernel runs every step instead
         tiles = tiles_of(tail_k[done], tail_v[done])  # [R, 1, P, 16, C]
         store_blocks(tiles, done, (kv_len[done] // BLOCK_TOKENS - 1).long(), base3.reshape(p, c),
-                     base4.reshape(p, c), capacity, slot_pool, raw_pool, table, slot_modes, raw_modes, counts)
+                     base4.reshape(p, c), layout.escape_capacity, slot_pool, raw_pool, table, slot_modes, raw_modes,
+                     counts)
 
 
 @_append_token_op.register_fake

@@ -315,7 +315,7 @@ class GAACStaticLayer(_StaticLayerBase):
         step = max(1, ENCODE_MAX_TILES // (b * p))
         for b0 in range(0, n_blocks, step):
             b1 = min(n_blocks, b0 + step)
-            tiles = ops.decode(r.table[:, b0:b1].reshape(b, b1 - b0, p), r.slot_pool, r.raw_pool,
+            tiles = ops.expand_tiles(r.table[:, b0:b1].reshape(b, b1 - b0, p), r.slot_pool, r.raw_pool,
                                r.base3.reshape(p, c), r.base4.reshape(p, c))
             kv = ops.blocks_of(tiles, h)
             keys[:, :, b0 * BLOCK_TOKENS:b1 * BLOCK_TOKENS] = kv[:, 0]

@@ -20,6 +20,7 @@ import gaac_hf  # noqa: F401  (registers "gaac")
 from gaac_hf import ops
 from gaac_hf.calibrate import calibrate
 from gaac_hf.calibration import CalibrationMismatchError, GAACCalibration
+from gaac_hf.format import TileLayout
 from gaac_hf.model_layers import cache_kwarg
 from gaac_hf.static_cache import (GAACCacheFullError, GAACPoolOverflowError, GAACStaticCache, PlainStaticCache)
 
@@ -233,7 +234,7 @@ def test_triton_append_kernel_matches_torch_path():
     b, h, d, blocks, cap = 2, 2, 128, 4, 48
     c = d
     p = 2 * h
-    fixed = 16 * c + 6 * c + c // 2
+    layout = TileLayout(c, cap)
     tokens, vals, base3, base4 = realistic_kv(b, h, 40, d, gen)
 
     def state(device):
@@ -242,7 +243,7 @@ def test_triton_append_kernel_matches_torch_path():
         return dict(tail_k=torch.zeros(b, h, 16, d, dtype=torch.bfloat16, **kw),
                     tail_v=torch.zeros(b, h, 16, d, dtype=torch.bfloat16, **kw),
                     kv_len=torch.zeros(b, dtype=torch.int32, **kw),
-                    slot_pool=torch.zeros(n_all + 1, fixed + cap, dtype=torch.uint8, **kw),
+                    slot_pool=torch.zeros(n_all + 1, layout.slot_bytes, dtype=torch.uint8, **kw),
                     raw_pool=torch.zeros(n_all + 1, 16, c, dtype=torch.bfloat16, **kw),
                     table=torch.full((b, blocks, 2, h, 1), -1 - n_all, dtype=torch.int32, **kw),
                     slot_modes=torch.zeros(n_all + 1, 3, dtype=torch.int32, **kw),
@@ -257,14 +258,14 @@ def test_triton_append_kernel_matches_torch_path():
                                     ref["raw_modes"], ref["counts"])
         gaac_append(k.to(DEVICE), v.to(DEVICE), got["tail_k"], got["tail_v"], got["kv_len"],
                     base3.reshape(p, c).to(DEVICE), base4.reshape(p, c).to(DEVICE), got["slot_pool"], got["raw_pool"],
-                    got["table"], got["slot_modes"], got["raw_modes"], got["counts"])
+                    got["table"], got["slot_modes"], got["raw_modes"], got["counts"], layout)
         got["kv_len"].add_(1)
     got = {k: t.cpu() for k, t in got.items()}
     assert torch.equal(ref["kv_len"], got["kv_len"]) and torch.equal(ref["counts"], got["counts"])
     assert ref["counts"][0] > 0 and ref["counts"][1] > 0
     for s in (ref, got):
-        s["kv"] = ops.blocks_of(ops.decode(s["table"][:, :2].reshape(b, 2, p), s["slot_pool"], s["raw_pool"],
-                                           base3.reshape(p, c), base4.reshape(p, c)), h)
+        s["kv"] = ops.blocks_of(ops.expand_tiles(s["table"][:, :2].reshape(b, 2, p), s["slot_pool"], s["raw_pool"],
+                                                 base3.reshape(p, c), base4.reshape(p, c)), h)
     assert torch.equal(ref["kv"][:, 0].view(torch.int16), tokens[:, :, :32].view(torch.int16))
     assert torch.equal(ref["kv"][:, 1].view(torch.int16), vals[:, :, :32].view(torch.int16))
     assert torch.equal(got["kv"].view(torch.int16), ref["kv"].view(torch.int16))
@@ -274,7 +275,7 @@ def test_triton_append_kernel_matches_torch_path():
 def test_triton_attention_reads_device_lengths():
     """The Triton kernel over a static layout (table of NB_cap blocks, 16-row tail, per-row kv_len on the device):
     compressed equals plain bit for bit, for rows of different lengths, at one fixed split count."""
-    from triton_ops.gaac_attention import gaac_decode_attention, plain_decode_attention
+    from triton_ops.gaac_attention import fused_compressed_attention, fused_plain_attention
 
     from gaac_triton_cases import realistic_kv
 
@@ -287,7 +288,8 @@ def test_triton_attention_reads_device_lengths():
     p = 2 * h
     tiles = ops.tiles_of(key, value)  # [B, NB, P, 16, C]
     n_all = b * cap_blocks * p
-    slot_pool = torch.zeros(n_all + 1, 16 * d + 6 * d + d // 2 + 32, dtype=torch.uint8)
+    layout = TileLayout(d, 32)
+    slot_pool = torch.zeros(n_all + 1, layout.slot_bytes, dtype=torch.uint8)
     raw_pool = torch.zeros(n_all + 1, 16, d, dtype=torch.bfloat16)
     table = torch.full((b, cap_blocks, 2, h, 1), -1 - n_all, dtype=torch.int32)
     counts = torch.zeros(2, dtype=torch.int32)
@@ -302,10 +304,11 @@ def test_triton_attention_reads_device_lengths():
     mask[0, :3] = False
     to = lambda t: t.to(DEVICE)  # noqa: E731
     for splits in (1, 3):
-        got = gaac_decode_attention(to(q), to(slot_pool), to(raw_pool), to(table), to(tail_k), to(tail_v), to(base3),
-                                    to(base4), 0.125, to(mask), kv_len=to(kv_len), num_splits=splits).cpu()
-        ref = plain_decode_attention(to(q), to(key), to(value), 0.125, to(mask), kv_len=to(kv_len),
-                                     num_splits=splits).cpu()
+        got = fused_compressed_attention(to(q), to(slot_pool), to(raw_pool), to(table), to(tail_k), to(tail_v),
+                                         to(base3), to(base4), 0.125, layout, to(mask), kv_len=to(kv_len),
+                                         num_splits=splits).cpu()
+        ref = fused_plain_attention(to(q), to(key), to(value), 0.125, layout, to(mask), kv_len=to(kv_len),
+                                    num_splits=splits).cpu()
         assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
     # and it is attention over each row's own tokens
     for i, n in enumerate(kv_len.tolist()):

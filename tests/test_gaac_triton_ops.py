@@ -13,8 +13,9 @@ triton = pytest.importorskip("triton")
 from gaac_triton_cases import compress_kv, realistic_kv  # noqa: E402
 
 from gaac_hf.codec import decode_tiles  # noqa: E402
-from triton_ops.gaac_attention import gaac_decode_attention, plain_decode_attention  # noqa: E402
-from triton_ops.gaac_decode import gaac_decode  # noqa: E402
+from gaac_hf.format import TileLayout  # noqa: E402
+from triton_ops.gaac_attention import fused_compressed_attention, fused_plain_attention  # noqa: E402
+from triton_ops.gaac_decode import expand_tiles  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -26,14 +27,15 @@ def bits(x):
 
 @pytest.mark.parametrize("d, kind, capacity", [(64, "mixed", 32), (128, "mixed", 16), (256, "mixed", 48),
                                                (64, "raw", 1280), (64, "4bit", 256), (128, "mixed", 0)])
-def test_decode_kernel_is_bit_exact(d, kind, capacity):
+def test_expand_kernel_is_bit_exact(d, kind, capacity):
     gen = torch.Generator().manual_seed(d + capacity)
     k, v, b3, b4 = realistic_kv(2, 2, 48, d, gen, kind)
     slot_pool, raw_pool, table, _, _, fits = compress_kv(k, v, b3, b4, capacity)
     c = min(d, 128)
     period = table.shape[2] * table.shape[3] * table.shape[4]
-    out = gaac_decode(table.reshape(*table.shape[:2], period).to(DEVICE), slot_pool.to(DEVICE), raw_pool.to(DEVICE),
-                      b3.reshape(period, c).to(DEVICE), b4.reshape(period, c).to(DEVICE)).cpu()
+    out = expand_tiles(table.reshape(*table.shape[:2], period).to(DEVICE), slot_pool.to(DEVICE), raw_pool.to(DEVICE),
+                       b3.reshape(period, c).to(DEVICE), b4.reshape(period, c).to(DEVICE),
+                       TileLayout(c, capacity)).cpu()
     # the reference: decode every slot tile with the torch codec, raw tiles as they are
     ref = torch.empty_like(out.reshape(-1, 16, c))
     flat = table.reshape(-1)
@@ -88,9 +90,10 @@ def test_fused_attention_compressed_equals_plain(case):
     (q, k, v, sp, rp, tab, tk, tv, b3, b4, mask), _ = attention_case(b, h, nrep, s, d, kind, cap, sum(case[:5]), pad)
     scale = d ** -0.5
     for splits in (1, 3):
-        got = gaac_decode_attention(q, sp, rp, tab, tk, tv, b3, b4, scale, mask, num_splits=splits,
-                                    blocks_per_iter=8)
-        plain = plain_decode_attention(q, k, v, scale, mask, num_splits=splits, blocks_per_iter=8)
+        layout = TileLayout(min(d, 128), cap)
+        got = fused_compressed_attention(q, sp, rp, tab, tk, tv, b3, b4, scale, layout, mask, num_splits=splits,
+                                         blocks_per_iter=8)
+        plain = fused_plain_attention(q, k, v, scale, layout, mask, num_splits=splits, blocks_per_iter=8)
         assert torch.equal(bits(got), bits(plain)), "reconstruction changed the attention output"
     ref = reference_attention(q.cpu(), k.cpu(), v.cpu(), None if mask is None else mask.cpu(), scale)
     err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
@@ -102,8 +105,9 @@ def test_fused_attention_compressed_equals_plain(case):
 def test_fused_attention_large_on_gpu(s):
     (q, k, v, sp, rp, tab, tk, tv, b3, b4, mask), _ = attention_case(2, 2, 4, s, 128, "mixed", 32, s,
                                                                      pad=1 if s > 1 else 0)
-    got = gaac_decode_attention(q, sp, rp, tab, tk, tv, b3, b4, 128 ** -0.5, mask)
-    plain = plain_decode_attention(q, k, v, 128 ** -0.5, mask)
+    layout = TileLayout(128, 32)
+    got = fused_compressed_attention(q, sp, rp, tab, tk, tv, b3, b4, 128 ** -0.5, layout, mask)
+    plain = fused_plain_attention(q, k, v, 128 ** -0.5, layout, mask)
     assert torch.equal(bits(got), bits(plain))
     ref = reference_attention(q.cpu(), k.cpu(), v.cpu(), None if mask is None else mask.cpu(), 128 ** -0.5)
     assert ((got.cpu().double() - ref).norm() / ref.norm()).item() < 1e-2
@@ -124,8 +128,71 @@ def test_encode_kernel_is_bit_exact(d, kind, capacity):
     period = 2 * 2 * (d // c)
     flat = tiles.reshape(2, 3, period, 16, c)
     slots, esc, modes = gaac_encode(flat.to(DEVICE), b3.reshape(period, c).to(DEVICE),
-                                    b4.reshape(period, c).to(DEVICE), capacity)
+                                    b4.reshape(period, c).to(DEVICE), TileLayout(c, capacity))
     assert torch.equal(slots.cpu(), ref.slots.reshape(2, 3, period, -1))
     assert torch.equal(esc.cpu(), ref.escape_bytes.reshape(2, 3, period))
     counts = torch.stack([(ref.modes == m).sum(-1) for m in range(3)], -1).reshape(2, 3, period, 3)
     assert torch.equal(modes.cpu(), counts.to(torch.int32))
+
+
+class _PaddedLayout:
+    """A slot layout with 16 spare bytes before the code planes, the mode tags and the escape area: a stand-in for a
+    format change, to show that the kernels take every section offset from the layout they are given."""
+
+    def __init__(self, channels, escape_capacity):
+        base = TileLayout(channels, escape_capacity)
+        self.channels, self.escape_capacity = channels, escape_capacity
+        self.planes_offset = base.planes_offset + 16
+        self.tags_offset = base.tags_offset + 32
+        self.escape_offset = base.escape_offset + 48
+        self.slot_bytes = base.slot_bytes + 48
+        self.base = base
+
+
+def test_kernels_take_the_slot_offsets_from_the_layout():
+    from gaac_hf.codec import encode_tiles
+    from triton_ops.gaac_encode import gaac_encode
+
+    gen = torch.Generator().manual_seed(5)
+    c, cap, period = 64, 640, 4  # capacity 640: every tile fits, so every tile round-trips
+    k, v, b3, b4 = realistic_kv(1, 2, 16, c, gen, "mixed")
+    tiles = torch.stack([k, v], 1).reshape(1, period, 16, c)
+    b3, b4 = b3.reshape(period, c), b4.reshape(period, c)
+    ref = encode_tiles(tiles, b3, b4, cap).slots.reshape(period, -1)
+    padded = _PaddedLayout(c, cap)
+    slots, _, _ = gaac_encode(tiles.to(DEVICE), b3.to(DEVICE), b4.to(DEVICE), padded)
+    slots = slots.cpu().reshape(period, -1)
+    base = padded.base
+    sections = [(0, 0, base.planes_offset), (base.planes_offset, padded.planes_offset, base.tags_offset),
+                (base.tags_offset, padded.tags_offset, base.escape_offset),
+                (base.escape_offset, padded.escape_offset, base.slot_bytes)]
+    for start, moved, end in sections:  # each section sits where the padded layout puts it, bit for bit
+        assert torch.equal(slots[:, moved:moved + end - start], ref[:, start:end])
+    table = torch.arange(period, dtype=torch.int32).reshape(1, period)
+    raw_pool = torch.zeros(1, 16, c, dtype=torch.bfloat16)
+    out = expand_tiles(table.to(DEVICE), slots.to(DEVICE), raw_pool.to(DEVICE), b3.to(DEVICE), b4.to(DEVICE),
+                       padded).cpu()
+    assert torch.equal(bits(out.reshape(period, 16, c)), bits(tiles.reshape(period, 16, c)))
+
+
+def test_a_layout_that_does_not_match_the_pool_is_refused():
+    gen = torch.Generator().manual_seed(3)
+    k, v, b3, b4 = realistic_kv(1, 1, 16, 64, gen, "mixed")
+    slot_pool, raw_pool, table, _, _, _ = compress_kv(k, v, b3, b4, 32)
+    period = table.shape[2] * table.shape[3] * table.shape[4]
+    args = (table.reshape(1, -1, period), slot_pool, raw_pool, b3.reshape(period, 64), b4.reshape(period, 64))
+    with pytest.raises(ValueError, match="slot pool rows are"):
+        expand_tiles(*args, TileLayout(64, 48))
+    with pytest.raises(ValueError, match="128-channel tiles"):
+        expand_tiles(*args, TileLayout(128, 32))
+
+
+def test_triton_ops_restates_no_slot_offset():
+    """The slot layout lives in `gaac_hf/format.py` alone: no kernel file derives a section offset or a slot size."""
+    import re
+    from pathlib import Path
+
+    offset = re.compile(r"^\s*(?:PLANES|TAGS|ESC)\s*:\s*tl\.constexpr\s*=|16 \* (?:C|c|channels) \+ \d+ \*", re.M)
+    root = Path(__file__).resolve().parents[1] / "triton_ops"
+    found = {p.name: offset.findall(p.read_text()) for p in root.glob("*.py")}
+    assert not {name: hits for name, hits in found.items() if hits}

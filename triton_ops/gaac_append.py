@@ -16,13 +16,15 @@ import triton.language as tl
 
 from .device import on_device_of
 from .gaac_encode import mode_counts, store_slot, tile_modes
+from .layout import slot_constants
 
 
 @triton.jit
 def _append_kernel(k_ptr, v_ptr, tk_ptr, tv_ptr, len_ptr, b3_ptr, b4_ptr, slot_ptr, raw_ptr, table_ptr,
                    slot_modes_ptr, raw_modes_ptr, count_ptr,
                    s_kb, s_kh, s_vb, s_vh, s_tb, s_th, s_tt, H, NB_CAP, N_SLOTS, N_RAW, SLOT_BYTES, CAPACITY,
-                   C: tl.constexpr, TILES: tl.constexpr, E_PAD: tl.constexpr):
+                   C: tl.constexpr, TILES: tl.constexpr, E_PAD: tl.constexpr, PLANES: tl.constexpr,
+                   TAGS: tl.constexpr, ESC: tl.constexpr):
     pid = tl.program_id(0)
     tile = pid % TILES
     h = (pid // TILES) % H
@@ -54,7 +56,8 @@ def _append_kernel(k_ptr, v_ptr, tk_ptr, tv_ptr, len_ptr, b3_ptr, b4_ptr, slot_p
         if total <= CAPACITY:
             idx = tl.atomic_add(count_ptr, 1)
             idx = tl.where(idx < N_SLOTS, idx, N_SLOTS)  # past the pool: the scratch row (the counter tells)
-            store_slot(slot_ptr + idx.to(tl.int64) * SLOT_BYTES, sm, code, mode, CAPACITY, C, E_PAD)
+            store_slot(slot_ptr + idx.to(tl.int64) * SLOT_BYTES, sm, code, mode, CAPACITY, C, E_PAD, PLANES, TAGS,
+                       ESC)
             tl.store(slot_modes_ptr + idx * 3 + m, counts, mask=m < 3)
             entry = idx
         else:
@@ -70,23 +73,25 @@ def _append_kernel(k_ptr, v_ptr, tk_ptr, tv_ptr, len_ptr, b3_ptr, b4_ptr, slot_p
 def gaac_append(key: torch.Tensor, value: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor,
                 kv_len: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, slot_pool: torch.Tensor,
                 raw_pool: torch.Tensor, table: torch.Tensor, slot_modes: torch.Tensor, raw_modes: torch.Tensor,
-                counts: torch.Tensor) -> None:
+                counts: torch.Tensor, layout) -> None:
     """Append `key`/`value` `[B, H, 1, D]` (BF16, last dim contiguous) at `kv_len` and finalize completed blocks.
 
     tail_k/v BF16 `[B, H, 16, D]`; kv_len int32 `[B]` (not advanced here); base3/base4 uint8 `[2 * H * tiles, C]`;
     slot_pool uint8 `[N_slots + 1, slot_bytes]` and raw_pool BF16 `[N_raw + 1, 16, C]` (last rows: scratch);
-    table int32 `[B, NB_cap, 2, H, tiles]`, contiguous; slot_modes/raw_modes int32 `[N + 1, 3]`; counts int32 `[2]`.
+    table int32 `[B, NB_cap, 2, H, tiles]`, contiguous; slot_modes/raw_modes int32 `[N + 1, 3]`; counts int32 `[2]`;
+    layout: the slot layout (a `gaac_hf.format.TileLayout`, see `triton_ops.layout`).
     """
     b, h, q, d = key.shape
     if q != 1 or key.stride(-1) != 1 or value.stride(-1) != 1 or tail_k.stride() != tail_v.stride():
         raise ValueError("gaac_append takes one token per row, last dim contiguous, and equal tail strides")
     channels = raw_pool.shape[-1]
     tiles = d // channels
-    capacity = slot_pool.shape[-1] - (16 * channels + 3 * 2 * channels + 2 * (2 * channels // 8))
+    offsets = slot_constants(layout, channels, slot_pool.shape[-1])
+    capacity = layout.escape_capacity
     with on_device_of(key):
         _append_kernel[(b * 2 * h * tiles,)](
             key, value, tail_k, tail_v, kv_len, base3, base4, slot_pool, raw_pool, table, slot_modes, raw_modes,
             counts, key.stride(0), key.stride(1), value.stride(0), value.stride(1), tail_k.stride(0),
             tail_k.stride(1), tail_k.stride(2), h, table.shape[1], slot_pool.shape[0] - 1, raw_pool.shape[0] - 1,
             slot_pool.shape[-1], capacity, C=channels, TILES=tiles,
-            E_PAD=max(16, triton.next_power_of_2(max(capacity, 1))))
+            E_PAD=max(16, triton.next_power_of_2(max(capacity, 1))), **offsets)

@@ -1,4 +1,5 @@
-"""Fused split-K decode attention over GAAC-compressed KV (slots + raw tiles + BF16 tail).
+"""Fused split-K attention of one query token (the decode step) over GAAC-compressed KV (slots + raw tiles + BF16
+tail): `fused_compressed_attention`, and `fused_plain_attention` over plain BF16 KV.
 
 Grid: (batch x kv-head, split). A program reads each KV tile once for all query heads of its GQA group, reconstructs
 BF16 in registers (`tile.chunk_words`, `tile.token_rows`) and keeps an fp32 online softmax (base 2); a second kernel
@@ -7,7 +8,7 @@ once, then its 8 token slices (token I of each half block, 2 NB rows each) are r
 another: first all K slices (scores), one softmax update for the chunk, then all V slices. The next chunk's tiles are
 prefetched into L2 meanwhile.
 
-`plain_decode_attention` runs the very same compiled kernel over plain BF16 KV, presented as raw tiles: the lossless
+`fused_plain_attention` runs the very same compiled kernel over plain BF16 KV, presented as raw tiles: the lossless
 reference. Reconstruction only changes where the BF16 bits come from, so both give identical output bits.
 """
 
@@ -18,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .device import interpreted, on_device_of
+from .layout import slot_constants
 from .tile import chunk_words, prefetch_tiles, slot_row_words, token_rows
 
 BLOCK = 16
@@ -44,7 +46,8 @@ def _base_words(b3_ptr, b4_ptr, KV: tl.constexpr, TILE: tl.constexpr, hk, H_KV, 
 
 
 @triton.jit
-def _chunk(slot_ptr, slot_w_ptr, entry, live, b3w, b4w, SLOT_BYTES, NB: tl.constexpr, C: tl.constexpr):
+def _chunk(slot_ptr, slot_w_ptr, entry, live, b3w, b4w, SLOT_BYTES, NB: tl.constexpr, C: tl.constexpr,
+           PLANES: tl.constexpr, TAGS: tl.constexpr, ESC: tl.constexpr):
     """Classify the table entries of NB blocks (`entry` `[NB, 1]`) and, where any is a slot, load their
     group-level words: `(in_slot, in_raw, any_slot, any_raw, p0..p7, base, has_raw)`."""
     in_slot = live & (entry >= 0)
@@ -55,7 +58,7 @@ def _chunk(slot_ptr, slot_w_ptr, entry, live, b3w, b4w, SLOT_BYTES, NB: tl.const
     p0, p1, p2, p3, p4, p5, p6, p7, base, has_raw = z, z, z, z, z, z, z, z, z, any_slot != any_slot
     if any_slot:
         p0, p1, p2, p3, p4, p5, p6, p7, base, has_raw = chunk_words(slot_ptr, slot_w_ptr, entry, in_slot, b3w, b4w,
-                                                                    SLOT_BYTES, C)
+                                                                    SLOT_BYTES, C, PLANES, TAGS, ESC)
     return in_slot, in_raw, any_slot, any_raw, p0, p1, p2, p3, p4, p5, p6, p7, base, has_raw
 
 
@@ -151,7 +154,7 @@ def _split_kernel(q_ptr, slot_ptr, slot_w_ptr, raw_ptr, raw_w_ptr, rawv_ptr, raw
                   NREP: tl.constexpr, NREP_PAD: tl.constexpr, C: tl.constexpr, TILES: tl.constexpr,
                   NB: tl.constexpr, HAS_MASK: tl.constexpr, F32: tl.constexpr, RECON: tl.constexpr,
                   MATH: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, SLOT_LINES: tl.constexpr,
-                  HOIST: tl.constexpr):
+                  HOIST: tl.constexpr, PLANES: tl.constexpr, TAGS: tl.constexpr, ESC: tl.constexpr):
     D: tl.constexpr = C * TILES
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -205,12 +208,12 @@ def _split_kernel(q_ptr, slot_ptr, slot_w_ptr, raw_ptr, raw_w_ptr, rawv_ptr, raw
             nek1 = tl.load(table_ptr + noff + 1, mask=nlive, other=0)
             nev1 = tl.load(table_ptr + noff + s_tkv + 1, mask=nlive, other=0)
         sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb, krw = _chunk(
-            slot_ptr, slot_w_ptr, ek, live, b3k0, b4k0, SLOT_BYTES, NB, C)
+            slot_ptr, slot_w_ptr, ek, live, b3k0, b4k0, SLOT_BYTES, NB, C, PLANES, TAGS, ESC)
         sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1 = \
             sk, rk, ask, ark, k0_, k1_, k2_, k3_, k4_, k5_, k6_, k7_, kb, krw
         if TILES == 2:
             sk1, rk1, ask1, ark1, k10, k11, k12, k13, k14, k15, k16, k17, kb1, krw1 = _chunk(
-                slot_ptr, slot_w_ptr, ek1, live, b3k1, b4k1, SLOT_BYTES, NB, C)
+                slot_ptr, slot_w_ptr, ek1, live, b3k1, b4k1, SLOT_BYTES, NB, C, PLANES, TAGS, ESC)
         if PREFETCH:
             prefetch_tiles(slot_ptr, raw_ptr, nek, nlive, SLOT_BYTES, RAW_TILE, RAW_ROW, C, SLOT_LINES)
             prefetch_tiles(slot_ptr, rawv_ptr, nev, nlive, SLOT_BYTES, RAW_TILE, RAW_ROW, C, SLOT_LINES)
@@ -278,12 +281,12 @@ def _split_kernel(q_ptr, slot_ptr, slot_w_ptr, raw_ptr, raw_w_ptr, rawv_ptr, raw
         l_i = l_i * alpha + tl.sum(((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)), axis=1)
         m_i = m_new
         sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_, vb, vrw = _chunk(
-            slot_ptr, slot_w_ptr, ev, live, b3v0, b4v0, SLOT_BYTES, NB, C)
+            slot_ptr, slot_w_ptr, ev, live, b3v0, b4v0, SLOT_BYTES, NB, C, PLANES, TAGS, ESC)
         sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1 = \
             sv, rv, asv, arv, v0_, v1_, v2_, v3_, v4_, v5_, v6_, v7_, vb, vrw
         if TILES == 2:
             sv1, rv1, asv1, arv1, v10, v11, v12, v13, v14, v15, v16, v17, vb1, vrw1 = _chunk(
-                slot_ptr, slot_w_ptr, ev1, live, b3v1, b4v1, SLOT_BYTES, NB, C)
+                slot_ptr, slot_w_ptr, ev1, live, b3v1, b4v1, SLOT_BYTES, NB, C, PLANES, TAGS, ESC)
         va0, va1, va2, va3, va4, va5, va6, va7 = None, None, None, None, None, None, None, None
         if HOIST:
             va0 = slot_row_words(slot_w_ptr, ev, sv, SLOT_BYTES, 0, NB, C)
@@ -390,7 +393,7 @@ def num_splits(batch_heads: int, n_blocks: int, device: torch.device, blocks_per
 
 
 def _launch(query, slot_pool, raw_pool, rawv_pool, raw_tile, raw_row, table, tail_k, tail_v, base3, base4, scale,
-            mask, kv_len, tail_shift=0, num_splits=None, blocks_per_iter=8, num_warps=4, num_stages=1,
+            mask, kv_len, offsets, tail_shift=0, num_splits=None, blocks_per_iter=8, num_warps=4, num_stages=1,
             programs_per_sm=4, stages=("recon", "math"), prefetch=True, hoist=True):
     if query.dtype != torch.bfloat16 or query.dim() != 3 or query.stride(-1) != 1:
         raise ValueError("query must be BF16 [B, H_q, D] with a contiguous last dim")
@@ -433,7 +436,7 @@ def _launch(query, slot_pool, raw_pool, rawv_pool, raw_tile, raw_row, table, tai
             NREP=nrep, NREP_PAD=max(16, triton.next_power_of_2(nrep)), C=channels, TILES=tiles, NB=nb,
             HAS_MASK=mask is not None, F32=interpreted(), RECON="recon" in stages, MATH="math" in stages,
             ASM=not interpreted(), PREFETCH=prefetch and not interpreted(),
-            SLOT_LINES=triton.next_power_of_2(triton.cdiv(slot_pool.shape[-1], 128)), HOIST=hoist,
+            SLOT_LINES=triton.next_power_of_2(triton.cdiv(slot_pool.shape[-1], 128)), HOIST=hoist, **offsets,
             num_warps=num_warps, num_stages=num_stages,
         )
         _combine_kernel[(b * hq,)](m_out, l_out, acc_out, out, splits, S_PAD=triton.next_power_of_2(splits), D=d)
@@ -448,18 +451,18 @@ def lengths(batch: int, length: int, device) -> torch.Tensor:
     return torch.full((batch,), length, dtype=torch.int32, device=device)
 
 
-def gaac_decode_attention(query: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor,
-                          table: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor, base3: torch.Tensor,
-                          base4: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
-                          kv_len: torch.Tensor | None = None, **tuning) -> torch.Tensor:
-    """Single-token attention over GAAC-compressed KV.
+def fused_compressed_attention(query: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor,
+                               table: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor, base3: torch.Tensor,
+                               base4: torch.Tensor, scale: float, layout, mask: torch.Tensor | None = None,
+                               kv_len: torch.Tensor | None = None, **tuning) -> torch.Tensor:
+    """Single-token attention over GAAC-compressed KV, the tiles reconstructed in registers (the fused kernel).
 
     query `[B, H_q, D]` BF16; slot_pool uint8 `[N, slot_bytes]`; raw_pool BF16 `[R, 16, C]`; table int32
     `[B, NB_cap, 2, H_kv, tiles]` (entry >= 0: slot index, else -1 - raw index); tail_k/v BF16
     `[B, H_kv, T_cap <= 16, D]` (any strides, last dim contiguous); base3/base4 uint8 `[2, H_kv, D]`; kv_len int32
     `[B]` on the device: row b has `kv_len[b] // 16` finalized blocks and `kv_len[b] % 16` tail tokens (rows 0..);
     None = all of the table plus all tail rows. mask `[B, S_mask]` bool (True = attend; column j = token j) or None.
-    Returns `[B, H_q, D]` BF16.
+    layout: the slots' layout (a `gaac_hf.format.TileLayout`, see `triton_ops.layout`). Returns `[B, H_q, D]` BF16.
 
     `tuning` (launch configuration, see `_launch`): num_splits, blocks_per_iter, num_warps, num_stages,
     programs_per_sm, and `stages`, which benchmarks use to leave out reconstruction or attention math.
@@ -467,8 +470,9 @@ def gaac_decode_attention(query: torch.Tensor, slot_pool: torch.Tensor, raw_pool
     c = raw_pool.shape[-1]
     if kv_len is None:
         kv_len = lengths(query.shape[0], table.shape[1] * BLOCK + tail_k.shape[2], query.device)
+    offsets = slot_constants(layout, c, slot_pool.shape[-1])
     return _launch(query, slot_pool, raw_pool, raw_pool, 16 * c, c, table, tail_k, tail_v, base3.contiguous(),
-                   base4.contiguous(), scale, mask, kv_len, **tuning)
+                   base4.contiguous(), scale, mask, kv_len, offsets, **tuning)
 
 
 def plain_table(batch: int, heads: int, tokens: int, head_dim: int, device) -> torch.Tensor:
@@ -503,16 +507,19 @@ def _dummies(device: torch.device, heads: int, head_dim: int):
             torch.zeros(2, heads, head_dim, dtype=torch.uint8, device=device))
 
 
-def plain_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                           mask: torch.Tensor | None = None, plain=None, kv_len: torch.Tensor | None = None,
-                           table: torch.Tensor | None = None, **tuning) -> torch.Tensor:
-    """The same kernel over plain BF16 KV `[B, H_kv, S_cap, D]`: bit-identical to `gaac_decode_attention` on the
-    compressed form of the same KV (same kv_len, same split count).
+def fused_plain_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, layout,
+                          mask: torch.Tensor | None = None, plain=None, kv_len: torch.Tensor | None = None,
+                          table: torch.Tensor | None = None, **tuning) -> torch.Tensor:
+    """The same kernel over plain BF16 KV `[B, H_kv, S_cap, D]`: bit-identical to `fused_compressed_attention` on
+    the compressed form of the same KV (same kv_len, same split count).
 
-    `kv_len` int32 `[B]`: tokens held per row (None: all S_cap). `table`: `plain_table(...)` of the shape, if
-    precomputed; `plain`: a precomputed `plain_as_raw_tiles(key, value)` (for kv_len None)."""
+    `layout`: a slot layout of the head dim's tiles (no slot is read: its offsets make this the very binary of
+    `fused_compressed_attention`). `kv_len` int32 `[B]`: tokens held per row (None: all S_cap). `table`:
+    `plain_table(...)` of the shape, if precomputed; `plain`: a precomputed `plain_as_raw_tiles(key, value)` (for
+    kv_len None)."""
     d = key.shape[-1]
     c = min(d, 128)
+    offsets = slot_constants(layout, c)
     if kv_len is None:
         key, value, table, tail_k, tail_v = plain if plain is not None else plain_as_raw_tiles(key, value)
         kv_len = lengths(query.shape[0], key.shape[2], query.device)
@@ -525,4 +532,4 @@ def plain_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
         tail_k, tail_v = key, value  # the tail of row b: the rows after its kv_len[b] // 16 blocks (tail_shift)
     dummy_slots, dummy_bases = _dummies(query.device, key.shape[1], d)
     return _launch(query, dummy_slots, key, value, c, d, table, tail_k, tail_v, dummy_bases, dummy_bases, scale,
-                   mask, kv_len, int(tail_k is key), **tuning)
+                   mask, kv_len, offsets, int(tail_k is key), **tuning)

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from .device import on_device_of
+from .layout import slot_constants
 
 
 @triton.jit
@@ -31,13 +32,12 @@ def tile_modes(bits, b3, b4, C: tl.constexpr):
 
 
 @triton.jit
-def store_slot(out, sm, code, mode, CAPACITY, C: tl.constexpr, E_PAD: tl.constexpr):
-    """Write one tile's slot at `out` (uint8 pointer) from `tile_modes`' output; escapes past CAPACITY are cut."""
+def store_slot(out, sm, code, mode, CAPACITY, C: tl.constexpr, E_PAD: tl.constexpr, PLANES: tl.constexpr,
+               TAGS: tl.constexpr, ESC: tl.constexpr):
+    """Write one tile's slot at `out` (uint8 pointer) from `tile_modes`' output; escapes past CAPACITY are cut.
+    PLANES, TAGS, ESC: the slot layout's section offsets (from the caller: `triton_ops.layout`)."""
     G: tl.constexpr = 2 * C
-    PLANES: tl.constexpr = 16 * C
-    TAGS: tl.constexpr = PLANES + 3 * G
     TAG_PLANE: tl.constexpr = G // 8
-    ESC: tl.constexpr = TAGS + 2 * TAG_PLANE
     t = tl.arange(0, 16)
     c = tl.arange(0, C)
     tl.store(out + t[:, None] * C + c[None, :], sm.to(tl.uint8))
@@ -79,7 +79,8 @@ def mode_counts(mode):
 
 @triton.jit
 def _encode_kernel(x_ptr, b3_ptr, b4_ptr, slot_ptr, esc_out, modes_out, PERIOD, SLOT_BYTES, CAPACITY,
-                   C: tl.constexpr, E_PAD: tl.constexpr):
+                   C: tl.constexpr, E_PAD: tl.constexpr, PLANES: tl.constexpr, TAGS: tl.constexpr,
+                   ESC: tl.constexpr):
     pid = tl.program_id(0)
     kind = pid % PERIOD
     out = slot_ptr + pid.to(tl.int64) * SLOT_BYTES
@@ -89,23 +90,24 @@ def _encode_kernel(x_ptr, b3_ptr, b4_ptr, slot_ptr, esc_out, modes_out, PERIOD, 
     b3 = tl.load(b3_ptr + kind * C + c).to(tl.int32)
     b4 = tl.load(b4_ptr + kind * C + c).to(tl.int32)
     sm, code, mode, total = tile_modes(bits, b3, b4, C)
-    store_slot(out, sm, code, mode, CAPACITY, C, E_PAD)
+    store_slot(out, sm, code, mode, CAPACITY, C, E_PAD, PLANES, TAGS, ESC)
     tl.store(esc_out + pid, total)
     m = tl.arange(0, 4)
     tl.store(modes_out + pid * 3 + m, mode_counts(mode), mask=m < 3)
 
 
-def gaac_encode(tiles: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, escape_capacity: int):
+def gaac_encode(tiles: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, layout):
     """Encode BF16 tiles `[..., P, 16, C]` with bases uint8 `[P, C]` (P = positions with their own windows, e.g.
-    2 * H * tiles). Returns `(slots uint8 [..., P, slot_bytes], escape_bytes int32 [..., P],
-    mode_counts int32 [..., P, 3])`; a tile fits its slot iff escape_bytes <= escape_capacity."""
+    2 * H * tiles) into slots of `layout` (a `gaac_hf.format.TileLayout`, see `triton_ops.layout`). Returns
+    `(slots uint8 [..., P, slot_bytes], escape_bytes int32 [..., P], mode_counts int32 [..., P, 3])`; a tile fits
+    its slot iff escape_bytes <= layout.escape_capacity."""
     if tiles.dtype != torch.bfloat16:
         raise TypeError(f"the GAAC encoder takes BF16 tiles, not {tiles.dtype}")
     *lead, period, tokens, channels = tiles.shape
     if tokens != 16 or base3.shape != (period, channels) or base4.shape != (period, channels):
         raise ValueError(f"tiles {tuple(tiles.shape)} and bases {tuple(base3.shape)} do not line up")
-    groups = 2 * channels  # slot = sign+mantissa, 3 code planes, 2 tag planes, escape area (docs/format.md)
-    slot_bytes = 16 * channels + 3 * groups + 2 * (groups // 8) + escape_capacity
+    offsets = slot_constants(layout, channels)
+    slot_bytes, escape_capacity = layout.slot_bytes, layout.escape_capacity
     x = tiles.contiguous().view(torch.int16)
     n = x.numel() // (16 * channels)
     slots = torch.empty(*lead, period, slot_bytes, dtype=torch.uint8, device=tiles.device)
@@ -114,5 +116,6 @@ def gaac_encode(tiles: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, e
     if n:
         with on_device_of(x):
             _encode_kernel[(n,)](x, base3.contiguous(), base4.contiguous(), slots, esc, modes, period, slot_bytes,
-                                 escape_capacity, C=channels, E_PAD=max(16, triton.next_power_of_2(escape_capacity)))
+                                 escape_capacity, C=channels, E_PAD=max(16, triton.next_power_of_2(escape_capacity)),
+                                 **offsets)
     return slots, esc, modes

@@ -1,4 +1,5 @@
-"""Device-side reconstruction of GAAC tiles, shared by the decode and the fused attention kernels.
+"""Device-side reconstruction of GAAC tiles, shared by the tile expansion (`gaac_decode.expand_tiles`)
+and the fused attention kernels. The slot's section offsets come from the caller (`triton_ops.layout`).
 
 Bitstream: docs/format.md (format version 1). The kernels work on 32-bit words of four consecutive channels, so one
 integer instruction handles four elements:
@@ -35,17 +36,16 @@ def _spread4(n):
 
 
 @triton.jit
-def chunk_words(slot_ptr, slot_w_ptr, entry, live, b3w, b4w, SLOT_BYTES, C: tl.constexpr):
+def chunk_words(slot_ptr, slot_w_ptr, entry, live, b3w, b4w, SLOT_BYTES, C: tl.constexpr, PLANES: tl.constexpr,
+                TAGS: tl.constexpr, ESC: tl.constexpr):
     """Group-level words of the slot tiles at `entry` `[NB, 1]` (`live`: take part and are slots).
 
     `slot_ptr` / `slot_w_ptr`: the slot pool as bytes / as int32 words. `b3w`, `b4w` `[1, C/2]` uint32: the bases of
-    the tile's channels for each word (channel `(4w) % C`). Returns planes P0..P7, the base word and whether any
-    group is raw (planes 4-7 are zero otherwise)."""
+    the tile's channels for each word (channel `(4w) % C`). PLANES, TAGS, ESC: the slot layout's byte offsets of
+    the code planes, the mode tags and the escape area (from the caller: `triton_ops.layout`). Returns planes
+    P0..P7, the base word and whether any group is raw (planes 4-7 are zero otherwise)."""
     GW: tl.constexpr = C // 2  # words per tile row of groups (G = 2C groups, 4 per word)
-    PLANES: tl.constexpr = 16 * C
     G: tl.constexpr = 2 * C
-    TAGS: tl.constexpr = PLANES + 3 * G
-    ESC: tl.constexpr = TAGS + G // 4
     w = tl.arange(0, GW)[None, :]
     slot = tl.where(live, entry, 0).to(tl.int64)
     sw = slot_w_ptr + slot * (SLOT_BYTES // 4)  # [NB, 1]
