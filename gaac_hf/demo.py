@@ -52,10 +52,12 @@ def run_demo(args) -> None:
     print(f"reply: {reply.strip()}")
     print(f"lossless check vs DynamicCache: tokens identical: {same_tokens}; "
           f"every logit bit identical: {same_scores}")
+    alloc = stats["allocated_bytes"]["total"]
     print(f"KV cache at {stats['layers'][0]['tokens']} tokens: DynamicCache {stats['bf16_bytes'] / 2**20:.2f} MiB, "
-          f"GAACCache {b['total'] / 2**20:.2f} MiB (slots {b['slots'] / 2**20:.2f}, raw {b['raw'] / 2**20:.2f}, "
-          f"tail {b['tail'] / 2**20:.2f}, block table {b['block_table'] / 2**20:.3f}): "
-          f"{100 * stats['saving']:.1f}% saved, ratio {stats['ratio']:.3f}x")
+          f"GAACCache {alloc / 2**20:.2f} MiB allocated: {100 * (1 - alloc / stats['bf16_bytes']):.1f}% saved "
+          f"(live tiles {b['total'] / 2**20:.2f} MiB: slots {b['slots'] / 2**20:.2f}, raw {b['raw'] / 2**20:.2f}, "
+          f"tail {b['tail'] / 2**20:.2f}, block table {b['block_table'] / 2**20:.3f}; "
+          f"{100 * stats['saving']:.1f}% saved, ratio {stats['ratio']:.3f}x)")
     shares = stats["mode_shares"]
     print(f"groups: 3-bit {100 * shares['3-bit']:.2f}%, 4-bit {100 * shares['4-bit']:.2f}%, "
           f"raw {100 * shares['raw']:.2f}%; {stats['raw_tiles']} raw tiles of {stats['raw_tiles'] + stats['slots']}")

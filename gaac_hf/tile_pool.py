@@ -1,8 +1,9 @@
 """`TilePool`: the storage of one GAAC layer of a `GAACCache`, apart from the block table that points into it.
 
 Two storage classes (docs/format.md): the slot pool, uint8 `[n_slots, slot_bytes]`, and the raw pool, BF16
-`[n_raw, 16, C]`, each with the per-tile group-mode counts (for `stats()`). Both grow by amortized doubling and
-keep one scratch row past the high-water mark (tiles of the other storage class are scattered there). Tiles no
+`[n_raw, 16, C]`, each with the per-tile group-mode counts (for `stats()`). Both grow by 1/128 of what they need
+(at least 1 row; amortized, and what is allocated stays within about 1% of what is live, so the allocated saving
+stays close to the resident one) and keep one scratch row past the high-water mark (tiles of the other storage class are scattered there). Tiles no
 table entry references any more are found by a mark-and-sweep over the live entries and reused.
 """
 
@@ -12,15 +13,17 @@ import torch
 
 from .format import BLOCK_TOKENS
 
-_MIN_POOL = 64
+# Growth headroom: a pool that must hold `n` rows gets `n + max(n // GROWTH_DIVISOR, MIN_GROWTH)`.
+GROWTH_DIVISOR = 128
+MIN_GROWTH = 1
 
 
 def grow(t: torch.Tensor, needed: int, dim: int = 0, fill=0) -> torch.Tensor:
-    """Return `t` with at least `needed` entries along `dim` (amortized doubling; new entries = `fill`)."""
+    """Return `t` with at least `needed` entries along `dim` (headroom of 1/128, at least 1; new entries = `fill`)."""
     have = t.shape[dim]
     if needed <= have:
         return t
-    cap = max(needed, 2 * have, _MIN_POOL)
+    cap = needed + max(needed // GROWTH_DIVISOR, MIN_GROWTH)
     shape = list(t.shape)
     shape[dim] = cap
     out = torch.full(shape, fill, dtype=t.dtype, device=t.device)
