@@ -49,6 +49,22 @@ def make_case(task, haystack_ids, tok, length, rng):
 
 
 @torch.no_grad()
+def score_case(model, tok, ids, want, **generate_kwargs) -> float:
+    """Greedy answer to one haystack: the share of the wanted values it contains."""
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12 * len(want), do_sample=False,
+                         pad_token_id=tok.eos_token_id, **generate_kwargs)
+    text = tok.decode(out[0, ids.shape[1]:])
+    return sum(v in text for v in want) / len(want)
+
+
+def score_table(scores: dict) -> str:
+    """`{cache: {task@length: share}}` as a markdown table of percentages."""
+    cols = list(next(iter(scores.values())))
+    table = ["| cache | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    table += [f"| {name} | " + " | ".join(f"{100 * s[c]:.0f}%" for c in cols) + " |" for name, s in scores.items()]
+    return "\n".join(table)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
@@ -74,23 +90,17 @@ def main():
                     cache = (DynamicCache(config=model.config) if precision is None else
                              LowBitCache(model.config, precision, sink_length=opts.get("sink_length", 0)))
                     procs = [dgap] if opts.get("dgap") else []
-                    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12 * len(want),
-                                         do_sample=False, logits_processor=procs, pad_token_id=tok.eos_token_id,
-                                         **{kw: cache})
-                    text = tok.decode(out[0, ids.shape[1]:])
-                    got.append(sum(v in text for v in want) / len(want))
+                    got.append(score_case(model, tok, ids, want, logits_processor=procs, **{kw: cache}))
                 scores[name][f"{task}@{length}"] = sum(got) / len(got)
                 print(f"{name:14s} {task:10s} {length:5d}: {scores[name][f'{task}@{length}']:.2f}", flush=True)
-    cols = list(next(iter(scores.values())))
-    table = ["| cache | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
-    table += [f"| {name} | " + " | ".join(f"{100 * s[c]:.0f}%" for c in cols) + " |" for name, s in scores.items()]
-    print("\n".join(table))
+    table = score_table(scores)
+    print(table)
     with open(args.out, "w") as f:
         json.dump({"model": "HuggingFaceTB/SmolLM2-135M-Instruct (float32, CPU)", "haystack": DEBIAN_REFERENCE[0],
                    "samples": args.samples, "scores": scores, "seconds": time.time() - t0,
                    "torch": torch.__version__}, f, indent=1)
     with open(args.out.replace(".json", ".md"), "w") as f:
-        f.write("\n".join(table) + "\n")
+        f.write(table + "\n")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dgap_niah import make_case  # noqa: E402
+from dgap_niah import make_case, score_case, score_table  # noqa: E402
 
 from dgap_hf import LowBitCache, LowBitConfig  # noqa: E402
 from dgap_hf.baselines import quantized_cache  # noqa: E402
@@ -60,23 +60,18 @@ def main():
             for name, make in CACHES.items():
                 got = []
                 for ids, want in cases:
-                    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12 * len(want),
-                                         do_sample=False, pad_token_id=tok.eos_token_id, **{kw: make(model.config)})
-                    text = tok.decode(out[0, ids.shape[1]:])
-                    got.append(sum(v in text for v in want) / len(want))
+                    got.append(score_case(model, tok, ids, want, **{kw: make(model.config)}))
                 scores[name][f"{task}@{length}"] = sum(got) / len(got)
                 print(f"{name:40s} {task:10s} {length:5d}: {scores[name][f'{task}@{length}']:.2f}", flush=True)
-    cols = list(next(iter(scores.values())))
-    table = ["| cache | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
-    table += [f"| {name} | " + " | ".join(f"{100 * s[c]:.0f}%" for c in cols) + " |" for name, s in scores.items()]
-    print("\n".join(table))
+    table = score_table(scores)
+    print(table)
     Path(args.out).write_text(json.dumps({"model": "HuggingFaceTB/SmolLM2-135M-Instruct (float32, CPU)",
                                           "haystack": DEBIAN_REFERENCE[0], "samples": args.samples, "scores": scores,
                                           "seconds": time.time() - t0, "torch": torch.__version__}, indent=1) + "\n")
     Path(args.out).with_suffix(".md").write_text(
         f"Multi-key NIAH, {args.samples} seeded cases per cell (`python benchmarks/lowbit_niah.py --lengths "
         f"{' '.join(map(str, args.lengths))} --tasks {args.tasks} --samples {args.samples}`).\n\n"
-        + "\n".join(table) + "\n")
+        + table + "\n")
 
 
 if __name__ == "__main__":
