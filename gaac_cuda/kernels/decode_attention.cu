@@ -3,21 +3,23 @@
 // One warp is one split: a contiguous range of "units" (finalized 16-token blocks, then the BF16 tail) of one
 // (batch row, kv-head). Each warp streams its units through its own shared-memory ring: a slot is one
 // `cp.async.bulk` (tags, planes and escapes together), a raw tile / plain block / tail is 16 row copies, all
-// completing on one mbarrier per stage. The warp then rebuilds BF16 straight into mma.sync m16n8k16 fragments:
+// completing on one mbarrier per stage. The warp then rebuilds BF16 straight into mma.sync m16n8k16 fragments
+// (swap-AB in both products, so every tile is operand A and the query heads of the group are N = 8 columns):
 //
-//   scores  S[head, token] = Q[head, k] . K[token, k]     Q is operand A (16 rows = query heads of the group),
-//                                                        K^T is operand B (8 tokens of a half block per mma)
-//   output  O^T[ch, head] += V^T[ch, token] . P^T[token, head]   V^T is operand A (16 channels per mma), P^T is
-//                                                        operand B: the S accumulator of head g, tokens 2t..2t+1,
-//                                                        is exactly B's fragment for n = head g (no transpose)
+//   scores  S^T[token, head] = K[token, k] . Q^T[k, head]   K is operand A (16 tokens of the block x 16 channels),
+//                                                           Q^T operand B (at most 8 query heads of the kv-head)
+//   output  O^T[ch, head] += V^T[ch, token] . P^T[token, head]   V^T is operand A (16 channels x 16 tokens); P^T,
+//                                                           operand B, is the S^T accumulator (bf16) through one
+//                                                           `movmatrix` transpose per 8 tokens
 //
-// The reduction index of each mma is permuted consistently on both sides (channel order in Q and K, token order
-// in P and V is natural), so a thread's fragment registers are whole 32-bit words of the slot: 4 consecutive
-// channels of one token (sign+mantissa) and the 4 matching group bytes of each code plane. Reconstruction per
-// word: 4 rotates + 4 masked ORs bring bit `token` of every plane byte to the code, one add applies the base,
-// two shift+select and two byte permutes interleave exponent with sign+mantissa into two BF16 pairs.
-// Per slot, a prepass turns the mode tags into per-group bases and dense plane-3 (and, for raw groups, plane 4-7)
-// bytes in scratch shared memory (escape offsets by warp scan of popcounts).
+// The reduction index of the score mma is permuted consistently in K and Q: the k pairs of a thread are channels
+// (c, c+2) and (c+1, c+3) of a 4-channel word, so a word of 4 exponent bytes and the word of 4 sign+mantissa bytes
+// of one token give both BF16 pairs with one shift, one sign-replicating byte permute and one bit-select each.
+// Exponent bytes come from the code bit-planes: 4 rotates + 4 masked ORs bring bit `token` of every plane byte to
+// the code, one add applies the base. Per slot, a prepass turns the mode tags into per-group bases and dense
+// plane-3 bytes in scratch shared memory: escape offsets by one warp scan of popcounts for the K and V tiles
+// together, and a lane's plane-3 escapes by one byte permute of an 8-byte window (raw groups: a loop, off the
+// common path).
 //
 // Plain BF16 KV (GAAC_PLAIN) runs the same code from the fragment registers on: the bit-exact twin.
 // Bitstream: docs/format.md; offsets come from the launcher (gaac_hf/format.py is the one definition).
@@ -140,16 +142,35 @@ __device__ __forceinline__ u32 codes(const u32 (&pl)[8], int i) {
   return c;
 }
 
-// Exponent bytes + sign|mantissa bytes of 4 channels -> BF16 pairs (channels 0,1) and (2,3).
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {  // PTX default mode: bit 3 of a nibble replicates sign
+  u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+// (a & m) | (b & ~m) in one LOP3
+__device__ __forceinline__ u32 bitsel(u32 a, u32 b, u32 m) {
+  u32 r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(r) : "r"(a), "r"(b), "r"(m));
+  return r;
+}
+#define BF16_SM_BITS 0x807F807Fu  // sign and mantissa bits of a BF16 pair
+
+// Exponent bytes e and sign|mantissa bytes sm of channels c0..c3 of one token -> BF16 pairs lo = (c0, c2) and
+// hi = (c1, c3): the sign-replicating permute puts sm in the low byte and its sign in the high byte of each half,
+// the shifted exponent bytes fill bits 7..14 of each half.
 __device__ __forceinline__ void merge(u32 e, u32 sm, u32& lo, u32& hi) {
-  const u32 H = (sm & 0x80808080u) | ((e >> 1) & 0x7F7F7F7Fu);
-  const u32 L = ((e << 7) & 0x80808080u) | (sm & 0x7F7F7F7Fu);
-  lo = __byte_perm(L, H, 0x5140);
-  hi = __byte_perm(L, H, 0x7362);
+  lo = bitsel(prmt(sm, 0u, 0xA280u), e << 7, BF16_SM_BITS);
+  hi = bitsel(prmt(sm, 0u, 0xB391u), e >> 1, BF16_SM_BITS);
+}
+// Natural BF16 pairs (c0, c1), (c2, c3) -> the score mma's k order (c0, c2), (c1, c3).
+__device__ __forceinline__ void kpairs(u32 w01, u32 w23, u32& lo, u32& hi) {
+  lo = prmt(w01, w23, 0x5410u);
+  hi = prmt(w01, w23, 0x7632u);
 }
 
 // Byte mask (0xFF per set bit) of the 4 low bits of n, one bit per byte lane.
-__device__ __forceinline__ u32 lane_mask(u32 n) { return ((n * 0x00204081u) & 0x01010101u) * 0xFFu; }
+__device__ __forceinline__ u32 spread4(u32 n) { return (n * 0x00204081u) & 0x01010101u; }
+__device__ __forceinline__ u32 lane_mask(u32 n) { return spread4(n) * 0xFFu; }
 
 struct Scratch {  // per-warp dense group data of the slot being read
   u8* base;       // [G] base of each group (base3, base4 or 0 by mode)
@@ -157,52 +178,92 @@ struct Scratch {  // per-warp dense group data of the slot being read
   u8* raw;        // [G] 0xFF for a raw group, else 0
 };
 
-// Prepass over one slot in shared memory: bases and dense escape planes per group. Returns "any raw group".
-// Lane L owns groups L*GPL .. L*GPL + GPL-1 (one byte, or half a byte, of each tag plane).
-__device__ __forceinline__ bool prepass(const Params& p, const u8* slot, const Scratch& s, const u32 (&b3)[GPL / 4],
-                                        const u32 (&b4)[GPL / 4], int lane) {
+// Mode tags of a lane's groups (lane L owns groups L*GPL .. L*GPL + GPL-1) and their escape bytes.
+struct LaneTags {
+  u32 wb, rb;  // wide and raw bits of the lane's groups
+  int off;     // escape offset of the lane's first group
+  bool any_raw;  // any raw group in the tile (warp-uniform)
+};
+__device__ __forceinline__ void load_tags(const Params& p, const u8* slot, int lane, LaneTags& lt) {
   const u8* tags = slot + SECTION_SHIFT + p.tags_off;
-  u32 wb, rb;
   if (GPL == 8) {
-    wb = tags[lane];
-    rb = tags[G / 8 + lane];
+    lt.wb = tags[lane];
+    lt.rb = tags[G / 8 + lane];
   } else {
-    wb = (tags[lane >> 1] >> ((lane & 1) * 4)) & 0xF;
-    rb = (tags[G / 8 + (lane >> 1)] >> ((lane & 1) * 4)) & 0xF;
+    lt.wb = (tags[lane >> 1] >> ((lane & 1) * 4)) & 0xF;
+    lt.rb = (tags[G / 8 + (lane >> 1)] >> ((lane & 1) * 4)) & 0xF;
   }
-  const u32 cnt = __popc(wb) + 4 * __popc(rb);
+}
+// Escape offsets of the K and V tiles of one unit by one warp scan (counts packed in 16-bit halves; a tile that is
+// not a slot counts nothing).
+__device__ __forceinline__ void scan_tags(LaneTags& k, LaneTags& v, int lane) {
+  const u32 ck = __popc(k.wb) + 4 * __popc(k.rb), cv = __popc(v.wb) + 4 * __popc(v.rb);
+  const u32 cnt = ck | (cv << 16);
   u32 incl = cnt;
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
-    const u32 v = __shfl_up_sync(0xffffffffu, incl, d);
-    if (lane >= d) incl += v;
+    const u32 x = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += x;
   }
-  const bool any_raw = __any_sync(0xffffffffu, rb != 0);
-  const int off = incl - cnt;  // escape offset of the lane's first group
+  const u32 excl = incl - cnt;
+  k.off = excl & 0xFFFF;
+  v.off = excl >> 16;
+  k.any_raw = __any_sync(0xffffffffu, k.rb != 0);
+  v.any_raw = __any_sync(0xffffffffu, v.rb != 0);
+}
+
+// Prepass over one slot in shared memory: bases and dense escape planes per group into the scratch.
+__device__ __forceinline__ void prepass(const Params& p, const u8* slot, const Scratch& s, const u32 (&b3)[GPL / 4],
+                                        const u32 (&b4)[GPL / 4], int lane, const LaneTags& lt) {
   const u8* esc = slot + SECTION_SHIFT + p.esc_off;
-  const int esc_max = p.buf_bytes - SECTION_SHIFT - p.esc_off - 5;  // reads stay in the buffer whatever the tags say
-  // plane 3 of every wide group (4-bit or raw): one escape byte at its offset
-  unsigned long long p3 = 0;
-  for (u32 rem = wb; rem; rem &= rem - 1) {
-    const int k = __ffs(rem) - 1;
-    const u32 below = (1u << k) - 1;
-    const int o = min(off + __popc(wb & below) + 4 * __popc(rb & below), esc_max);
-    p3 |= (unsigned long long)esc[o] << (8 * k);
+  const u32 wb = lt.wb, rb = lt.rb;
+  const int off = lt.off;
+  u32 p3[GPL / 4];
+  if (rb == 0) {
+    // no raw group in the lane: its plane-3 escapes are popc(wb) consecutive bytes from `off`; group k takes byte
+    // rank(k) = popc(wb below k) of that window. Reads stay in the buffer whatever the tags say.
+    const int o = min(off, p.buf_bytes - SECTION_SHIFT - p.esc_off - 12);
+    const u32* wp = reinterpret_cast<const u32*>(esc + (o & ~3));
+    const u32 sh = 8 * (o & 3);
+    const u32 w0 = wp[0], w1 = wp[1], w2 = wp[2];
+    const u32 lo = __funnelshift_r(w0, w1, sh), hi = __funnelshift_r(w1, w2, sh);
+    u32 below = 0;
+#pragma unroll
+    for (int w = 0; w < GPL / 4; ++w) {
+      const u32 n = (wb >> (4 * w)) & 0xF;
+      const u32 bits = spread4(n);
+      const u32 rank = bits * 0x01010100u + below * 0x01010101u;  // byte k: popc(wb below group 4w + k)
+      const u32 x = rank | (rank >> 4);                            // bytes 0, 2: nibbles rank0|rank1, rank2|rank3
+      p3[w] = prmt(lo, hi, prmt(x, 0u, 0x4420u)) & (bits * 0xFFu);
+      below += __popc(n);
+    }
+  } else {
+    unsigned long long acc = 0;  // (a 64-bit word, not an array: dynamic indices would go to local memory)
+    const int esc_max = p.buf_bytes - SECTION_SHIFT - p.esc_off - 5;
+    for (u32 rem = wb; rem; rem &= rem - 1) {
+      const int k = __ffs(rem) - 1;
+      const u32 bl = (1u << k) - 1;
+      const int o = min(off + __popc(wb & bl) + 4 * __popc(rb & bl), esc_max);
+      acc |= (unsigned long long)esc[o] << (8 * k);
+    }
+#pragma unroll
+    for (int w = 0; w < GPL / 4; ++w) p3[w] = (u32)(acc >> (32 * w));
   }
 #pragma unroll
   for (int w = 0; w < GPL / 4; ++w) {
     const u32 wm = lane_mask((wb >> (4 * w)) & 0xF), rm = lane_mask((rb >> (4 * w)) & 0xF);
     const int g0 = lane * GPL + 4 * w;
-    *reinterpret_cast<u32*>(s.base + g0) = ((b4[w] & wm) | (b3[w] & ~wm)) & ~rm;
-    *reinterpret_cast<u32*>(s.planes + g0) = (u32)(p3 >> (32 * w));
-    *reinterpret_cast<u32*>(s.raw + g0) = rm;
+    *reinterpret_cast<u32*>(s.base + g0) = bitsel(b4[w], b3[w], wm) & ~rm;
+    *reinterpret_cast<u32*>(s.planes + g0) = p3[w];
+    if (lt.any_raw) *reinterpret_cast<u32*>(s.raw + g0) = rm;
   }
-  if (any_raw) {  // planes 4..7 of raw groups: the 4 escape bytes after plane 3
+  if (lt.any_raw) {  // planes 4..7 of raw groups: the 4 escape bytes after plane 3
+    const int esc_max = p.buf_bytes - SECTION_SHIFT - p.esc_off - 5;
     unsigned long long hi[4] = {0, 0, 0, 0};
     for (u32 rem = rb; rem; rem &= rem - 1) {
       const int k = __ffs(rem) - 1;
-      const u32 below = (1u << k) - 1;
-      const int o = min(off + __popc(wb & below) + 4 * __popc(rb & below), esc_max);
+      const u32 bl = (1u << k) - 1;
+      const int o = min(off + __popc(wb & bl) + 4 * __popc(rb & bl), esc_max);
 #pragma unroll
       for (int j = 0; j < 4; ++j) hi[j] |= (unsigned long long)esc[o + 1 + j] << (8 * k);
     }
@@ -212,7 +273,6 @@ __device__ __forceinline__ bool prepass(const Params& p, const u8* slot, const S
       for (int j = 0; j < 4; ++j)
         *reinterpret_cast<u32*>(s.planes + (1 + j) * G + lane * GPL + 4 * w) = (u32)(hi[j] >> (32 * w));
   }
-  return any_raw;
 }
 
 // N consecutive 32-bit words from shared memory in one vector load (the caller guarantees 4N-byte alignment).
@@ -273,24 +333,25 @@ struct GroupWords {
   }
 };
 
-// Scores of one tile: for each half h and k-slice s, operand B = channels 4w..4w+3 (w = t*NKS + s) of token 8h+g.
-// KIND 0: BF16 rows (raw tile, plain block, tail); 4: slot (raw groups, if any, patched per word).
+// Scores of one tile: k-slice s of thread (g, t) is word w = t*NKS + s (channels 4w..4w+3) of tokens g and g+8
+// (operand A rows g, g+8) and of query head g (operand B column g). KIND 0: BF16 rows (raw tile, plain block,
+// tail); 4: slot (raw groups, if any, patched per word).
 template <int KIND>
 __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
-                                       const u32 (&qa)[NKS][4], float (&sc)[2][4], bool any_raw) {
+                                       const u32 (&qb)[NKS][2], float (&sc)[2][4], bool any_raw) {
   constexpr int NV = 4;  // words per vector load
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int tok = 8 * h + g;
+  for (int s4 = 0; s4 < NKS / NV; ++s4) {
+    const int w0 = t * NKS + NV * s4;
+    u32 lo[2][NV], hi[2][NV];
 #pragma unroll
-    for (int s4 = 0; s4 < NKS / NV; ++s4) {
-      const int w0 = t * NKS + NV * s4;
-      u32 b[NV][2];
+    for (int h = 0; h < 2; ++h) {
+      const int tok = 8 * h + g;
       if (KIND == 0) {
         u32 r[2 * NV];
         ldv<2 * NV>(buf + tok * 2 * C + 8 * w0, r);
 #pragma unroll
-        for (int i = 0; i < NV; ++i) b[i][0] = r[2 * i], b[i][1] = r[2 * i + 1];
+        for (int i = 0; i < NV; ++i) kpairs(r[2 * i], r[2 * i + 1], lo[h][i], hi[h][i]);
       } else {
         const int g0 = h * C + 4 * w0;
         const GroupWords<4, NV> gw(p, buf, s, g0);
@@ -301,18 +362,20 @@ __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scr
         if (any_raw) {
           u32 rm[NV];
           ldv<NV>(s.raw + g0, rm);
+          if ((rm[0] | rm[1 % NV] | rm[2 % NV] | rm[3 % NV]) != 0) {
 #pragma unroll
-          for (int i = 0; i < NV; ++i)
-            if (rm[i]) e[i] = gw.fix_raw(s, g0, i, g, e[i], rm[i]);
+            for (int i = 0; i < NV; ++i)
+              if (rm[i]) e[i] = gw.fix_raw(s, g0, i, g, e[i], rm[i]);
+          }
         }
 #pragma unroll
-        for (int i = 0; i < NV; ++i) merge(e[i], sm[i], b[i][0], b[i][1]);
+        for (int i = 0; i < NV; ++i) merge(e[i], sm[i], lo[h][i], hi[h][i]);
       }
+    }
 #pragma unroll
-      for (int i = 0; i < NV; ++i) {
-        const int sl = NV * s4 + i;
-        mma(sc[h], qa[sl][0], qa[sl][1], qa[sl][2], qa[sl][3], b[i][0], b[i][1]);
-      }
+    for (int i = 0; i < NV; ++i) {
+      const int sl = NV * s4 + i;
+      mma(sc[sl & 1], lo[0][i], lo[1][i], hi[0][i], hi[1][i], qb[sl][0], qb[sl][1]);  // two chains
     }
   }
 }
@@ -326,17 +389,21 @@ __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scr
 #pragma unroll
   for (int j0 = 0; j0 < NVW; j0 += NV) {
     const int w0 = g * NVW + j0;
-    u32 vb[2][NV][4];
+    u32 vb[2][NV][4];  // [half][word][channel c0..c3]: tokens (ta, ta + 1) of one channel
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int ta = 8 * h + 2 * t;
-      u32 a[NV][2], c[NV][2];
       if (KIND == 0) {
         u32 ra[2 * NV], rc[2 * NV];
         ldv<2 * NV>(buf + ta * 2 * C + 8 * w0, ra);
         ldv<2 * NV>(buf + (ta + 1) * 2 * C + 8 * w0, rc);
 #pragma unroll
-        for (int j = 0; j < NV; ++j) a[j][0] = ra[2 * j], a[j][1] = ra[2 * j + 1], c[j][0] = rc[2 * j], c[j][1] = rc[2 * j + 1];
+        for (int j = 0; j < NV; ++j) {
+          vb[h][j][0] = prmt(ra[2 * j], rc[2 * j], 0x5410u);
+          vb[h][j][1] = prmt(ra[2 * j], rc[2 * j], 0x7632u);
+          vb[h][j][2] = prmt(ra[2 * j + 1], rc[2 * j + 1], 0x5410u);
+          vb[h][j][3] = prmt(ra[2 * j + 1], rc[2 * j + 1], 0x7632u);
+        }
       } else {
         const int g0 = h * C + 4 * w0;
         const GroupWords<4, NV> gw(p, buf, s, g0);
@@ -348,25 +415,28 @@ __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scr
         if (any_raw) {
           u32 rm[NV];
           ldv<NV>(s.raw + g0, rm);
+          u32 any = 0;
 #pragma unroll
-          for (int j = 0; j < NV; ++j)
-            if (rm[j]) {
-              ea[j] = gw.fix_raw(s, g0, j, 2 * t, ea[j], rm[j]);
-              eb[j] = gw.fix_raw(s, g0, j, 2 * t + 1, eb[j], rm[j]);
-            }
+          for (int j = 0; j < NV; ++j) any |= rm[j];
+          if (any) {
+#pragma unroll
+            for (int j = 0; j < NV; ++j)
+              if (rm[j]) {
+                ea[j] = gw.fix_raw(s, g0, j, 2 * t, ea[j], rm[j]);
+                eb[j] = gw.fix_raw(s, g0, j, 2 * t + 1, eb[j], rm[j]);
+              }
+          }
         }
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
-          merge(ea[j], sa[j], a[j][0], a[j][1]);
-          merge(eb[j], sb[j], c[j][0], c[j][1]);
+          u32 alo, ahi, blo, bhi;  // (c0, c2) and (c1, c3) of tokens ta, ta + 1
+          merge(ea[j], sa[j], alo, ahi);
+          merge(eb[j], sb[j], blo, bhi);
+          vb[h][j][0] = prmt(alo, blo, 0x5410u);
+          vb[h][j][2] = prmt(alo, blo, 0x7632u);
+          vb[h][j][1] = prmt(ahi, bhi, 0x5410u);
+          vb[h][j][3] = prmt(ahi, bhi, 0x7632u);
         }
-      }
-#pragma unroll
-      for (int j = 0; j < NV; ++j) {
-        vb[h][j][0] = __byte_perm(a[j][0], c[j][0], 0x5410);
-        vb[h][j][1] = __byte_perm(a[j][0], c[j][0], 0x7632);
-        vb[h][j][2] = __byte_perm(a[j][1], c[j][1], 0x5410);
-        vb[h][j][3] = __byte_perm(a[j][1], c[j][1], 0x7632);
       }
     }
     // m-tile 2j + k: row g = channel 4w + 2k, row g + 8 = channel 4w + 2k + 1 of this thread group's word w
@@ -377,6 +447,12 @@ __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scr
         mma(o[2 * (j0 + j) + k], vb[0][j][2 * k], vb[0][j][2 * k + 1], vb[1][j][2 * k], vb[1][j][2 * k + 1], pb[0],
             pb[1]);
   }
+}
+
+__device__ __forceinline__ u32 transpose8x8(u32 x) {  // an 8x8 b16 fragment (row = lane/4) -> its transpose
+  u32 r;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+  return r;
 }
 
 extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaac_decode_split(const Params p) {
@@ -408,19 +484,19 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   }
   __syncwarp();
 
-  // query fragments (operand A): row g = query head; k pairs = channels 4w..4w+3, w = t*NKS + s
-  u32 qa[TILES][NKS][4];
+  // query fragments (operand B of the score mma): column g = query head g; k pairs (c0, c2), (c1, c3) of word
+  // w = t*NKS + s (channels 4w..4w+3), as the K fragments pair them
+  u32 qb[TILES][NKS][2];
   {
-    const int r0 = g;
-    const u16* q0 = p.q + ((i64)b * p.heads * p.rep + (i64)hk * p.rep + r0) * D;
+    const u16* q0 = p.q + ((i64)b * p.heads * p.rep + (i64)hk * p.rep + g) * D;
 #pragma unroll
     for (int T = 0; T < TILES; ++T)
 #pragma unroll
       for (int sl = 0; sl < NKS; ++sl) {
         const int ch = T * C + 4 * (t * NKS + sl);
-        qa[T][sl][0] = r0 < p.rep ? *reinterpret_cast<const u32*>(q0 + ch) : 0u;
-        qa[T][sl][2] = r0 < p.rep ? *reinterpret_cast<const u32*>(q0 + ch + 2) : 0u;
-        qa[T][sl][1] = qa[T][sl][3] = 0u;  // rows 8..15 of the tile: no query heads (at most 8 per kv-head)
+        const u32 q01 = g < p.rep ? *reinterpret_cast<const u32*>(q0 + ch) : 0u;
+        const u32 q23 = g < p.rep ? *reinterpret_cast<const u32*>(q0 + ch + 2) : 0u;
+        kpairs(q01, q23, qb[T][sl][0], qb[T][sl][1]);
       }
   }
   // bases of the prepass lane's groups (channels (lane*GPL) % C ..), per K|V and tile
@@ -500,8 +576,8 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     cp_async_arrive(bar);
   };
 
-  float m = NEG_INF, l = 0.f;  // of head g
-  float o[TILES][NVM][4];      // O^T: rows = channels, columns = heads 2t, 2t+1
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // of heads 2t, 2t+1 (l: this thread's tokens only)
+  float o[TILES][NVM][4];  // O^T: rows = channels, columns = heads 2t, 2t+1
 #pragma unroll
   for (int T = 0; T < TILES; ++T)
 #pragma unroll
@@ -520,6 +596,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   load_entries(u0, ent);
   u32 phases = 0;
   const u8* mrow = p.mask ? p.mask + (i64)b * p.mask_sb : nullptr;
+  constexpr bool DECODE = !GAAC_PLAIN && !(GAAC_SKIP & 2);
 
   // one loop for the prologue and the steady state: iteration u issues unit u + STAGES - 1, then consumes unit u
   for (int u = u0 - (GAAC_STAGES - 1); u < u1; ++u) {
@@ -538,75 +615,79 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     const bool tail = u >= nb;
     const int valid = tail ? tl : 16;
 
-    float sc[2][4];
+    // mode tags and escape offsets of the unit's slots: one scan for the K and V tile of each T
+    LaneTags tk[TILES], tv[TILES];
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) sc[h][c] = 0.f;
+    for (int T = 0; T < TILES; ++T) {
+      tk[T].wb = tk[T].rb = tv[T].wb = tv[T].rb = 0;
+      if (DECODE && (slots_here & ((1u << T) | (1u << (TILES + T))))) {
+        if ((slots_here >> T) & 1) load_tags(p, ring + (st * 2 * TILES + T) * p.buf_bytes, lane, tk[T]);
+        if ((slots_here >> (TILES + T)) & 1)
+          load_tags(p, ring + (st * 2 * TILES + TILES + T) * p.buf_bytes, lane, tv[T]);
+        scan_tags(tk[T], tv[T], lane);
+      }
+    }
+
+    float sc2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // S^T (even, odd k-slices): tokens g, g + 8 x heads 2t, 2t + 1
 #pragma unroll
     for (int T = 0; T < TILES; ++T) {
       const u8* buf = ring + (st * 2 * TILES + T) * p.buf_bytes;
-      if (!GAAC_PLAIN && !(GAAC_SKIP & 2) && ((slots_here >> T) & 1)) {
-        const bool any_raw = prepass(p, buf, scr, b3[0][T], b4[0][T], lane);
+      if (DECODE && ((slots_here >> T) & 1)) {
+        prepass(p, buf, scr, b3[0][T], b4[0][T], lane, tk[T]);
         __syncwarp();
-        k_tile<4>(p, buf, scr, g, t, qa[T], sc, any_raw);
+        k_tile<4>(p, buf, scr, g, t, qb[T], sc2, tk[T].any_raw);
         __syncwarp();
       } else {
-        k_tile<0>(p, buf, scr, g, t, qa[T], sc, false);
+        k_tile<0>(p, buf, scr, g, t, qb[T], sc2, false);
       }
     }
-    // online softmax (base 2) over the 16 tokens of head g; thread holds tokens 2t, 2t+1 of each half
+    // online softmax (base 2) of heads 2t, 2t+1 over the 16 tokens (thread: tokens g, g + 8; reduced over g)
     u32 pb[2];
     {
-      float x[2][2];
-      float mx = NEG_INF;
+      float x[4];
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+      for (int c = 0; c < 4; ++c) {
+        const int tok = g + 8 * (c >> 1);
+        bool ok = tok < valid;
+        if (mrow) ok = ok && mrow[16 * u + tok] != 0;
+        x[c] = ok ? (sc2[0][c] + sc2[1][c]) * p.qk_scale : NEG_INF;
+      }
+      float pr[4], alpha[2];
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int tok = 8 * h + 2 * t + c;
-          bool ok = tok < valid;
-          if (mrow) ok = ok && mrow[16 * u + tok] != 0;
-          x[h][c] = ok ? sc[h][c] * p.qk_scale : NEG_INF;
-          mx = fmaxf(mx, x[h][c]);
-        }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float mn = fmaxf(m, mx);
-      const float ms = mn == NEG_INF ? 0.f : mn;
-      const float alpha = exp2_(m - ms);
-      float pr[2][2];
-      float sum = 0.f;
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          pr[h][c] = exp2_(x[h][c] - ms);
-          sum += pr[h][c];
-        }
-      l = l * alpha + sum;
-      m = mn;
-      // O^T columns are heads 2t and 2t+1: their rescale factors live in lanes 8t and 8t + 4
-      const float alpha0 = __shfl_sync(0xffffffffu, alpha, 8 * t), alpha1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
+      for (int j = 0; j < 2; ++j) {
+        float mx = fmaxf(x[j], x[2 + j]);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+        const float mn = fmaxf(m[j], mx);
+        const float ms = mn == NEG_INF ? 0.f : mn;
+        alpha[j] = exp2_(m[j] - ms);
+        pr[j] = exp2_(x[j] - ms);
+        pr[2 + j] = exp2_(x[2 + j] - ms);
+        l[j] = l[j] * alpha[j] + (pr[j] + pr[2 + j]);
+        m[j] = mn;
+      }
 #pragma unroll
       for (int T = 0; T < TILES; ++T)
 #pragma unroll
         for (int n = 0; n < NVM; ++n) {
-          o[T][n][0] *= alpha0;
-          o[T][n][1] *= alpha1;
-          o[T][n][2] *= alpha0;
-          o[T][n][3] *= alpha1;
+          o[T][n][0] *= alpha[0];
+          o[T][n][1] *= alpha[1];
+          o[T][n][2] *= alpha[0];
+          o[T][n][3] *= alpha[1];
         }
-      pb[0] = pack_bf16(pr[0][0], pr[0][1]);
-      pb[1] = pack_bf16(pr[1][0], pr[1][1]);
+      // P^T fragments (k = tokens, n = head g) from the S^T layout (row = token g, columns = heads 2t, 2t+1)
+      pb[0] = transpose8x8(pack_bf16(pr[0], pr[1]));
+      pb[1] = transpose8x8(pack_bf16(pr[2], pr[3]));
     }
 #pragma unroll
     for (int T = 0; T < TILES; ++T) {
       const u8* buf = ring + (st * 2 * TILES + TILES + T) * p.buf_bytes;
-      if (!GAAC_PLAIN && !(GAAC_SKIP & 2) && ((slots_here >> (TILES + T)) & 1)) {
-        const bool any_raw = prepass(p, buf, scr, b3[1][T], b4[1][T], lane);
+      if (DECODE && ((slots_here >> (TILES + T)) & 1)) {
+        prepass(p, buf, scr, b3[1][T], b4[1][T], lane, tv[T]);
         __syncwarp();
-        v_tile<4>(p, buf, scr, g, t, pb, o[T], any_raw);
+        v_tile<4>(p, buf, scr, g, t, pb, o[T], tv[T].any_raw);
+        __syncwarp();
       } else {
         v_tile<0>(p, buf, scr, g, t, pb, o[T], false);
       }
@@ -615,18 +696,22 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   }
 
   // partial results of this split
-  l += __shfl_xor_sync(0xffffffffu, l, 1);
-  l += __shfl_xor_sync(0xffffffffu, l, 2);
-  if (t == 0 && g < p.rep) {
-    const i64 row = (i64)item * p.rep + g;
-    p.part_ml[2 * row] = m;
-    p.part_ml[2 * row + 1] = l;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    l[j] += __shfl_xor_sync(0xffffffffu, l[j], 4);
+    l[j] += __shfl_xor_sync(0xffffffffu, l[j], 8);
+    l[j] += __shfl_xor_sync(0xffffffffu, l[j], 16);
   }
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
     const int head = 2 * t + c;
     if (head >= p.rep) continue;
-    float* po = p.part_o + ((i64)item * p.rep + head) * D;
+    const i64 row = (i64)item * p.rep + head;
+    if (g == 0) {
+      p.part_ml[2 * row] = m[c];
+      p.part_ml[2 * row + 1] = l[c];
+    }
+    float* po = p.part_o + row * D;
 #pragma unroll
     for (int T = 0; T < TILES; ++T)
 #pragma unroll
