@@ -168,7 +168,7 @@ def _run(p: DecodePlan, query, kv_len, mask, scale, fill, combine_too: bool = Tr
     with torch.cuda.device(dev):
         split_kernel.launch(p.grid, p.warps * 32, p.smem, prm)
         if combine_too:
-            combine.launch(b * hq, 256, 0, prm)
+            combine.launch(b * hq * (d // 32), 256, 0, prm)  # a block per (row, query head, 32 channels)
     del keep
     return out
 

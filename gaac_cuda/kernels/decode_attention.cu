@@ -723,14 +723,21 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   }
 }
 
-// out[b, hq, :] = merge of the nsplit partials of (b, hq). One block of COMBINE_WARPS warps per query head: warp w
-// takes splits w, w + COMBINE_WARPS, ... (lanes over channels), then the warps' sums are added in a fixed order.
+// out[b, hq, 32c .. 32c + 31] = merge of the nsplit partials of (b, hq) for one chunk c of 32 channels. One block of
+// COMBINE_WARPS warps per (row, query head, chunk), so the merge spreads over D/32 times more SMs: warp w takes splits
+// w, w + COMBINE_WARPS, ... (lane = channel), COMBINE_UNROLL splits per step in flight, then the warps' sums are added
+// in a fixed order (the same bits for compressed KV and its plain twin).
 #define COMBINE_WARPS 8
+#define COMBINE_UNROLL 4
 extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) gaac_combine(const Params p) {
-  __shared__ float red[COMBINE_WARPS][D + 2];
-  const int hq = blockIdx.x % (p.heads * p.rep), b = blockIdx.x / (p.heads * p.rep);
+  __shared__ float red[COMBINE_WARPS][2];
+  __shared__ float part[COMBINE_WARPS][32];
+  constexpr int CHUNKS = D / 32;
+  const int chunk = blockIdx.x % CHUNKS, hq = (blockIdx.x / CHUNKS) % (p.heads * p.rep);
+  const int b = blockIdx.x / (CHUNKS * p.heads * p.rep);
   const int hk = hq / p.rep, r = hq % p.rep;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int ch = 32 * chunk + lane;
   const i64 item0 = ((i64)b * p.heads + hk) * p.nsplit;
   float mx = NEG_INF;
   for (int s = threadIdx.x; s < p.nsplit; s += COMBINE_WARPS * 32) mx = fmaxf(mx, p.part_ml[2 * ((item0 + s) * p.rep + r)]);
@@ -741,33 +748,40 @@ extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) gaac_combine(co
   mx = red[0][0];
 #pragma unroll
   for (int w = 1; w < COMBINE_WARPS; ++w) mx = fmaxf(mx, red[w][0]);
-  __syncthreads();
-  float acc[D / 32], den = 0.f;
-#pragma unroll
-  for (int i = 0; i < D / 32; ++i) acc[i] = 0.f;
+  float acc = 0.f, den = 0.f;
   if (mx != NEG_INF) {
-    for (int s = warp; s < p.nsplit; s += COMBINE_WARPS) {
-      const i64 row = (item0 + s) * p.rep + r;
-      const float w = exp2_(p.part_ml[2 * row] - mx);
-      den += p.part_ml[2 * row + 1] * w;
+    for (int s0 = warp; s0 < p.nsplit; s0 += COMBINE_WARPS * COMBINE_UNROLL) {
+      float ml[COMBINE_UNROLL][2], po[COMBINE_UNROLL];
 #pragma unroll
-      for (int i = 0; i < D / 32; ++i) acc[i] += p.part_o[row * D + 32 * i + lane] * w;
+      for (int k = 0; k < COMBINE_UNROLL; ++k) {
+        const int s = s0 + k * COMBINE_WARPS;
+        const i64 row = (item0 + min(s, p.nsplit - 1)) * p.rep + r;
+        ml[k][0] = s < p.nsplit ? p.part_ml[2 * row] : NEG_INF;
+        ml[k][1] = p.part_ml[2 * row + 1];
+        po[k] = p.part_o[row * D + ch];
+      }
+#pragma unroll
+      for (int k = 0; k < COMBINE_UNROLL; ++k) {  // splits in increasing order, as one loop over s would add them
+        const float w = exp2_(ml[k][0] - mx);
+        den += ml[k][1] * w;
+        acc += po[k] * w;
+      }
     }
   }
-#pragma unroll
-  for (int i = 0; i < D / 32; ++i) red[warp][32 * i + lane] = acc[i];
-  if (lane == 0) red[warp][D] = den;
   __syncthreads();
-  for (int d = threadIdx.x; d < D; d += COMBINE_WARPS * 32) {
+  part[warp][lane] = acc;
+  if (lane == 0) red[warp][1] = den;
+  __syncthreads();
+  if (warp == 0) {
     float a = 0.f, l = 0.f;
 #pragma unroll
     for (int w = 0; w < COMBINE_WARPS; ++w) {
-      a += red[w][d];
-      l += red[w][D];
+      a += part[w][lane];
+      l += red[w][1];
     }
     const float y = l > 0.f ? a / l : 0.f;
     u16 bits;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(y));
-    p.out[((i64)b * p.heads * p.rep + hq) * D + d] = bits;
+    p.out[((i64)b * p.heads * p.rep + hq) * D + ch] = bits;
   }
 }
