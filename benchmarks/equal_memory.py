@@ -315,9 +315,9 @@ def main(argv=None):
         variants[label] = row
 
     print(f"decode at {n_fill} + {args.warmup + args.steps} tokens", flush=True)
-    attempt("compiled StaticCache + sdpa", static_sdpa)
-    attempt("compiled PlainStaticCache + gaac (twin)", plain)
     attempt("compiled GAACStaticCache + gaac", gaac)
+    attempt("compiled PlainStaticCache + gaac (twin)", plain)
+    attempt("compiled StaticCache + sdpa", static_sdpa)
 
     g = variants.get("compiled GAACStaticCache + gaac", {})
     if "resident_bytes" in g:

@@ -51,16 +51,16 @@ from gaac_hf.static_cache import GAACStaticCache, PlainStaticCache  # noqa: E402
 from transformers import DynamicCache, StaticCache  # noqa: E402
 
 # label -> (cache kind, attention, compiled)
-VARIANTS = {
+VARIANTS = {  # in the order they run: GAAC and its references first, transformers' static cache last
     "eager DynamicCache + sdpa": ("dynamic", "sdpa", False),
     "eager DynamicCache + gaac": ("dynamic", "gaac", False),
     "eager GAACCache + gaac": ("gaac", "gaac", False),
+    "eager PlainStaticCache + gaac": ("plain", "gaac", False),
+    "eager GAACStaticCache + gaac": ("gaac_static", "gaac", False),
+    "compiled PlainStaticCache + gaac": ("plain", "gaac", True),
+    "compiled GAACStaticCache + gaac": ("gaac_static", "gaac", True),
     "eager StaticCache + sdpa": ("static", "sdpa", False),
     "compiled StaticCache + sdpa": ("static", "sdpa", True),
-    "eager PlainStaticCache + gaac": ("plain", "gaac", False),
-    "compiled PlainStaticCache + gaac": ("plain", "gaac", True),
-    "eager GAACStaticCache + gaac": ("gaac_static", "gaac", False),
-    "compiled GAACStaticCache + gaac": ("gaac_static", "gaac", True),
 }
 # (GAAC variant, its reference under the same attention code): tokens and every logit bit must agree
 LOSSLESS = (("eager GAACCache + gaac", "eager DynamicCache + gaac"),
@@ -156,6 +156,7 @@ def main(argv=None):
         prompt = longest[:context - new][None].to(device)
         row, logits, first = {}, {}, {}
         print(f"context {context} ({prompt.shape[1]} prompt tokens + {new} decode steps)", flush=True)
+        results["contexts"][str(context)] = row
         for label, (kind, attn, is_compiled) in VARIANTS.items():
             if label in args.skip:
                 continue
@@ -188,6 +189,7 @@ def main(argv=None):
                 row[label] = {"error": f"{type(e).__name__}: {e}"[:800]}
                 print(f"  {label:<36} FAILED: {row[label]['error'][:200]}", flush=True)
             free(device)
+            out_path.write_text(json.dumps(results, indent=1))  # after every variant: a timeout keeps the rest
 
         def tokens(label):
             return torch.cat([first[label], logits[label][:, 0].argmax(-1)])
@@ -212,8 +214,7 @@ def main(argv=None):
                     "allocated": round(1 - row[label]["allocated_kv_bytes"] / ref, 4)}
         for k, v in checks.items():
             print(f"  lossless {k}: {v}", flush=True)
-        results["contexts"][str(context)] = row
-        out_path.write_text(json.dumps(results, indent=1))  # after every context: a crash keeps the rest
+        out_path.write_text(json.dumps(results, indent=1))
     results["wall_s"] = round(time.time() - t_start, 1)
 
     ctxs = list(results["contexts"])
