@@ -66,6 +66,22 @@ def aten_op_counts(fn, *args) -> dict:
     return {"ops": len(ops), "by_name": dict(Counter(ops).most_common())}
 
 
+def cuda_launch_counts(fn, *args) -> dict:
+    """Host-side launches (kernels, graphs, copies) and GPU kernels of one call of `fn(*args)` on CUDA
+    (torch.profiler with CUPTI, after one warm-up call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(*args)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn(*args)
+        torch.cuda.synchronize()
+    launches = [e.name for e in prof.events()
+                if e.name.startswith(("cudaLaunch", "cuLaunch", "cudaGraphLaunch", "cudaMemcpy", "cudaMemset"))]
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {"launches": len(launches), "launches_by_name": dict(Counter(launches)), "gpu_kernels": len(kernels)}
+
+
 def untrained_artifact(config, precision: str, k_b: int) -> DGAPModel:
     spec = {"k_b": k_b, "tau": 0.0,  # tau 0: the detector fires, so the corrected slice is written every step
             "detector": {"n_features": N_PHI, "arch": "mlp", "hidden": 128, "layers": 2},
@@ -139,6 +155,12 @@ def eager(args, model, ids, device, result):
              "fused": lambda s: procs["fused"](None, s)}
     if "graph" in procs:
         calls["graph"] = lambda s: procs["graph"](None, s)
+    if device.type == "cuda":
+        probe = torch.randn(args.batch, model.config.vocab_size, device=device)
+        result["cuda_launches"] = {name: cuda_launch_counts(call, probe) for name, call in calls.items()}
+        print("CUDA launches per processor call: " + ", ".join(
+            f"{n} {c['launches']} ({c['gpu_kernels']} GPU kernels)" for n, c in result["cuda_launches"].items()),
+            flush=True)
     kw = cache_kwarg(model)
     for cache_name in args.caches:
         cache = (LowBitCache(model.config, args.precision) if cache_name == "LowBitCache"
