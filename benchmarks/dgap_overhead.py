@@ -252,6 +252,7 @@ def captured(args, model, ids, device, result):
     row = {"plain": summary(times["plain"])}
     for name in ("in_graph", "plus_graph"):
         row[name] = {**summary(times[name]), **overhead(row["plain"], summary(times[name]))}
+    row["steps_ms"] = {k: [round(1e3 * t, 3) for t in v] for k, v in times.items()}
     scores = logits.clone()
     row["processor_gpu_ms"] = round(1e3 * op_gpu_time(lambda: proc_plus(None, scores), 50, device), 4)
     row["processor_gpu_share_of_step"] = round(row["processor_gpu_ms"] / row["plain"]["p50_ms"], 4)

@@ -197,31 +197,38 @@ class DGAPLogitsProcessor(LogitsProcessor):
         if entry is None:
             if len(self._graphs) >= MAX_GRAPHS:
                 return self._step(scores)
-            self._prepare(scores.device)
-            static_in = scores.clone()
-            saved = self._corrected.clone()
-            current = torch.cuda.current_stream(scores.device)
-            side = torch.cuda.Stream(scores.device)
-            side.wait_stream(current)
-            with torch.cuda.stream(side):  # warm-up outside the capture (cuBLAS workspaces, allocator)
-                for _ in range(2):
-                    self._step(static_in)
-            current.wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph):
-                    static_out = self._step(static_in)
-            except RuntimeError as e:  # capture refused (e.g. an op of this build is not capturable): stay eager
-                warnings.warn(f"DGAPLogitsProcessor: CUDA graph capture failed ({e}); running eagerly")
-                self.cuda_graph = False
-                self._corrected.copy_(saved)
+            with torch.cuda.device(scores.device):
+                entry = self._capture(key, scores)
+            if entry is None:
                 return self._step(scores)
-            self._corrected.copy_(saved)  # the warm-up calls were not decode steps
-            entry = self._graphs[key] = (graph, static_in, static_out)
         graph, static_in, static_out = entry
         static_in.copy_(scores)
         graph.replay()
         return static_out.clone()
+
+    def _capture(self, key, scores: torch.Tensor):
+        """Capture `_step` for `scores`' shape / dtype on its (current) device; None if the capture fails."""
+        static_in = scores.clone()
+        saved = self._corrected.clone()
+        current = torch.cuda.current_stream(scores.device)
+        side = torch.cuda.Stream(scores.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):  # warm-up outside the capture (cuBLAS workspaces, allocator)
+            for _ in range(2):
+                self._step(static_in)
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                static_out = self._step(static_in)
+        except RuntimeError as e:  # capture refused (e.g. an op of this build is not capturable): stay eager
+            warnings.warn(f"DGAPLogitsProcessor: CUDA graph capture failed ({e}); running eagerly")
+            self.cuda_graph = False
+            self._corrected.copy_(saved)
+            return None
+        self._corrected.copy_(saved)  # the warm-up calls were not decode steps
+        self._graphs[key] = (graph, static_in, static_out)
+        return self._graphs[key]
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
