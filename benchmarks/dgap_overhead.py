@@ -33,6 +33,7 @@ import json
 import platform
 import sys
 import time
+import traceback
 from collections import Counter
 from pathlib import Path
 
@@ -144,8 +145,6 @@ def make_processor(args, model, cuda_graph: bool) -> DGAPLogitsProcessor:
 
 
 def eager(args, model, ids, device, result):
-    from transformers import DynamicCache
-
     procs = {"reference": make_processor(args, model, False), "fused": make_processor(args, model, False)}
     if device.type == "cuda":
         procs["graph"] = make_processor(args, model, True)
@@ -163,33 +162,46 @@ def eager(args, model, ids, device, result):
             flush=True)
     kw = cache_kwarg(model)
     for cache_name in args.caches:
-        cache = (LowBitCache(model.config, args.precision) if cache_name == "LowBitCache"
-                 else DynamicCache(config=model.config))
-        logits = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kw: cache}).logits[:, -1].float()
-        times = {"plain": [], **{name: [] for name in calls}}
-        for step in range(args.warmup + args.steps):
-            nxt = logits.argmax(-1, keepdim=True)
+        try:
+            eager_cache(args, model, ids, device, result, cache_name, calls, kw)
+        except Exception as e:  # noqa: BLE001 - one failing cache must not lose the other's numbers
+            traceback.print_exc()
+            result["eager"][cache_name] = {"error": f"{type(e).__name__}: {e}"[:800]}
+
+
+def eager_cache(args, model, ids, device, result, cache_name, calls, kw):
+    from transformers import DynamicCache
+
+    cache = (LowBitCache(model.config, args.precision) if cache_name == "LowBitCache"
+             else DynamicCache(config=model.config))
+    logits = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kw: cache}).logits[:, -1].float()
+    times = {"plain": [], **{name: [] for name in calls}}
+    identical = True
+    for step in range(args.warmup + args.steps):
+        nxt = logits.argmax(-1, keepdim=True)
+        sync(device)
+        t0 = time.perf_counter()
+        logits = model(input_ids=nxt, use_cache=True, **{kw: cache}).logits[:, -1].float()
+        sync(device)
+        plain = time.perf_counter() - t0
+        outs = {}
+        for name, call in calls.items():
+            t1 = time.perf_counter()
+            outs[name] = call(logits)
             sync(device)
-            t0 = time.perf_counter()
-            logits = model(input_ids=nxt, use_cache=True, **{kw: cache}).logits[:, -1].float()
-            sync(device)
-            plain = time.perf_counter() - t0
-            outs = {}
-            for name, call in calls.items():
-                t1 = time.perf_counter()
-                outs[name] = call(logits)
-                sync(device)
-                if step >= args.warmup:
-                    times[name].append(plain + time.perf_counter() - t1)
             if step >= args.warmup:
-                times["plain"].append(plain)
-            logits = outs["graph" if "graph" in outs else "fused"]
-        row = {"plain": summary(times["plain"])}
-        for name in calls:
-            row[name] = {**summary(times[name]), **overhead(row["plain"], summary(times[name]))}
-        result["eager"][cache_name] = row
-        cells = "  ".join(f"{n} +{100 * row[n]['overhead_p95']:.1f}%" for n in calls)
-        print(f"eager {cache_name:12s} step p95 {row['plain']['p95_ms']:8.2f} ms | p95 overhead: {cells}", flush=True)
+                times[name].append(plain + time.perf_counter() - t1)
+        if step >= args.warmup:
+            times["plain"].append(plain)
+        identical &= all(torch.equal(o, outs["reference"]) for o in outs.values())
+        logits = outs["graph" if "graph" in outs else "fused"]
+    row = {"plain": summary(times["plain"]), "outputs_bit_identical": bool(identical)}
+    for name in calls:
+        row[name] = {**summary(times[name]), **overhead(row["plain"], summary(times[name]))}
+    result["eager"][cache_name] = row
+    cells = "  ".join(f"{n} +{100 * row[n]['overhead_p95']:.1f}%" for n in calls)
+    print(f"eager {cache_name:12s} step p95 {row['plain']['p95_ms']:8.2f} ms | p95 overhead: {cells} | outputs "
+          f"{'bit-identical' if identical else 'DIFFER'}", flush=True)
 
 
 def captured(args, model, ids, device, result):
@@ -279,7 +291,7 @@ def main(argv=None):
     ap.add_argument("--config-json", help="build the model from this config with random weights (no GGUF needed)")
     ap.add_argument("--random-prompt", action="store_true", help="random token ids instead of --text")
     ap.add_argument("--text", nargs="+", default=None, help="prompt text files (.gz allowed; default Debian Reference)")
-    ap.add_argument("--caches", nargs="+", default=["LowBitCache", "DynamicCache"],
+    ap.add_argument("--caches", nargs="+", default=["DynamicCache", "LowBitCache"],
                     choices=["LowBitCache", "DynamicCache"])
     ap.add_argument("--backend", default="inductor", help="torch.compile backend of --mode captured")
     ap.add_argument("--out")
@@ -308,7 +320,11 @@ def main(argv=None):
     if args.mode == "eager":
         eager(args, model, ids, device, result)
     else:
-        captured(args, model, ids, device, result)
+        try:
+            captured(args, model, ids, device, result)
+        except Exception as e:  # noqa: BLE001 - keep the op counts and the error in the JSON
+            traceback.print_exc()
+            result["captured"]["error"] = f"{type(e).__name__}: {e}"[:800]
     result["wall_s"] = round(time.time() - t_start, 1)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -16,7 +16,7 @@ t0=$(date +%s)
 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_dgap_fused_step.py 2>&1 | tail -4 | tee "$OUT/dgap_gpu_tests.log"
 B="python3 benchmarks/dgap_overhead.py --device cuda --context 8000 --config-json benchmarks/device/smollm2-135m-config.json"
 B="$B --random-prompt --artifact hub_configs/dgap-SmolLM2-135M-Instruct --precision K2V2"
-timeout 75 $B --mode eager --steps 64 --out "$OUT/dgap_overhead_h200.json" 2>&1 | grep -v -i warn | tail -6
+timeout 90 $B --mode eager --steps 64 --out "$OUT/dgap_overhead_h200.json" 2>&1 | grep -v -i warn | tail -6
 echo "eager done at $(( $(date +%s) - t0 )) s"
 timeout $(( 285 - $(date +%s) + t0 )) $B --mode captured --steps 64 --out "$OUT/dgap_overhead_h200_captured.json" \
   2>&1 | grep -v -i warn | tail -12
