@@ -51,6 +51,7 @@ def make_case(task, haystack_ids, tok, length, rng):
 @torch.no_grad()
 def score_case(model, tok, ids, want, **generate_kwargs) -> float:
     """Greedy answer to one haystack: the share of the wanted values it contains."""
+    ids = ids.to(model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12 * len(want), do_sample=False,
                          pad_token_id=tok.eos_token_id, **generate_kwargs)
     text = tok.decode(out[0, ids.shape[1]:])

@@ -1,11 +1,14 @@
 """Needle-in-a-haystack with each precision's default `LowBitCache` and transformers' `QuantizedCache`.
 
 The cases of `benchmarks/dgap_niah.py` (RULER-style needles in the Debian Reference, seeded); greedy answers, a case
-scores the share of asked values in the answer. SmolLM2-135M-Instruct in float32 on the CPU; the prompt is
-prefilled in one step (the prefill attends at full precision; the answer is decoded from the quantized cache).
+scores the share of asked values in the answer. SmolLM2-135M-Instruct in float32 (CPU, or `--device cuda`); the
+prompt is prefilled in one step (the prefill attends at full precision; the answer is decoded from the quantized
+cache). The 8K cells run on the H200: `benchmarks/device/lowbit_niah_h200.sh`.
 
     python benchmarks/lowbit_niah.py --lengths 2048 --tasks multikey --samples 6 \\
         --out benchmarks/results/lowbit_niah.json
+    python benchmarks/lowbit_niah.py --device cuda --lengths 8000 --tasks single,multikey,multivalue \\
+        --text .bench/text/eval/debian-reference.en.txt.gz --out $OUT/lowbit_niah_8k.json
 """
 
 import argparse
@@ -44,33 +47,45 @@ def main():
     ap.add_argument("--samples", type=int, default=6)
     ap.add_argument("--tasks", default="multikey")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--text", nargs="+", default=list(DEBIAN_REFERENCE), help="haystack text files (.gz allowed)")
+    ap.add_argument("--caches", nargs="+", choices=list(CACHES), default=list(CACHES))
     ap.add_argument("--out", default="benchmarks/results/lowbit_niah.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model, tok = load_default_model()
+    model, tok = load_default_model(device=args.device)
     model.float()
     kw = cache_kwarg(model)
-    hay = tok(read_text_files(DEBIAN_REFERENCE).text, add_special_tokens=False).input_ids
-    scores = {name: {} for name in CACHES}
+    hay = tok(read_text_files(args.text).text, add_special_tokens=False).input_ids
+    caches = {name: CACHES[name] for name in args.caches}
+    scores = {name: {} for name in caches}
+    errors = {}
     t0 = time.time()
     for length in args.lengths:
         for task in args.tasks.split(","):
             rng = random.Random(f"{task}-{length}")
             cases = [make_case(task, hay, tok, length, rng) for _ in range(args.samples)]
-            for name, make in CACHES.items():
+            for name, make in caches.items():
                 got = []
-                for ids, want in cases:
-                    got.append(score_case(model, tok, ids, want, **{kw: make(model.config)}))
+                try:
+                    for ids, want in cases:
+                        got.append(score_case(model, tok, ids, want, **{kw: make(model.config)}))
+                except (ImportError, RuntimeError, ValueError) as e:  # e.g. quanto absent: the others still run
+                    errors[name] = f"{type(e).__name__}: {e}"[:300]
+                    print(f"{name:40s} FAILED: {errors[name]}", flush=True)
+                    continue
                 scores[name][f"{task}@{length}"] = sum(got) / len(got)
                 print(f"{name:40s} {task:10s} {length:5d}: {scores[name][f'{task}@{length}']:.2f}", flush=True)
+    scores = {name: s for name, s in scores.items() if s}
     table = score_table(scores)
     print(table)
-    Path(args.out).write_text(json.dumps({"model": "HuggingFaceTB/SmolLM2-135M-Instruct (float32, CPU)",
-                                          "haystack": DEBIAN_REFERENCE[0], "samples": args.samples, "scores": scores,
-                                          "seconds": time.time() - t0, "torch": torch.__version__}, indent=1) + "\n")
+    device = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU"
+    Path(args.out).write_text(json.dumps({"model": f"HuggingFaceTB/SmolLM2-135M-Instruct (float32, {device})",
+                                          "haystack": args.text[0], "samples": args.samples, "scores": scores,
+                                          "errors": errors, "seconds": time.time() - t0,
+                                          "torch": torch.__version__, "command": " ".join(sys.argv)}, indent=1) + "\n")
     Path(args.out).with_suffix(".md").write_text(
-        f"Multi-key NIAH, {args.samples} seeded cases per cell (`python benchmarks/lowbit_niah.py --lengths "
-        f"{' '.join(map(str, args.lengths))} --tasks {args.tasks} --samples {args.samples}`).\n\n"
+        f"NIAH ({args.tasks}), {args.samples} seeded cases per cell, {device} (`python {' '.join(sys.argv)}`).\n\n"
         + table + "\n")
 
 

@@ -60,6 +60,14 @@ def _token_stream(args, tokenizer, needed: int) -> tuple[torch.Tensor, torch.Ten
     return torch.tensor(ids), torch.tensor(docs, dtype=torch.int32)
 
 
+def quantizer_overrides(args) -> dict:
+    """The `LowBitCache` options given on the command line; every other option keeps the precision's default
+    (`LowBitConfig.default`, the measured best quantizer)."""
+    given = {"group_size": args.group_size, "residual_length": args.residual_length,
+             "one_bit_mode": args.one_bit_mode, "sink_length": args.sink_length}
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def cmd_collect(args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -82,8 +90,7 @@ def cmd_collect(args) -> None:
     else:
         source = f"dataset {args.dataset}" + (f"/{args.dataset_config}" if args.dataset_config else "")
         source += f" [{args.split}]"
-    cache_kwargs = {"group_size": args.group_size, "residual_length": args.residual_length,
-                    "one_bit_mode": args.one_bit_mode, "sink_length": args.sink_length}
+    cache_kwargs = quantizer_overrides(args)
     pos = 0
     for prefix, width in windows.items():
         seqs = stream[pos:pos + width * args.sequences].reshape(args.sequences, width)
@@ -205,10 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--sequences", type=int, default=8, help="sequences per prefix length")
     c.add_argument("--batch-size", type=int, default=1, help="sequences per forward")
     c.add_argument("--top-m", type=int, default=64, help="top logits stored per row")
-    c.add_argument("--group-size", type=int, default=32, help="LowBitCache quantization group")
-    c.add_argument("--residual-length", type=int, default=128, help="recent tokens kept in full precision")
-    c.add_argument("--one-bit-mode", default="sign", choices=["sign", "minmax"], help="1-bit quantizer")
-    c.add_argument("--sink-length", type=int, default=0, help="first tokens kept in full precision")
+    same = "; default: the precision's LowBitConfig.default, the measured best quantizer"
+    c.add_argument("--group-size", type=int, help="LowBitCache quantization group, keys and values" + same)
+    c.add_argument("--residual-length", type=int, help="recent tokens kept in full precision" + same)
+    c.add_argument("--one-bit-mode", choices=["sign", "minmax"], help="1-bit quantizer" + same)
+    c.add_argument("--sink-length", type=int, help="first tokens kept in full precision" + same)
     c.add_argument("--dtype", default="bfloat16", help="model dtype")
     c.add_argument("--device", help="default: cuda if available, else cpu")
     c.add_argument("--seed", type=int, default=0, help="seed of --random-tokens")

@@ -115,10 +115,14 @@ class DGAPDetector(_Normalized, PyTorchModelHubMixin, library_name=LIBRARY, tags
         self.phi_mean, self.phi_std = (t.to(self.phi_mean.device) for t in self._stats(phi))
         return self
 
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Risk logit `[N]` of already normalized features `x` `[N, N_PHI]` (linear and MLP detectors)."""
+        return self.net(x).squeeze(-1)
+
     def forward(self, phi: torch.Tensor) -> torch.Tensor:
         x = self._normalize("phi", phi.float())
         if self.arch != "transformer":
-            return self.net(x).squeeze(-1)
+            return self.head(x)
         tokens = x.unsqueeze(-1) * self.feature_weight + self.feature_bias  # [N, F, h]
         tokens = torch.cat([self.cls.expand(x.shape[0], -1, -1), tokens], 1)
         return self.net(self.encoder(tokens)[:, 0]).squeeze(-1)
@@ -169,11 +173,15 @@ class DGAPCorrector(_Normalized, PyTorchModelHubMixin, library_name=LIBRARY, tag
             tokens = self.embed(torch.cat([x, f.unsqueeze(1).expand(n, k, -1)], -1))
             tokens = tokens + self.rank.weight[:k]
             out = self.net(self.encoder(tokens)).squeeze(-1)
-        else:
-            out = self.net(torch.cat([x.reshape(n, -1), f], -1))
-        if self.max_delta:
-            out = self.max_delta * torch.tanh(out / self.max_delta)
-        return out
+            return self._bound(out)
+        return self.head(torch.cat([x.reshape(n, -1), f], -1))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Update `[N, window]` of the already normalized flat input `x = [xi_flat, phi]` (linear and MLP)."""
+        return self._bound(self.net(x))
+
+    def _bound(self, out: torch.Tensor) -> torch.Tensor:
+        return self.max_delta * torch.tanh(out / self.max_delta) if self.max_delta else out
 
 
 CARD_TEMPLATE = """---

@@ -157,3 +157,29 @@ def test_cli_collect_train_info(tmp_path, capsys):
     assert set(info["precisions"]) == {"K1V1", "K2V2"} and info["base_model"]["vocab_size"] == 256
     art = json.loads((tmp_path / "art" / "config.json").read_text())
     assert art["training"]["rows"] == {"K1V1": 36, "K2V2": 36} and art["training"]["prefix_lens"] == [32, 40]
+
+
+def test_cli_collect_uses_each_precisions_default_quantizer(tmp_path):
+    """Without quantizer options `dgap-hf collect` traces `LowBitConfig.default(precision)` (the measured best, which
+    the traces and so the trained artifact record); the options given override only themselves."""
+    from dgap_hf import LowBitConfig
+    from dgap_hf.cli import build_parser, main, quantizer_overrides
+    from dgap_hf.traces import TracePairs
+
+    base = ["collect", "--model", str(tmp_path / "llama"), "--random-tokens", "400", "--prefix-len", "24",
+            "--steps", "3", "--sequences", "1", "--top-m", "8", "--dtype", "float32"]
+    assert quantizer_overrides(build_parser().parse_args(base + ["--out", "x"])) == {}
+    torch.manual_seed(0)
+    cfg = tiny_llama_config(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=64)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp_path / "llama")
+    main(base + ["--precisions", "K2V2,K1V1", "--out", str(tmp_path / "default")])
+    for p in ("K2V2", "K1V1"):
+        spec = TracePairs.load(tmp_path / "default" / f"{p}-p24.safetensors").meta["quantizer"]
+        assert LowBitConfig.from_spec(spec) == LowBitConfig.default(p, 64)
+        assert spec["sink_length"] == 4 and spec["key_group_size"] == 128 and spec["rotation"] == "hadamard"
+    main(base + ["--precisions", "K2V2", "--sink-length", "0", "--group-size", "16",
+                 "--out", str(tmp_path / "override")])
+    spec = TracePairs.load(tmp_path / "override" / "K2V2-p24.safetensors").meta["quantizer"]
+    assert LowBitConfig.from_spec(spec) == LowBitConfig.default("K2V2", 64, sink_length=0, key_group_size=16,
+                                                                value_group_size=16)
