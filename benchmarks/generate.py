@@ -215,7 +215,8 @@ def time_update_and_attention(cache, kv, device, reps: int = 20) -> dict:
     b0 = BLOCK_TOKENS * (length // BLOCK_TOKENS)
     tokens = {i: (kv[i][0][:, :, :BLOCK_TOKENS].contiguous(), kv[i][1][:, :, :BLOCK_TOKENS].contiguous())
               for i, _ in layers}
-    q = torch.randn(first.batch, model_query_heads(cache), 1, first.head_dim, generator=torch.Generator().manual_seed(2))
+    heads = text_config(cache.config).num_attention_heads
+    q = torch.randn(first.batch, heads, 1, first.head_dim, generator=torch.Generator().manual_seed(2))
     q = q.to(device, torch.bfloat16)
     gaac = isinstance(first, GAACStaticLayer)
     saved = step_state(cache)
@@ -261,9 +262,35 @@ def time_update_and_attention(cache, kv, device, reps: int = 20) -> dict:
     return out
 
 
-def model_query_heads(cache) -> int:
-    cfg = text_config(cache.config)
-    return cfg.num_attention_heads
+# --- host side of a compiled step ----------------------------------------------------------------------------------
+HOST_EVENTS = {"TorchDynamo Cache Lookup": "guards_us", "Torch-Compiled Region": "compiled_region_us",
+               "AOTDispatcher Runtime Wrapper Prologue": "aot_prologue_us", "Pregraph bytecode": "pregraph_us"}
+
+
+def host_profile(stepper: "Stepper", device, steps: int = 3) -> dict:
+    """What the host does per compiled step (torch.profiler over `steps` steps), per step: CPU time of Dynamo's
+    cache lookup (guards), the compiled region and AOT's prologue, and how many kernel launches and CUDA-graph
+    launches the CPU issues (a step replayed as one CUDA graph launches no kernel itself: more means the graph was
+    split or not captured). Also inductor's cudagraph counters (skips)."""
+    from torch._dynamo.utils import counters
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        stepper.run(steps, 0)
+        sync(device)
+    out = {"steps": steps}
+    for e in prof.key_averages():
+        if e.key in HOST_EVENTS:
+            out[HOST_EVENTS[e.key]] = round(e.cpu_time_total / steps, 1)
+        elif "LaunchKernel" in e.key:
+            out["kernel_launches"] = out.get("kernel_launches", 0) + e.count / steps
+        elif "GraphLaunch" in e.key:
+            out["graph_launches"] = out.get("graph_launches", 0) + e.count / steps
+    skips = {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}
+    if skips:
+        out["inductor_cudagraph_counters"] = dict(skips)
+    return out
 
 
 # --- lossless diagnosis --------------------------------------------------------------------------------------------
@@ -425,7 +452,7 @@ def main(argv=None):
     del dyn
     log(f"calibrated ({t_cal:.1f} s), sample KV taken")
     steps, warmup = args.steps, args.warmup
-    cap = max(args.contexts) + warmup + steps + BLOCK_TOKENS + 2  # + the eager diagnosis step
+    cap = max(args.contexts) + warmup + steps + BLOCK_TOKENS + 8  # + the diagnosis and profiled steps
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "transformers": __import__("transformers").__version__,
                "model": "Llama-3.1-8B architecture, random BF16 weights" if not args.tiny else "tiny Llama",
@@ -535,6 +562,8 @@ def main(argv=None):
             split.update({k + "_error": v for k, v in t.items() if k.endswith("_error")})
             row["split" if key == "gaac" else "twin_split"] = split
             log(f"  {label} split: {split}")
+            row["host_profile" if key == "gaac" else "twin_host_profile"] = host_profile(step, device)
+            log(f"  {label} host: {row['host_profile' if key == 'gaac' else 'twin_host_profile']}")
             if key == "gaac":
                 cache.check()
 

@@ -443,6 +443,7 @@ def test_generate_benchmark_runs_tiny(tmp_path, bench):
         assert row[label]["step_ms"] > 0
     assert 0 < row["resident_kv"]["gaac_bytes"] < row["resident_kv"]["bf16_bytes"]
     assert row["split"]["finalize_ms"] > 0 and row["twin_split"]["attention_ms"] > 0
+    assert row["host_profile"]["guards_us"] > 0 and row["twin_host_profile"]["aot_prologue_us"] > 0
     d = row["diag"]
     assert d["fill"] == {"equal": True} and d["eager_gaac_vs_eager_twin"]["logit_bits"]
     assert d["compiled_vs_eager_gaac"]["logit_bits"] and d["compiled_steps_kv"] == {"equal": True}
