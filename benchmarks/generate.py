@@ -16,17 +16,32 @@ own append path (`update` / `GAACStaticLayer.append`), instead of a 128K-token p
 real model on top of it. Step times do not depend on what the KV says, only on its length and, for GAAC, on the
 raw-tile share, which repeating the model's own KV keeps at its calibrated value.
 
-Also reported: tokens and every logit bit of compiled GAAC vs its twin (lossless), the host share of the compiled
-GAAC step (time until the call returns, GPU work still queued, over the step), the finalization share (GPU time of
-the per-layer `gaac::append_token` op x layers over the step), the attention time (GPU time of the per-layer
-`gaac::decode_attention` op x layers) and the rest, resident and allocated KV bytes.
+Also reported: tokens and every logit bit of compiled GAAC vs its twin (lossless; if they differ, the first step
+that does and the largest difference), the host share of each compiled step (time until the call returns, GPU
+work still queued, over the step) and a host profile of it (`host_profile`: guards, kernel and CUDA-graph launches
+issued by the CPU), resident and allocated KV bytes, and the step's split: the GPU time of the cache's work in one
+step, all layers, each op timed from a CUDA graph replay as in the captured step (`time_update_and_attention`):
+the attention (`gaac::decode_attention`, and the twin's), the update (`gaac::append_token` as the per-step
+average of 15 calls that finalize nothing and one that completes a block of the model's KV; the twin's scatter)
+and the rest (weights, norms, RoPE, sampling) = step - attention - update. The timing leaves every bit of the
+caches as it found it.
+
+`--diag` (lossless diagnosis, same run): whether both caches hold the same KV bits after the fill; one eager step
+of each from that state with every layer's attention output hooked (the first layer whose bits differ, and whether
+the eager logits agree); each cache's compiled first step against its eager step from the same state; the KV
+bits the compiled steps wrote, GAAC vs twin. Eager GAAC = eager twin with compiled GAAC != compiled twin means
+the two compiled graphs compute around the op differently (e.g. inductor fusing the K/V projection and RoPE into
+the twin's scatter but not into the custom op's inputs), not a cache bug.
 
 GAAC and the twin are built once with room for the longest context (they read only `kv_len` tokens, whatever the
 capacity: one compile serves every context); `StaticCache` is built per context with max_cache_len = context +
-steps (its SDPA reads the whole buffer), one compile each.
+steps (its SDPA reads the whole buffer; Dynamo recompiles once with a dynamic length, then reuses it). The eager
+variants run `--eager-steps` steps. The JSON is written after every context; progress lines carry the elapsed
+time.
 
-    python benchmarks/generate.py --contexts 16384 65536 131072 --out benchmarks/results/generate_h200.json
-    python benchmarks/generate.py --tiny --out /tmp/generate_tiny.json    # CPU, a tiny model, seconds
+    python benchmarks/generate.py --contexts 16384 32768 65536 131072 --steps 10 --warmup 3 --eager-steps 3 \
+        --diag --out benchmarks/results/generate_h200.json
+    python benchmarks/generate.py --tiny --diag --out /tmp/generate_tiny.json    # CPU, a tiny model, seconds
 """
 
 from __future__ import annotations
