@@ -16,17 +16,32 @@ own append path (`update` / `GAACStaticLayer.append`), instead of a 128K-token p
 real model on top of it. Step times do not depend on what the KV says, only on its length and, for GAAC, on the
 raw-tile share, which repeating the model's own KV keeps at its calibrated value.
 
-Also reported: tokens and every logit bit of compiled GAAC vs its twin (lossless), the host share of the compiled
-GAAC step (time until the call returns, GPU work still queued, over the step), the finalization share (GPU time of
-the per-layer `gaac::append_token` op x layers over the step), the attention time (GPU time of the per-layer
-`gaac::decode_attention` op x layers) and the rest, resident and allocated KV bytes.
+Also reported: tokens and every logit bit of compiled GAAC vs its twin (lossless; if they differ, the first step
+that does and the largest difference), the host share of each compiled step (time until the call returns, GPU
+work still queued, over the step) and a host profile of it (`host_profile`: guards, kernel and CUDA-graph launches
+issued by the CPU), resident and allocated KV bytes, and the step's split: the GPU time of the cache's work in one
+step, all layers, each op timed from a CUDA graph replay as in the captured step (`time_update_and_attention`):
+the attention (`gaac::decode_attention`, and the twin's), the update (`gaac::append_token` as the per-step
+average of 15 calls that finalize nothing and one that completes a block of the model's KV; the twin's scatter)
+and the rest (weights, norms, RoPE, sampling) = step - attention - update. The timing leaves every bit of the
+caches as it found it.
+
+`--diag` (lossless diagnosis, same run): whether both caches hold the same KV bits after the fill; one eager step
+of each from that state with every layer's attention output hooked (the first layer whose bits differ, and whether
+the eager logits agree); each cache's compiled first step against its eager step from the same state; the KV
+bits the compiled steps wrote, GAAC vs twin. Eager GAAC = eager twin with compiled GAAC != compiled twin means
+the two compiled graphs compute around the op differently (e.g. inductor fusing the K/V projection and RoPE into
+the twin's scatter but not into the custom op's inputs), not a cache bug.
 
 GAAC and the twin are built once with room for the longest context (they read only `kv_len` tokens, whatever the
 capacity: one compile serves every context); `StaticCache` is built per context with max_cache_len = context +
-steps (its SDPA reads the whole buffer), one compile each.
+steps (its SDPA reads the whole buffer; Dynamo recompiles once with a dynamic length, then reuses it). The eager
+variants run `--eager-steps` steps. The JSON is written after every context; progress lines carry the elapsed
+time.
 
-    python benchmarks/generate.py --contexts 16384 65536 131072 --out benchmarks/results/generate_h200.json
-    python benchmarks/generate.py --tiny --out /tmp/generate_tiny.json    # CPU, a tiny model, seconds
+    python benchmarks/generate.py --contexts 16384 32768 65536 131072 --steps 10 --warmup 3 --eager-steps 3 \
+        --diag --out benchmarks/results/generate_h200.json
+    python benchmarks/generate.py --tiny --diag --out /tmp/generate_tiny.json    # CPU, a tiny model, seconds
 """
 
 from __future__ import annotations
@@ -50,8 +65,10 @@ sys.path.insert(0, str(ROOT))
 import gaac_hf  # noqa: E402,F401  (registers "gaac")
 from gaac_hf import GAACCache  # noqa: E402
 from gaac_hf.calibrate import calibrate  # noqa: E402
-from gaac_hf.model_layers import cache_kwarg  # noqa: E402
-from gaac_hf.static_cache import GAACStaticCache, PlainStaticCache  # noqa: E402
+from gaac_hf import ops  # noqa: E402
+from gaac_hf.format import BLOCK_TOKENS  # noqa: E402
+from gaac_hf.model_layers import cache_kwarg, text_config  # noqa: E402
+from gaac_hf.static_cache import GAACStaticCache, GAACStaticLayer, PlainStaticCache  # noqa: E402
 
 SAMPLE_TOKENS = 2048
 
@@ -132,37 +149,284 @@ def fill(cache, kv, context: int, device) -> None:
     sync(device)
 
 
-def op_gpu_time(fn, n: int, device) -> float:
-    """Seconds per call of `fn` on the GPU (events around n calls); wall time on the CPU."""
-    fn()
+# --- GPU time of the ops of one step, from CUDA graph replays -------------------------------------------------------
+def graph_seconds(fn, device, reps: int = 20, setup=None) -> float:
+    """Seconds one call of `fn` takes, median of `reps`: on CUDA the GPU time of a CUDA graph of it (captured once,
+    events around each replay; no launch or Python cost, as in the captured decode step); elsewhere wall time of
+    eager calls. `setup` runs before each call (and before the capture and the warm-up), outside the timing."""
+    setup = setup or (lambda: None)
+    times = []
     if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        sync(device)
-        start.record()
-        for _ in range(n):
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up outside the capture (kernel compilation, plans)
+            setup()
             fn()
-        end.record()
-        sync(device)
-        return start.elapsed_time(end) / 1e3 / n
-    t = time.perf_counter()
-    for _ in range(n):
+        torch.cuda.current_stream(device).wait_stream(side)
+        setup()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(reps):
+            setup()
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        del graph
+        return statistics.median(times)
+    setup()
+    fn()
+    for _ in range(reps):
+        setup()
+        t = time.perf_counter()
         fn()
-    return (time.perf_counter() - t) / n
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def step_state(cache) -> list:
+    """What a decode-step update of `cache` may write in the 16 positions from the start of its current block
+    on, as `(tensor, index, clone)`: lengths, counters, tails, block table, the pool rows the counters point at and
+    the scratch rows (GAAC); the rows of those positions (twin)."""
+    saved = []
+    for i in cache.own_layers:
+        layer = cache.layers[i]
+        parts = [(layer.kv_len, (slice(None),))]
+        if isinstance(layer, GAACStaticLayer):
+            r = layer.record
+            parts += [(layer.counts, (slice(None),)), (r.tail_k, (slice(None),)), (r.tail_v, (slice(None),)),
+                      (r.table, (slice(None),))]
+            taken = layer.counts.tolist()
+            for pool, modes, at in ((r.slot_pool, layer.slot_modes, taken[0]), (r.raw_pool, layer.raw_modes, taken[1])):
+                last = pool.shape[0] - 1
+                rows = (slice(min(at, last), min(at + layer.headroom, last)),)  # one finalization takes at most that
+                parts += [(pool, rows), (modes, rows), (pool, (slice(last, None),)), (modes, (slice(last, None),))]
+        else:
+            b0 = BLOCK_TOKENS * (layer.host_length() // BLOCK_TOKENS)
+            rows = (slice(None), slice(None), slice(b0, b0 + BLOCK_TOKENS))
+            parts += [(layer.keys, rows), (layer.values, rows)]
+        saved += [(t, idx, t[idx].clone()) for t, idx in parts]
+    return saved
+
+
+def restore_state(saved: list) -> None:
+    for t, idx, value in saved:
+        t[idx].copy_(value)
+
+
+def time_update_and_attention(cache, kv, device, reps: int = 20) -> dict:
+    """GPU time of one decode step's cache work, all layers of `cache` (each op timed from a CUDA graph replay):
+    the attention over the current length, a decode-step update that finalizes nothing and (GAAC) one that
+    completes a block (on the model's own KV `kv[layer] = (k, v)`, so the block encodes as real KV does). Leaves
+    the cache as it found it (`step_state`). Seconds per step, all layers together."""
+    from gaac_hf.attention import static_decode_attention
+
+    layers = [(i, cache.layers[i]) for i in cache.own_layers]
+    first = layers[0][1]
+    length = first.host_length()
+    b0 = BLOCK_TOKENS * (length // BLOCK_TOKENS)
+    tokens = {i: (kv[i][0][:, :, :BLOCK_TOKENS].contiguous(), kv[i][1][:, :, :BLOCK_TOKENS].contiguous())
+              for i, _ in layers}
+    heads = text_config(cache.config).num_attention_heads
+    q = torch.randn(first.batch, heads, 1, first.head_dim, generator=torch.Generator().manual_seed(2))
+    q = q.to(device, torch.bfloat16)
+    gaac = isinstance(first, GAACStaticLayer)
+    saved = step_state(cache)
+    counts = {i: layer.counts.clone() for i, layer in layers} if gaac else {}
+
+    def at(n, fill_tail=False):
+        def setup():
+            for i, layer in layers:
+                layer.kv_len.fill_(n)
+                if gaac:
+                    layer.counts.copy_(counts[i])
+                    if fill_tail:  # the block's first 15 tokens in the tail: the 16th completes it
+                        layer.record.tail_k[:, :, :BLOCK_TOKENS - 1].copy_(tokens[i][0][:, :, :BLOCK_TOKENS - 1])
+                        layer.record.tail_v[:, :, :BLOCK_TOKENS - 1].copy_(tokens[i][1][:, :, :BLOCK_TOKENS - 1])
+        return setup
+
+    def append(pos):
+        def fn():
+            for i, layer in layers:
+                layer.update(tokens[i][0][:, :, pos:pos + 1], tokens[i][1][:, :, pos:pos + 1])
+        return fn
+
+    def attend():
+        for _, layer in layers:
+            static_decode_attention(q, layer.record, None, None)
+
+    jobs = [("attention", attend, None), ("update", append(0), at(b0))]
+    if gaac:
+        jobs.append(("update_finalizing", append(BLOCK_TOKENS - 1), at(b0 + BLOCK_TOKENS - 1, True)))
+    out = {}
+    try:
+        for key, fn, setup in jobs:
+            try:
+                out[key] = graph_seconds(fn, device, reps, setup)
+            except Exception as e:  # noqa: BLE001  (a timing that cannot be captured must not lose the others)
+                out[key + "_error"] = f"{type(e).__name__}: {e}"[:300]
+        if gaac:  # what one finalizing call takes: proof that it finalized (tiles = layers x block positions)
+            at(b0 + BLOCK_TOKENS - 1, True)()
+            append(BLOCK_TOKENS - 1)()
+            out["finalized_tiles"] = int(sum(int((layer.counts - counts[i]).sum()) for i, layer in layers))
+    finally:
+        restore_state(saved)
+    return out
+
+
+# --- host side of a compiled step ----------------------------------------------------------------------------------
+HOST_EVENTS = {"TorchDynamo Cache Lookup": "guards_us", "Torch-Compiled Region": "compiled_region_us",
+               "AOTDispatcher Runtime Wrapper Prologue": "aot_prologue_us", "Pregraph bytecode": "pregraph_us"}
+
+
+def host_profile(stepper: "Stepper", device, steps: int = 3) -> dict:
+    """What the host does per compiled step (torch.profiler over `steps` steps), per step: CPU time of Dynamo's
+    cache lookup (guards), the compiled region and AOT's prologue, and how many kernel launches and CUDA-graph
+    launches the CPU issues (a step replayed as one CUDA graph launches no kernel itself: more means the graph was
+    split or not captured). Also inductor's cudagraph counters (skips)."""
+    from torch._dynamo.utils import counters
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        stepper.run(steps, 0)
+        sync(device)
+    out = {"steps": steps}
+    for e in prof.key_averages():
+        if e.key in HOST_EVENTS:
+            out[HOST_EVENTS[e.key]] = round(e.cpu_time_total / steps, 1)
+        elif "LaunchKernel" in e.key:
+            out["kernel_launches"] = out.get("kernel_launches", 0) + e.count / steps
+        elif "GraphLaunch" in e.key:
+            out["graph_launches"] = out.get("graph_launches", 0) + e.count / steps
+    skips = {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}
+    if skips:
+        out["inductor_cudagraph_counters"] = dict(skips)
+    return out
+
+
+# --- lossless diagnosis --------------------------------------------------------------------------------------------
+def dense_kv(layer, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens `[start, end)` (end <= length) of a static layer as BF16 K, V `[B, H, end - start, D]` (GAAC: the
+    finalized blocks decoded, then the tail)."""
+    if not isinstance(layer, GAACStaticLayer):
+        return layer.keys[:, :, start:end], layer.values[:, :, start:end]
+    r = layer.record
+    n_fin = layer.host_length() // BLOCK_TOKENS
+    b0, b1 = start // BLOCK_TOKENS, -(-end // BLOCK_TOKENS)
+    ks, vs = [], []
+    if b0 < min(b1, n_fin):
+        p, c = layer.tile_positions, layer.channels
+        n = min(b1, n_fin) - b0
+        tiles = ops.expand_tiles(r.table[:, b0:b0 + n].reshape(layer.batch, n, p), r.slot_pool, r.raw_pool,
+                                 r.base3.reshape(p, c), r.base4.reshape(p, c))
+        kv = ops.blocks_of(tiles, layer.num_kv_heads)
+        ks.append(kv[:, 0])
+        vs.append(kv[:, 1])
+    if b1 > n_fin:
+        ks.append(r.tail_k)
+        vs.append(r.tail_v)
+    at = start - b0 * BLOCK_TOKENS
+    return torch.cat(ks, 2)[:, :, at:at + end - start], torch.cat(vs, 2)[:, :, at:at + end - start]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.int16), b.reshape(-1).view(torch.int16))
+
+
+def compare_kv(cache_a, cache_b, start: int, end: int, chunk: int = 8192) -> dict:
+    """Do two static caches hold the same K/V bits for tokens `[start, end)`? The first layer that does not."""
+    for i in cache_a.own_layers:
+        for s in range(start, end, chunk):
+            e = min(end, s + chunk)
+            (ka, va), (kb, vb) = dense_kv(cache_a.layers[i], s, e), dense_kv(cache_b.layers[i], s, e)
+            if not (same_bits(ka, kb) and same_bits(va, vb)):
+                return {"equal": False, "first_layer": i, "first_chunk": [s, e]}
+    return {"equal": True}
+
+
+def attention_modules(model) -> list:
+    return [m for name, m in model.named_modules() if name.endswith("self_attn")]
+
+
+def eager_step(model, cache, context: int, device, token: int = 7):
+    """One eager (uncompiled) decode step: logits and every layer's attention output (forward hooks)."""
+    outs = []
+
+    def hook(module, args, out):
+        outs.append((out[0] if isinstance(out, tuple) else out).detach().clone())
+
+    hooks = [m.register_forward_hook(hook) for m in attention_modules(model)]
+    try:
+        logits = Stepper(model, model.forward, cache, context, device).step(torch.tensor([[token]], device=device))
+    finally:
+        for h in hooks:
+            h.remove()
+    return logits, outs
+
+
+def logit_diff(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """Tokens and logit bits of two `[steps, B, V]` logit sequences; the first step whose bits differ."""
+    differ = (a.view(torch.int16) != b.view(torch.int16)).flatten(1).any(1)
+    out = {"tokens": bool(torch.equal(a.argmax(-1), b.argmax(-1))), "logit_bits": not bool(differ.any())}
+    if differ.any():
+        out["first_step"] = int(differ.nonzero()[0, 0])
+        out["max_abs_diff"] = float((a.float() - b.float()).abs().max())
+    return out
+
+
+def diagnose(model, gaac, twin, context: int, device) -> dict:
+    """From the same filled state: do both caches hold the same KV bits; does one eager step of each give the same
+    attention output in every layer and the same logits. Leaves both caches as it found them."""
+    out = {"fill": compare_kv(gaac, twin, 0, context)}
+    got = {}
+    for name, cache in (("gaac", gaac), ("twin", twin)):
+        saved = step_state(cache)
+        try:
+            got[name] = eager_step(model, cache, context, device)
+        finally:
+            restore_state(saved)
+    (lg, ag), (lt, at) = got["gaac"], got["twin"]
+    differ = [i for i, (x, y) in enumerate(zip(ag, at)) if not same_bits(x, y)]
+    out["eager_gaac_vs_eager_twin"] = {"layers": len(ag), "attention_bits": not differ,
+                                       "first_layer": differ[0] if differ else None,
+                                       "logit_bits": same_bits(lg, lt)}
+    out["eager_logits"] = {"gaac": lg, "twin": lt}  # compared with the compiled first step by the caller
+    return out
 
 
 def ms(x):
     return round(1e3 * x, 4)
 
 
+VARIANTS = {  # short name: label
+    "gaac": "compiled GAACStaticCache",
+    "twin": "compiled twin (plain BF16, same op)",
+    "static": "compiled StaticCache + sdpa",
+    "dynamic": "eager DynamicCache + flash sdpa",
+    "eager-gaac": "eager GAACCache + gaac",
+}
+
+
 @torch.no_grad()
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps of the compiled variants")
     p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--eager-steps", type=int, default=5, help="timed decode steps of the eager variants (1 warm-up)")
+    p.add_argument("--reps", type=int, default=20, help="CUDA graph replays per op timing of the split")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model on the CPU, contexts 40 and 72")
     p.add_argument("--backend", default=None, help="torch.compile backend (default inductor; --tiny: aot_eager)")
-    p.add_argument("--skip", nargs="*", default=[], help="variants to leave out")
+    p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
+                   help="variants to run (short names)")
+    p.add_argument("--skip", nargs="*", default=[], help="variants to leave out (short names or labels)")
+    p.add_argument("--diag", action="store_true",
+                   help="lossless diagnosis: compare the filled KV of GAAC and twin, one eager step of each "
+                        "(per-layer attention outputs) and each cache's compiled first step against its eager one")
     p.add_argument("--out", default="benchmarks/results/generate_h200.json")
     args = p.parse_args(argv)
     from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
@@ -171,16 +435,24 @@ def main(argv=None):
     if args.tiny:
         args.contexts = [c for c in args.contexts if c <= 256] or [40, 72]
         args.steps, args.warmup = min(args.steps, 6), min(args.warmup, 2)
+        args.eager_steps, args.reps = min(args.eager_steps, 3), min(args.reps, 3)
+    skip = set(args.skip)
+    run = {k for k, label in VARIANTS.items() if k in args.variants and k not in skip and label not in skip}
     backend = args.backend or ("aot_eager" if args.tiny else "inductor")
     compile_kw = dict(fullgraph=True, backend=backend)
     if backend == "inductor":
         compile_kw["mode"] = "reduce-overhead"
     t_start = time.time()
+
+    def log(msg):
+        print(f"[{time.time() - t_start:7.1f} s] {msg}", flush=True)
+
     torch.manual_seed(0)
     cfg = llama31_8b_config(args.tiny)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     param_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    log(f"model built ({param_bytes / 1e9:.2f} GB)")
     gen = torch.Generator().manual_seed(1)
     sample = torch.randint(0, cfg.vocab_size, (SAMPLE_TOKENS if not args.tiny else 64,), generator=gen)
     t = time.time()
@@ -193,15 +465,22 @@ def main(argv=None):
     model(input_ids=sample[None].to(device), use_cache=True, **{name: dyn})
     kv = [(layer.keys.clone(), layer.values.clone()) for layer in dyn.layers]
     del dyn
+    log(f"calibrated ({t_cal:.1f} s), sample KV taken")
     steps, warmup = args.steps, args.warmup
-    cap = max(args.contexts) + warmup + steps + 48  # + the 17 tokens the finalization timing appends
+    cap = max(args.contexts) + warmup + steps + BLOCK_TOKENS + 8  # + the diagnosis and profiled steps
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "transformers": __import__("transformers").__version__,
                "model": "Llama-3.1-8B architecture, random BF16 weights" if not args.tiny else "tiny Llama",
                "param_bytes": param_bytes, "compile": compile_kw, "steps": steps, "warmup": warmup,
+               "eager_steps": args.eager_steps, "command": "python benchmarks/generate.py " + " ".join(
+                   sys.argv[1:] if argv is None else argv),
                "calibration": {"escape_capacity": calibration.config.escape_capacity,
                                "measured": calibration.config.measured, "seconds": round(t_cal, 1)},
                "fill": f"the model's KV of one {sample.numel()}-token random prompt, repeated to the context",
+               "split_method": "GPU time of each op over all layers from CUDA graph replays (median of "
+                               f"{args.reps}): attention over the context; update = the per-step average "
+                               "(15 x non-finalizing + 1 x finalizing) / 16, the finalizing one on the model's KV; "
+                               "rest = step - attention - update (weights, norms, RoPE, ...)",
                "contexts": {}}
     compiled = {}
 
@@ -216,78 +495,114 @@ def main(argv=None):
             compiled[key] = torch.compile(model.forward, **compile_kw)
         return compiled[key]
 
-    gaac_cache = plain_cache = None
+    def free():
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    statics = {}  # GAAC and the twin: built once with room for the longest context, refilled per context
     for context in args.contexts:
         row = {}
         logits = {}
-        print(f"context {context}", flush=True)
+        log(f"context {context}")
 
         def record(label, times, hosts):
             row[label] = {"step_ms": ms(statistics.median(times)), "min_ms": ms(min(times)),
-                          "host_ms": ms(statistics.median(hosts))}
-            print(f"  {label:<34} {row[label]['step_ms']:9.3f} ms", flush=True)
+                          "host_ms": ms(statistics.median(hosts)), "steps": len(times)}
+            log(f"  {label:<36} {row[label]['step_ms']:9.3f} ms/step (host {row[label]['host_ms']:.3f} ms)")
 
         def attempt(label, fn):
-            """Run one variant; an error is recorded in the JSON and the others still run."""
-            if label in args.skip:
-                return
+            """Run one part; an error is recorded in the JSON and the others still run."""
             try:
                 fn()
             except Exception as e:  # noqa: BLE001  (one failing variant must not lose the others' numbers)
                 traceback.print_exc()
                 row[label] = {"error": f"{type(e).__name__}: {e}"[:800]}
-                print(f"  {label:<34} FAILED: {row[label]['error'][:200]}", flush=True)
+                log(f"  {label:<36} FAILED: {row[label]['error'][:200]}")
 
-        # compiled GAACStaticCache, and its plain twin (one capacity for every context: built once, refilled)
-        def static_variant(label, make):
-            nonlocal gaac_cache, plain_cache
-            model.set_attn_implementation("gaac")
-            cache = gaac_cache if label.startswith("compiled GAAC") else plain_cache
-            if cache is None:
-                cache = make()
+        def filled(key):
+            if key not in statics:
+                statics[key] = GAACStaticCache(model.config, cap, calibration) if key == "gaac" else \
+                    PlainStaticCache(model.config, cap)
+            cache = statics[key]
             cache.reset()
             fill(cache, kv, context, device)
+            log(f"  {VARIANTS[key]}: filled")
+            return cache
+
+        model.set_attn_implementation("gaac")
+        for key in ("gaac", "twin"):
+            if key in run or (args.diag and {"gaac", "twin"} <= run):
+                attempt(f"fill {key}", lambda: filled(key))
+        diag = None
+        if args.diag and {"gaac", "twin"} <= run and "gaac" in statics and "twin" in statics:
+            def run_diag():
+                nonlocal diag
+                diag = diagnose(model, statics["gaac"], statics["twin"], context, device)
+                log(f"  diag: fill {diag['fill']}; eager {diag['eager_gaac_vs_eager_twin']}")
+            attempt("diag", run_diag)
+
+        # compiled GAACStaticCache, and its plain twin
+        def static_variant(key):
+            label = VARIANTS[key]
+            cache = statics[key]
             step = Stepper(model, compiled_forward(label), cache, context, device,
-                           check=cache.check if isinstance(cache, GAACStaticCache) else None)
+                           check=cache.check if key == "gaac" else None)
             times, hosts, lg = step.run(steps, warmup)
             record(label, times, hosts)
-            logits[label] = lg
-            if isinstance(cache, GAACStaticCache):
-                gaac_cache = cache
+            logits[key] = lg
+            if key == "gaac":
                 s = cache.stats()
                 row["resident_kv"] = {"gaac_bytes": s["bytes"]["total"], "bf16_bytes": s["bf16_bytes"],
                                       "saving": round(s["saving"], 4), "allocated_bytes": s["allocated_bytes"],
                                       "raw_tiles": s["raw_tiles"], "slots": s["slots"]}
-                layer = cache.layers[0]
-                q = torch.randn(1, cfg.num_attention_heads, cfg.head_dim, device=device).to(torch.bfloat16)
-                attn = op_gpu_time(lambda: gaac_hf.ops.decode_attention(q, layer.record, None, cfg.head_dim ** -0.5),
-                                   20, device)
-                k1 = torch.randn(1, cfg.num_key_value_heads, 1, cfg.head_dim, device=device).to(torch.bfloat16)
-                fin = op_gpu_time(lambda: gaac_hf.ops.append_token(k1, k1, layer.record, layer.slot_modes,
-                                                                   layer.raw_modes, layer.counts), 16, device)
-                n_layers = len(cache.own_layers)
-                step_s = row[label]["step_ms"] / 1e3
-                row["split"] = {"attention_ms": ms(attn * n_layers), "finalize_ms": ms(fin * n_layers),
-                                "rest_ms": ms(step_s - attn * n_layers - fin * n_layers),
-                                "weights_gbps_if_rest_were_weights": round(
-                                    param_bytes / max(step_s - attn * n_layers, 1e-9) / 1e9, 1),
-                                "host_share": round(row[label]["host_ms"] / row[label]["step_ms"], 4),
-                                "finalize_share": round(fin * n_layers / step_s, 4)}
-                cache.check()
+            t = time_update_and_attention(cache, kv, device, args.reps)
+            step_s = row[label]["step_ms"] / 1e3
+            split = {"attention_ms": ms(t["attention"]) if "attention" in t else None,
+                     "host_share": round(row[label]["host_ms"] / row[label]["step_ms"], 4)}
+            if key == "gaac" and "update" in t and "update_finalizing" in t:
+                per_step = ((BLOCK_TOKENS - 1) * t["update"] + t["update_finalizing"]) / BLOCK_TOKENS
+                split.update(append_ms=ms(t["update"]), append_finalizing_ms=ms(t["update_finalizing"]),
+                             finalize_ms=ms(per_step), finalize_share=round(per_step / step_s, 4),
+                             finalized_tiles=t["finalized_tiles"])
+            elif "update" in t:
+                per_step = t["update"]
+                split["update_ms"] = ms(per_step)
             else:
-                plain_cache = cache
+                per_step = None
+            if "attention" in t and per_step is not None:
+                rest = step_s - t["attention"] - per_step
+                split.update(attention_share=round(t["attention"] / step_s, 4), rest_ms=ms(rest),
+                             weights_gbps_if_rest_were_weights=round(param_bytes / max(rest, 1e-9) / 1e9, 1))
+            split.update({k + "_error": v for k, v in t.items() if k.endswith("_error")})
+            row["split" if key == "gaac" else "twin_split"] = split
+            log(f"  {label} split: {split}")
+            row["host_profile" if key == "gaac" else "twin_host_profile"] = host_profile(step, device)
+            log(f"  {label} host: {row['host_profile' if key == 'gaac' else 'twin_host_profile']}")
+            if key == "gaac":
+                cache.check()
 
-        for label, make in (("compiled GAACStaticCache", lambda: GAACStaticCache(model.config, cap, calibration)),
-                            ("compiled twin (plain BF16, same op)", lambda: PlainStaticCache(model.config, cap))):
-            attempt(label, lambda: static_variant(label, make))
-        a, b = logits.get("compiled GAACStaticCache"), logits.get("compiled twin (plain BF16, same op)")
-        if a is not None and b is not None:
-            row["lossless_vs_twin"] = {"tokens": bool(torch.equal(a.argmax(-1), b.argmax(-1))),
-                                       "logit_bits": bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))}
-            print(f"  lossless vs twin: {row['lossless_vs_twin']}", flush=True)
+        for key in ("gaac", "twin"):
+            if key in run and key in statics:
+                attempt(VARIANTS[key], lambda: static_variant(key))
+        if "gaac" in logits and "twin" in logits:
+            row["lossless_vs_twin"] = logit_diff(logits["gaac"], logits["twin"])
+            log(f"  lossless vs twin: {row['lossless_vs_twin']}")
+        if diag is not None:
+            el = diag.pop("eager_logits")
+            for key in ("gaac", "twin"):  # the compiled first step starts from the state the eager one did
+                if key in logits:
+                    diag[f"compiled_vs_eager_{key}"] = {"logit_bits": same_bits(logits[key][0], el[key]),
+                                                        "max_abs_diff": float((logits[key][0].float() -
+                                                                               el[key].float()).abs().max())}
+            if "gaac" in logits and "twin" in logits:  # the KV the compiled steps wrote, GAAC vs twin
+                diag["compiled_steps_kv"] = compare_kv(statics["gaac"], statics["twin"], context,
+                                                       context + warmup + steps)
+            row["diag"] = diag
+            log(f"  diag: {diag}")
 
         # compiled StaticCache + sdpa (its own capacity per context: its attention reads the whole buffer)
-        def static_sdpa(label="compiled StaticCache + sdpa"):
+        def static_sdpa(label=VARIANTS["static"]):
             model.set_attn_implementation("sdpa")
             cache = StaticCache(config=model.config, max_cache_len=context + warmup + steps + 16)
             fill(cache, kv, context, device)
@@ -295,7 +610,7 @@ def main(argv=None):
             record(label, times, hosts)
 
         # eager DynamicCache + flash sdpa
-        def dynamic_flash(label="eager DynamicCache + flash sdpa"):
+        def dynamic_flash(label=VARIANTS["dynamic"]):
             model.set_attn_implementation("sdpa")
             cache = DynamicCache(config=model.config)
             fill(cache, kv, context, device)
@@ -305,34 +620,29 @@ def main(argv=None):
 
                 ctx = sdpa_kernel(SDPBackend.FLASH_ATTENTION)
             with ctx:
-                times, hosts, _ = Stepper(model, model.forward, cache, context, device).run(steps, warmup)
+                times, hosts, _ = Stepper(model, model.forward, cache, context, device).run(args.eager_steps, 1)
             record(label, times, hosts)
 
         # eager GAACCache + gaac
-        def gaac_eager(label="eager GAACCache + gaac"):
+        def gaac_eager(label=VARIANTS["eager-gaac"]):
             model.set_attn_implementation("gaac")
             cache = GAACCache(model.config, calibration)
             fill(cache, kv, context, device)
-            times, hosts, _ = Stepper(model, model.forward, cache, context, device).run(steps, warmup)
+            log(f"  {label}: filled")
+            times, hosts, _ = Stepper(model, model.forward, cache, context, device).run(args.eager_steps, 1)
             record(label, times, hosts)
 
-        for label, fn in (("compiled StaticCache + sdpa", static_sdpa), ("eager DynamicCache + flash sdpa",
-                                                                        dynamic_flash),
-                          ("eager GAACCache + gaac", gaac_eager)):
-            attempt(label, fn)
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        g = row.get("compiled GAACStaticCache", {}).get("step_ms")
-        base = [row[k]["step_ms"] for k in ("compiled StaticCache + sdpa", "eager DynamicCache + flash sdpa")
-                if "step_ms" in row.get(k, {})]
+        for key, fn in (("static", static_sdpa), ("dynamic", dynamic_flash), ("eager-gaac", gaac_eager)):
+            if key in run:
+                attempt(VARIANTS[key], fn)
+                free()
+        free()
+        g = row.get(VARIANTS["gaac"], {}).get("step_ms")
+        base = [row[VARIANTS[k]]["step_ms"] for k in ("static", "dynamic") if "step_ms" in row.get(VARIANTS[k], {})]
         if g and base:
             row["speedup_vs_best_baseline"] = round(min(base) / g, 3)
-        if g and "step_ms" in row.get("compiled twin (plain BF16, same op)", {}):
-            row["speedup_vs_twin"] = round(row["compiled twin (plain BF16, same op)"]["step_ms"] / g, 3)
+        if g and "step_ms" in row.get(VARIANTS["twin"], {}):
+            row["speedup_vs_twin"] = round(row[VARIANTS["twin"]]["step_ms"] / g, 3)
         results["contexts"][str(context)] = row
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=1))  # after every context: a crash keeps the rest
@@ -351,8 +661,8 @@ def main(argv=None):
         print(f"| {key} | " + " | ".join(str(r.get(key, "-")) for r in results["contexts"].values()) + " |")
     for c, r in results["contexts"].items():
         if "split" in r:
-            print(f"{c}: split {r['split']}; resident saving {r['resident_kv']['saving']}; "
-                  f"lossless {r.get('lossless_vs_twin')}")
+            print(f"{c}: split {r['split']}; twin {r.get('twin_split')}; resident saving "
+                  f"{r.get('resident_kv', {}).get('saving')}; lossless {r.get('lossless_vs_twin')}")
     print(f"wall {results['wall_s']} s")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))

@@ -199,7 +199,8 @@ class GAACStaticLayer(_StaticLayerBase):
             slot_pool=_static(torch.zeros(n_all + 1, self.layout.slot_bytes, dtype=torch.uint8, device=dev)),
             raw_pool=_static(torch.zeros(n_raw + 1, BLOCK_TOKENS, c, dtype=torch.bfloat16, device=dev)),
             table=table, tail_k=tail_k, tail_v=tail_v,
-            base3=self._base3.to(dev).contiguous(), base4=self._base4.to(dev).contiguous(), kv_len=self.kv_len,
+            base3=_static(self._base3.to(dev).clone(memory_format=torch.contiguous_format)),
+            base4=_static(self._base4.to(dev).clone(memory_format=torch.contiguous_format)), kv_len=self.kv_len,
             plan=ops.plan(b, h, self.max_blocks, d, dev))
         tail_k.gaac_record = self.record  # what the "gaac" attention reads (gaac_hf/attention.py)
         self.is_initialized = True

@@ -365,21 +365,90 @@ def test_stock_attention_is_refused(llama):
         model.set_attn_implementation("gaac")
 
 
-def test_generate_benchmark_runs_tiny(tmp_path):
-    """benchmarks/generate.py end to end at tiny scale on the CPU (what the lead runs on the H200 at 16K-128K)."""
+@pytest.fixture(scope="module")
+def bench():
+    """benchmarks/generate.py as a module."""
     import importlib.util
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "generate.py"
     spec = importlib.util.spec_from_file_location("generate_benchmark", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _all_tensors(cache) -> dict:
+    out = {}
+    for i in cache.own_layers:
+        layer = cache.layers[i]
+        for name, t in list(vars(layer).items()) + list(vars(layer.record).items()):
+            if isinstance(t, torch.Tensor):
+                out[(i, name)] = t.clone()
+    return out
+
+
+@pytest.mark.parametrize("cls", ["gaac", "plain"])
+def test_split_timing_leaves_the_cache_as_it_found_it(llama, bench, cls):
+    """The benchmark's op timing appends tokens (one of them completes a block) and restores every bit of the
+    cache afterwards: pools, counters, tails, table, lengths (the later steps and the lossless check rely on it)."""
+    model, calibration = llama
+    cache = GAACStaticCache(model.config, 96, calibration) if cls == "gaac" else PlainStaticCache(model.config, 96)
+    kv = [(torch.randn(1, 2, 20, 64).to(torch.bfloat16), torch.randn(1, 2, 20, 64).to(torch.bfloat16))
+          for _ in range(2)]
+    bench.fill(cache, kv, 37, torch.device("cpu"))  # 2 finalized blocks + 5 tokens in the tail
+    before = _all_tensors(cache)
+    t = bench.time_update_and_attention(cache, kv, torch.device("cpu"), reps=2)
+    after = _all_tensors(cache)
+    assert before.keys() == after.keys()
+    for key, value in before.items():
+        assert torch.equal(value.view(torch.uint8), after[key].view(torch.uint8)), key
+    assert t["attention"] > 0 and t["update"] > 0
+    if cls == "gaac":  # the finalizing call did finalize: every tile position of the block, in both layers
+        assert t["update_finalizing"] > 0
+        assert t["finalized_tiles"] == 2 * cache.layers[0].tile_positions
+
+
+def test_benchmark_diagnosis_tells_where_bits_part(llama, bench):
+    """`logit_diff` names the first differing step; `diagnose` finds the first layer whose attention output
+    differs when one cache's KV is changed, and says the fill differs."""
+    a = torch.randn(4, 1, 8).to(torch.bfloat16)
+    b = a.clone()
+    assert bench.logit_diff(a, b) == {"tokens": True, "logit_bits": True}
+    b[2, 0, 3] += 1
+    d = bench.logit_diff(a, b)
+    assert d["first_step"] == 2 and d["max_abs_diff"] > 0 and not d["logit_bits"]
+    model, calibration = llama
+    kv = [(torch.randn(1, 2, 20, 64).to(torch.bfloat16), torch.randn(1, 2, 20, 64).to(torch.bfloat16))
+          for _ in range(2)]
+    gaac, twin = GAACStaticCache(model.config, 96, calibration), PlainStaticCache(model.config, 96)
+    for cache in (gaac, twin):
+        bench.fill(cache, kv, 40, torch.device("cpu"))
+    same = bench.diagnose(model, gaac, twin, 40, torch.device("cpu"))
+    assert same["fill"] == {"equal": True} and same["eager_gaac_vs_eager_twin"]["attention_bits"]
+    assert same["eager_gaac_vs_eager_twin"]["logit_bits"]
+    twin.layers[1].keys[0, 0, 3, 0] += 1  # layer 1 of the twin now holds other KV
+    d = bench.diagnose(model, gaac, twin, 40, torch.device("cpu"))
+    assert d["fill"] == {"equal": False, "first_layer": 1, "first_chunk": [0, 40]}
+    assert d["eager_gaac_vs_eager_twin"]["first_layer"] == 1 and not d["eager_gaac_vs_eager_twin"]["logit_bits"]
+
+
+def test_generate_benchmark_runs_tiny(tmp_path, bench):
+    """benchmarks/generate.py end to end at tiny scale on the CPU (what the lead runs on the H200 at 16K-128K)."""
     out = tmp_path / "generate.json"
-    res = bench.main(["--tiny", "--contexts", "40", "--steps", "3", "--warmup", "1", "--out", str(out)])
+    res = bench.main(["--tiny", "--contexts", "40", "--steps", "3", "--warmup", "1", "--diag", "--out", str(out)])
     row = res["contexts"]["40"]
     assert row["lossless_vs_twin"] == {"tokens": True, "logit_bits": True}
-    for label in ("compiled GAACStaticCache", "compiled twin (plain BF16, same op)", "compiled StaticCache + sdpa",
-                  "eager DynamicCache + flash sdpa", "eager GAACCache + gaac"):
+    for label in bench.VARIANTS.values():
         assert row[label]["step_ms"] > 0
     assert 0 < row["resident_kv"]["gaac_bytes"] < row["resident_kv"]["bf16_bytes"]
+    assert row["split"]["finalize_ms"] > 0 and row["twin_split"]["attention_ms"] > 0
+    assert row["host_profile"]["guards_us"] > 0 and row["twin_host_profile"]["aot_prologue_us"] > 0
+    d = row["diag"]
+    assert d["fill"] == {"equal": True} and d["eager_gaac_vs_eager_twin"]["logit_bits"]
+    assert d["compiled_vs_eager_gaac"]["logit_bits"] and d["compiled_steps_kv"] == {"equal": True}
     assert out.exists()
+    only = bench.main(["--tiny", "--contexts", "40", "--steps", "2", "--warmup", "1", "--variants", "gaac", "twin",
+                       "--skip", "twin", "--out", str(out)])["contexts"]["40"]
+    assert bench.VARIANTS["gaac"] in only and bench.VARIANTS["twin"] not in only
+    assert bench.VARIANTS["static"] not in only
