@@ -205,7 +205,7 @@ def eager_cache(args, model, ids, device, result, cache_name, calls, kw):
 
 
 def captured(args, model, ids, device, result):
-    from generate import fill, op_gpu_time
+    from generate import fill, graph_seconds
     from transformers import DynamicCache, StaticCache
 
     for knob in ("cache_size_limit", "recompile_limit"):
@@ -266,7 +266,7 @@ def captured(args, model, ids, device, result):
         row[name] = {**summary(times[name]), **overhead(row["plain"], summary(times[name]))}
     row["steps_ms"] = {k: [round(1e3 * t, 3) for t in v] for k, v in times.items()}
     scores = logits.clone()
-    row["processor_gpu_ms"] = round(1e3 * op_gpu_time(lambda: proc_plus(None, scores), 50, device), 4)
+    row["processor_gpu_ms"] = round(1e3 * graph_seconds(lambda: proc_plus(None, scores), device, reps=50), 4)
     row["processor_gpu_share_of_step"] = round(row["processor_gpu_ms"] / row["plain"]["p50_ms"], 4)
     result["captured"]["StaticCache"] = row
     print(f"captured StaticCache step p95 {row['plain']['p95_ms']:.3f} ms | p95 overhead: in_graph "

@@ -51,10 +51,9 @@ import torch
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-from generate import SAMPLE_TOKENS, Stepper, fill, llama31_8b_config, ms, sync  # noqa: E402
+from generate import Stepper, fill, llama31_8b_config, ms, own_kv_calibration, sync  # noqa: E402
 
 import gaac_hf  # noqa: E402,F401  (registers "gaac")
-from gaac_hf.calibrate import calibrate  # noqa: E402
 from gaac_hf.model_layers import cache_kwarg, kv_geometry  # noqa: E402
 from gaac_hf.static_cache import GAACStaticCache, PlainStaticCache  # noqa: E402
 
@@ -181,7 +180,7 @@ def main(argv=None):
     p.add_argument("--skip", nargs="*", default=[], help="variants to leave out")
     p.add_argument("--out", default="benchmarks/results/equal_memory_h200.json")
     args = p.parse_args(argv)
-    from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
+    from transformers import AutoModelForCausalLM, StaticCache
 
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     if args.tiny:
@@ -227,19 +226,10 @@ def main(argv=None):
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     results["param_bytes"] = sum(t.numel() * t.element_size() for t in list(model.parameters()) +
                                  list(model.buffers()))
-    gen = torch.Generator().manual_seed(1)
-    sample = torch.randint(0, cfg.vocab_size, (SAMPLE_TOKENS if not args.tiny else 64,), generator=gen)
-    t = time.time()
-    calibration = calibrate(model, [sample], "random ids (the model's own KV)")
+    _, calibration, seconds, kv = own_kv_calibration(model, args.tiny, device)
     results["calibration"] = {"escape_capacity": calibration.config.escape_capacity,
                               "slot_bytes": calibration.config.slot_bytes,
-                              "measured": calibration.config.measured, "seconds": round(time.time() - t, 1)}
-    model.set_attn_implementation("sdpa")
-    name = cache_kwarg(model)
-    dyn = DynamicCache(config=model.config)
-    model(input_ids=sample[None].to(device), use_cache=True, **{name: dyn})
-    kv = [(layer.keys.clone(), layer.values.clone()) for layer in dyn.layers]
-    del dyn
+                              "measured": calibration.config.measured, "seconds": round(seconds, 1)}
 
     # --- the batches ------------------------------------------------------------------------------------------------
     b_bf16 = budget // per_seq_bf16

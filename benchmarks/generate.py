@@ -86,6 +86,23 @@ def llama31_8b_config(tiny: bool):
                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
 
 
+def own_kv_calibration(model, tiny: bool, device):
+    """A random-weight model calibrated on its own KV: (sample ids, calibration, seconds, the sample's KV per layer as
+    (k, v) `[1, H, T, D]`, reused to fill every cache). Leaves the model on SDPA attention."""
+    from transformers import DynamicCache
+
+    gen = torch.Generator().manual_seed(1)
+    sample = torch.randint(0, model.config.vocab_size, (SAMPLE_TOKENS if not tiny else 64,), generator=gen)
+    t = time.time()
+    calibration = calibrate(model, [sample], "random ids (the model's own KV)")
+    seconds = time.time() - t
+    model.set_attn_implementation("sdpa")
+    dyn = DynamicCache(config=model.config)
+    model(input_ids=sample[None].to(device), use_cache=True, **{cache_kwarg(model): dyn})
+    kv = [(layer.keys.clone(), layer.values.clone()) for layer in dyn.layers]
+    return sample, calibration, seconds, kv
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -453,18 +470,7 @@ def main(argv=None):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     param_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     log(f"model built ({param_bytes / 1e9:.2f} GB)")
-    gen = torch.Generator().manual_seed(1)
-    sample = torch.randint(0, cfg.vocab_size, (SAMPLE_TOKENS if not args.tiny else 64,), generator=gen)
-    t = time.time()
-    calibration = calibrate(model, [sample], "random ids (the model's own KV)")
-    t_cal = time.time() - t
-    # the model's own KV of the sample prompt, reused to fill every cache
-    model.set_attn_implementation("sdpa")
-    name = cache_kwarg(model)
-    dyn = DynamicCache(config=model.config)
-    model(input_ids=sample[None].to(device), use_cache=True, **{name: dyn})
-    kv = [(layer.keys.clone(), layer.values.clone()) for layer in dyn.layers]
-    del dyn
+    sample, calibration, t_cal, kv = own_kv_calibration(model, args.tiny, device)
     log(f"calibrated ({t_cal:.1f} s), sample KV taken")
     steps, warmup = args.steps, args.warmup
     cap = max(args.contexts) + warmup + steps + BLOCK_TOKENS + 8  # + the diagnosis and profiled steps
