@@ -54,7 +54,7 @@ sys.path.insert(0, str(BENCH))
 from generate import Stepper, fill, llama31_8b_config, ms, own_kv_calibration, sync  # noqa: E402
 
 import gaac_hf  # noqa: E402,F401  (registers "gaac")
-from gaac_hf.model_layers import cache_kwarg, kv_geometry  # noqa: E402
+from gaac_hf.model_layers import kv_geometry  # noqa: E402
 from gaac_hf.static_cache import GAACStaticCache, PlainStaticCache  # noqa: E402
 
 GB = 1e9
