@@ -69,6 +69,7 @@ from gaac_hf import ops  # noqa: E402
 from gaac_hf.format import BLOCK_TOKENS  # noqa: E402
 from gaac_hf.model_layers import cache_kwarg, text_config  # noqa: E402
 from gaac_hf.static_cache import GAACStaticCache, GAACStaticLayer, PlainStaticCache  # noqa: E402
+from hf_common.testing import same_bits  # noqa: E402
 
 SAMPLE_TOKENS = 2048
 
@@ -348,10 +349,6 @@ def dense_kv(layer, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         vs.append(r.tail_v)
     at = start - b0 * BLOCK_TOKENS
     return torch.cat(ks, 2)[:, :, at:at + end - start], torch.cat(vs, 2)[:, :, at:at + end - start]
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.int16), b.reshape(-1).view(torch.int16))
 
 
 def compare_kv(cache_a, cache_b, start: int, end: int, chunk: int = 8192) -> dict:

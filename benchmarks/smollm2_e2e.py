@@ -48,6 +48,7 @@ from gaac_hf.corpus import DEBIAN_REFERENCE, read_text_files, token_prompts  # n
 from gaac_hf.default_model import load_default_model  # noqa: E402
 from gaac_hf.model_layers import cache_kwarg  # noqa: E402
 from gaac_hf.static_cache import GAACStaticCache, PlainStaticCache  # noqa: E402
+from hf_common.testing import same_bits  # noqa: E402
 from transformers import DynamicCache, StaticCache  # noqa: E402
 
 # label -> (cache kind, attention, compiled)
@@ -199,7 +200,7 @@ def main(argv=None):
             if a in logits and b in logits:
                 checks[f"{a} vs {b}"] = {
                     "tokens": bool(torch.equal(tokens(a), tokens(b))),
-                    "logit_bits": bool(torch.equal(logits[a].view(torch.int16), logits[b].view(torch.int16)))}
+                    "logit_bits": same_bits(logits[a], logits[b])}
         row["lossless"] = checks
         if REFERENCE in logits:
             row[f"tokens_equal_{REFERENCE}"] = {k: bool(torch.equal(tokens(k), tokens(REFERENCE)))

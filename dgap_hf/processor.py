@@ -149,6 +149,10 @@ class DGAPLogitsProcessor(LogitsProcessor):
         features come from `fused_features` (bit-identical to `features.py`)."""
         self._check_scores(scores)
         self._prepare(scores.device)
+        return self._restore(scores)
+
+    def _restore(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`restore` for scores already checked, on the prepared device (the per-step path: no host checks)."""
         consts, norm = self._prepared
         row, vals, idx, lse_in = fused_runtime_features(scores, consts)
         phi, xi = split_row(row, self.k_b)
@@ -181,7 +185,7 @@ class DGAPLogitsProcessor(LogitsProcessor):
         return out, risk, corrected
 
     def _step(self, scores: torch.Tensor) -> torch.Tensor:
-        out, _, corrected = self.restore(scores)
+        out, _, corrected = self._restore(scores)
         self._corrected.add_(corrected.sum())  # stays on the device: no synchronization per step
         return out
 

@@ -11,6 +11,7 @@ import torch
 from dgap_hf import DGAPLogitsProcessor, DGAPModel
 from dgap_hf.features import PHI_NAMES, XI_NAMES, runtime_features
 from dgap_hf.fused_features import WindowConstants, fused_runtime_features, split_row
+from hf_common.testing import same_bits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from dgap_overhead import aten_op_counts  # noqa: E402
@@ -32,15 +33,6 @@ def awkward_scores(vocab=VOCAB, seed=0, device="cpu"):
     s[5] = torch.finfo(torch.float32).min
     s[5, :3] = torch.tensor([1.0, 0.5, 0.0])
     return s.to(device)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.dtype == torch.bool:
-        return torch.equal(a, b)
-    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[a.dtype]
-    return torch.equal(a.view(view), b.view(view))
 
 
 def artifact(k_b=8, tau=0.5, detector="mlp", corrector="mlp", seed=0):
