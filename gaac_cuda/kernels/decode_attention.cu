@@ -25,10 +25,17 @@
 // Bitstream: docs/format.md; offsets come from the launcher (gaac_hf/format.py is the one definition).
 //
 // Compile-time configuration (NVRTC -D): GAAC_C (64|128 channels per tile), GAAC_TILES (tiles per head: 1|2),
-// GAAC_PLAIN (0|1), GAAC_STAGES (ring depth), GAAC_WARPS, GAAC_MIN_CTAS (register budget), and for the
-// benchmark's leave-one-stage-out breakdown GAAC_SKIP (bit 0: no tensor-core math, bit 1: no reconstruction).
+// GAAC_PLAIN (0|1), GAAC_STAGES (ring depth), GAAC_WARPS, GAAC_MIN_CTAS (register budget), GAAC_PDL (the combine
+// kernel overlaps the split kernel's tail as a programmatic dependent launch), and for the benchmarks
+// GAAC_SKIP (leave-one-stage-out breakdown; bit 0: no tensor-core math, bit 1: no reconstruction) and GAAC_TRACE.
 #ifndef GAAC_SKIP
 #define GAAC_SKIP 0
+#endif
+#ifndef GAAC_TRACE  // benchmark probe: per-warp globaltimer stamps into Params::trace
+#define GAAC_TRACE 0
+#endif
+#ifndef GAAC_PDL  // the combine kernel is launched as a programmatic dependent of the split kernel
+#define GAAC_PDL 0
 #endif
 #ifndef GAAC_MIN_CTAS  // register budget: CTAs of GAAC_WARPS warps that must fit on one SM
 #define GAAC_MIN_CTAS 1
@@ -67,16 +74,25 @@ struct Params {
   float* part_o;       // [items, rep, D]
   float* part_ml;      // [items, rep, 2]
   u16* out;            // [B, Hq, D]
+  int* ticket;         // [2] chunk tickets taken, warps done (zero between launches; only if nsplit > nlarge)
+  unsigned long long* trace;  // GAAC_TRACE: [items, 3] split stamps (entry, first unit ready, done), then combine starts
   i64 slot_bytes;
   i64 table_sb;        // table stride per batch row, in int32
   i64 kv_sb, kv_sh, kv_ss;  // strides of kv_k / kv_v in elements
   i64 mask_sb;
-  int batch, heads, rep, nsplit;
+  int batch, heads, rep, nsplit;  // nsplit: chunks (partials) per (row, kv-head)
+  int nlarge, tail256;  // large chunks (one per warp of the launch) and the share of units left to the small ones, /256
   int buf_bytes;       // bytes of one tile buffer in the ring
   int warp_bytes;      // shared memory per warp
   int planes_off, tags_off, esc_off;  // slot layout (format.py)
   float qk_scale;      // softmax scale * log2(e)
 };
+
+__device__ __forceinline__ unsigned long long gtimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
@@ -459,9 +475,15 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   extern __shared__ __align__(128) u8 smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int item = blockIdx.x * GAAC_WARPS + warp;
-  if (item >= p.batch * p.heads * p.nsplit) return;
-  const int b = item / (p.heads * p.nsplit), hk = (item / p.nsplit) % p.heads, split = item % p.nsplit;
+  // Work: nsplit chunks per (row, kv-head), each one partial for the combine. Chunks 0..nlarge-1 split the first
+  // (256 - tail256)/256 of the row's units evenly and are the launch's warps, one each (with tail256 = 0 they are all
+  // the work: static split-K). The rest of the units come as nsplit - nlarge small chunks, handed out by a ticket
+  // counter to whichever warp finishes first, so slow and fast SMs end together. A chunk's units and its partial's
+  // place depend on the shape alone, never on which warp ran it: the bits are the same every run.
+  const int bh_total = p.batch * p.heads, first_wave = bh_total * p.nlarge;
+  const int total = first_wave + bh_total * (p.nsplit - p.nlarge);
+  int item = blockIdx.x * GAAC_WARPS + warp;
+  if (item >= first_wave) return;
 
   u8* ws = smem + warp * p.warp_bytes;
   const u32 bars = smem_u32(ws);
@@ -470,19 +492,39 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   scr.base = ring + GAAC_STAGES * 2 * TILES * p.buf_bytes;
   scr.planes = scr.base + G;
   scr.raw = scr.planes + 5 * G;
-
-  const int len = p.kv_len[b];
-  const int nb = len >> 4, tl = len & 15;
-  const int units = nb + (tl > 0 ? 1 : 0);
-  const int per = (units + p.nsplit - 1) / p.nsplit;
-  const int u0 = min(units, split * per), u1 = min(units, u0 + per);
-
   if (lane == 0) {
 #pragma unroll
     for (int st = 0; st < GAAC_STAGES; ++st) mbar_init(bars + 8 * st, 33);  // lane 0's expect_tx + 32 cp.async arrivals
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncwarp();
+#if GAAC_PDL
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // the combine may launch; it waits for us
+#endif
+  u32 phases = 0;
+
+  while (item < total) {
+  int bh, chunk;
+  if (item < first_wave) bh = item / p.nlarge, chunk = item % p.nlarge;
+  else bh = (item - first_wave) % bh_total, chunk = p.nlarge + (item - first_wave) / bh_total;
+  int next_item = total;  // the next ticket, taken now so that its latency hides behind this chunk
+  if (p.nsplit > p.nlarge && lane == 0) next_item = first_wave + atomicAdd(p.ticket, 1);
+  const int b = bh / p.heads, hk = bh % p.heads;
+  const int out_item = bh * p.nsplit + chunk;  // where the combine reads this chunk's partial
+  if (GAAC_TRACE && lane == 0) p.trace[3 * out_item] = gtimer();
+
+  const int len = p.kv_len[b];
+  const int nb = len >> 4, tl = len & 15;
+  const int units = nb + (tl > 0 ? 1 : 0);
+  const int ul = units - units * p.tail256 / 256;  // units of the large chunks
+  int u0, u1;
+  if (chunk < p.nlarge) {
+    const int per = (ul + p.nlarge - 1) / p.nlarge;
+    u0 = min(ul, chunk * per), u1 = min(ul, u0 + per);
+  } else {
+    const int ns = p.nsplit - p.nlarge, per = (units - ul + ns - 1) / ns;
+    u0 = min(units, ul + (chunk - p.nlarge) * per), u1 = min(units, u0 + per);
+  }
 
   // query fragments (operand B of the score mma): column g = query head g; k pairs (c0, c2), (c1, c3) of word
   // w = t*NKS + s (channels 4w..4w+3), as the K fragments pair them
@@ -594,7 +636,6 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   };
   int ent[2][TILES];
   load_entries(u0, ent);
-  u32 phases = 0;
   const u8* mrow = p.mask ? p.mask + (i64)b * p.mask_sb : nullptr;
   constexpr bool DECODE = !GAAC_PLAIN && !(GAAC_SKIP & 2);
 
@@ -611,6 +652,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       asm volatile("prefetch.global.L1 [%0];" ::"l"(trow + (i64)(u + 8) * tstride));
     mbar_wait(bars + 8 * st, (phases >> st) & 1);
     phases ^= 1u << st;
+    if (GAAC_TRACE && lane == 0 && u == u0) p.trace[3 * out_item + 1] = gtimer();
     const u32 slots_here = kinds[st];
     const bool tail = u >= nb;
     const int valid = tail ? tl : 16;
@@ -706,7 +748,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   for (int c = 0; c < 2; ++c) {
     const int head = 2 * t + c;
     if (head >= p.rep) continue;
-    const i64 row = (i64)item * p.rep + head;
+    const i64 row = (i64)out_item * p.rep + head;
     if (g == 0) {
       p.part_ml[2 * row] = m[c];
       p.part_ml[2 * row + 1] = l[c];
@@ -721,14 +763,22 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         po[ch + 1] = o[T][n][2 + c];
       }
   }
+  if (GAAC_TRACE && lane == 0) p.trace[3 * out_item + 2] = gtimer();
+  item = __shfl_sync(0xffffffffu, next_item, 0);
+  }  // chunks
+  if (p.nsplit > p.nlarge && lane == 0) {  // the last warp out resets the counters for the next launch
+    __threadfence();
+    if (atomicAdd(p.ticket + 1, 1) == first_wave - 1) p.ticket[0] = 0, p.ticket[1] = 0;
+  }
 }
 
 // out[b, hq, 32c .. 32c + 31] = merge of the nsplit partials of (b, hq) for one chunk c of 32 channels. One block of
-// COMBINE_WARPS warps per (row, query head, chunk), so the merge spreads over D/32 times more SMs: warp w takes splits
-// w, w + COMBINE_WARPS, ... (lane = channel), COMBINE_UNROLL splits per step in flight, then the warps' sums are added
-// in a fixed order (the same bits for compressed KV and its plain twin).
-#define COMBINE_WARPS 8
-#define COMBINE_UNROLL 4
+// COMBINE_WARPS warps per (row, query head, chunk) (lane = channel): warp w takes splits w, w + COMBINE_WARPS, ...,
+// COMBINE_UNROLL of them per round with all their loads in flight (one round up to 256 splits), merged into the warp's
+// running max / sum / denominator; then warp 0 merges the warps in a fixed order (the same bits for compressed KV and
+// its plain twin). One dependent round of global loads instead of a max pass and a sum pass.
+#define COMBINE_WARPS 16
+#define COMBINE_UNROLL 16
 extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) gaac_combine(const Params p) {
   __shared__ float red[COMBINE_WARPS][2];
   __shared__ float part[COMBINE_WARPS][32];
@@ -738,46 +788,53 @@ extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) gaac_combine(co
   const int hk = hq / p.rep, r = hq % p.rep;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int ch = 32 * chunk + lane;
+#if GAAC_PDL
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // the split kernel's partials are complete and visible
+#endif
+  if (GAAC_TRACE && threadIdx.x == 0) p.trace[3 * (i64)p.batch * p.heads * p.nsplit + blockIdx.x] = gtimer();
   const i64 item0 = ((i64)b * p.heads + hk) * p.nsplit;
-  float mx = NEG_INF;
-  for (int s = threadIdx.x; s < p.nsplit; s += COMBINE_WARPS * 32) mx = fmaxf(mx, p.part_ml[2 * ((item0 + s) * p.rep + r)]);
+  float mw = NEG_INF, acc = 0.f, den = 0.f;
+  for (int s0 = warp; s0 < p.nsplit; s0 += COMBINE_WARPS * COMBINE_UNROLL) {
+    float ml[COMBINE_UNROLL][2], po[COMBINE_UNROLL];
 #pragma unroll
-  for (int d = 16; d; d >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
-  if (lane == 0) red[warp][0] = mx;
-  __syncthreads();
-  mx = red[0][0];
+    for (int k = 0; k < COMBINE_UNROLL; ++k) {
+      const int s = s0 + k * COMBINE_WARPS;
+      const i64 row = (item0 + min(s, p.nsplit - 1)) * p.rep + r;
+      ml[k][0] = s < p.nsplit ? p.part_ml[2 * row] : NEG_INF;
+      ml[k][1] = p.part_ml[2 * row + 1];
+      po[k] = p.part_o[row * D + ch];
+    }
+    float mx = mw;
 #pragma unroll
-  for (int w = 1; w < COMBINE_WARPS; ++w) mx = fmaxf(mx, red[w][0]);
-  float acc = 0.f, den = 0.f;
-  if (mx != NEG_INF) {
-    for (int s0 = warp; s0 < p.nsplit; s0 += COMBINE_WARPS * COMBINE_UNROLL) {
-      float ml[COMBINE_UNROLL][2], po[COMBINE_UNROLL];
+    for (int k = 0; k < COMBINE_UNROLL; ++k) mx = fmaxf(mx, ml[k][0]);
+    if (mx != NEG_INF) {  // warp-uniform: every lane reads the same splits' statistics
+      const float a = exp2_(mw - mx);
+      acc *= a;
+      den *= a;
 #pragma unroll
-      for (int k = 0; k < COMBINE_UNROLL; ++k) {
-        const int s = s0 + k * COMBINE_WARPS;
-        const i64 row = (item0 + min(s, p.nsplit - 1)) * p.rep + r;
-        ml[k][0] = s < p.nsplit ? p.part_ml[2 * row] : NEG_INF;
-        ml[k][1] = p.part_ml[2 * row + 1];
-        po[k] = p.part_o[row * D + ch];
-      }
-#pragma unroll
-      for (int k = 0; k < COMBINE_UNROLL; ++k) {  // splits in increasing order, as one loop over s would add them
+      for (int k = 0; k < COMBINE_UNROLL; ++k) {  // splits in increasing order
         const float w = exp2_(ml[k][0] - mx);
         den += ml[k][1] * w;
         acc += po[k] * w;
       }
+      mw = mx;
     }
   }
-  __syncthreads();
   part[warp][lane] = acc;
-  if (lane == 0) red[warp][1] = den;
+  if (lane == 0) red[warp][0] = mw, red[warp][1] = den;
   __syncthreads();
   if (warp == 0) {
-    float a = 0.f, l = 0.f;
+    float mx = NEG_INF;
 #pragma unroll
-    for (int w = 0; w < COMBINE_WARPS; ++w) {
-      a += part[w][lane];
-      l += red[w][1];
+    for (int w = 0; w < COMBINE_WARPS; ++w) mx = fmaxf(mx, red[w][0]);
+    float a = 0.f, l = 0.f;
+    if (mx != NEG_INF) {
+#pragma unroll
+      for (int w = 0; w < COMBINE_WARPS; ++w) {
+        const float sc = exp2_(red[w][0] - mx);
+        a += part[w][lane] * sc;
+        l += red[w][1] * sc;
+      }
     }
     const float y = l > 0.f ? a / l : 0.f;
     u16 bits;
