@@ -26,15 +26,13 @@ MAX_GROUP_HEADS = 8  # query heads per kv-head: the n dimension of the mma tile
 MIN_UNITS_PER_SPLIT = 4
 SPLITS_PER_SM = 12  # warps (= splits) per SM the default plan aims at (3 CTAs of 4 warps)
 COMBINE_THREADS = 512  # COMBINE_WARPS * 32 in the kernel source
-TAIL_SHARE_256 = 64  # share of a row's units (/256) left to small chunks handed out to the first warps free
-MIN_LARGE_UNITS = 8  # below this many units per large chunk the plan stays static (no small chunks)
 
 
 class _Params(ctypes.Structure):  # mirrors `struct Params` in the kernel source
     _fields_ = ([(n, ctypes.c_void_p) for n in ("q", "slots", "raw", "table", "kv_k", "kv_v", "base3", "base4",
-                                                 "kv_len", "mask", "part_o", "part_ml", "out", "ticket", "trace")]
+                                                 "kv_len", "mask", "part_o", "part_ml", "out", "trace")]
                 + [(n, ctypes.c_longlong) for n in ("slot_bytes", "table_sb", "kv_sb", "kv_sh", "kv_ss", "mask_sb")]
-                + [(n, ctypes.c_int) for n in ("batch", "heads", "rep", "nsplit", "nlarge", "tail256", "buf_bytes", "warp_bytes",
+                + [(n, ctypes.c_int) for n in ("batch", "heads", "rep", "nsplit", "buf_bytes", "warp_bytes",
                                                "planes_off", "tags_off", "esc_off")]
                 + [("qk_scale", ctypes.c_float)])
 
@@ -68,27 +66,20 @@ class DecodePlan:
     rep: int
     head_dim: int
     plain: bool
-    nsplit: int  # chunks (= partials) per (row, kv-head)
+    nsplit: int
     warps: int
     stages: int
     buf_bytes: int
     warp_bytes: int
     options: tuple
-    pdl: bool = False
-    nlarge: int = 0  # large chunks per (row, kv-head), one per warp of the launch; 0: all nsplit (static)
-    tail256: int = 0  # share of the units (/256) in the nsplit - nlarge small chunks
-
-    @property
-    def large(self) -> int:
-        return self.nlarge or self.nsplit
 
     @property
     def items(self) -> int:
         return self.batch * self.kv_heads * self.nsplit
 
     @property
-    def grid(self) -> int:  # warps: one per large chunk; small chunks go to whichever warp is free first
-        return -(-(self.batch * self.kv_heads * self.large) // self.warps)
+    def grid(self) -> int:
+        return -(-self.items // self.warps)
 
     @property
     def smem(self) -> int:
@@ -109,17 +100,11 @@ class DecodePlan:
 
 def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, device, *, slot_bytes: int = 0,
          plain: bool = False, nsplit: int | None = None, warps: int = 4, stages: int = 2,
-         min_ctas: int | None = None, skip: int = 0, pdl: bool = False, trace: bool = False,
-         balance: bool = True) -> DecodePlan:
+         min_ctas: int | None = None, skip: int = 0, trace: bool = False) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
-    `pdl`: launch the combine kernel as a programmatic dependent of the split kernel (it is resident and waiting
-    when the split kernel ends). `trace` (benchmarks): the kernels write globaltimer stamps into a `trace` tensor.
-    `balance`: at long contexts the last TAIL_SHARE_256/256 of each row's units go to small chunks that the first
-    warps to finish take (a device ticket counter), so SMs that stream slower do not set the kernel's end; the
-    chunks, and so the bits, are a function of the shape alone. An explicit `nsplit` other than the balanced plan's
-    own chunk count means a static split into `nsplit` chunks."""
+    `trace` (benchmarks): the kernels write globaltimer stamps into a `trace` tensor (see `trace_size`)."""
     if head_dim not in (64, 128, 256):
         raise ValueError(f"the CUDA decode kernel supports head_dim 64, 128 and 256, not {head_dim}")
     if not 1 <= rep <= MAX_GROUP_HEADS:
@@ -136,31 +121,18 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     options = (f"-DGAAC_C={channels}", f"-DGAAC_TILES={tiles}",
                f"-DGAAC_PLAIN={int(plain)}", f"-DGAAC_STAGES={stages}", f"-DGAAC_WARPS={warps}",
                f"-DGAAC_MIN_CTAS={min_ctas}")
-    if pdl:
-        options += ("-DGAAC_PDL=1",)
     if trace:
         options += ("-DGAAC_TRACE=1",)
     if skip:  # benchmark-only variants of the leave-one-stage-out breakdown (wrong results by design)
         options += (f"-DGAAC_SKIP={skip}",)
-    # a function of the shape alone, never of the variant's occupancy: compressed KV and its plain twin must split
-    # alike to give the same bits
-    nsmall, tail256 = 0, 0
-    if nsplit is None or torch.device(device).type == "cuda":
+    if nsplit is None:
+        # a function of the shape alone, never of the variant's occupancy: compressed KV and its plain twin must
+        # split alike to give the same bits
         units = max(1, -(-max_tokens // BLOCK))
         sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
         want = math.ceil(sms * SPLITS_PER_SM / (batch * kv_heads))
-        nlarge = max(1, min(want, math.ceil(units / MIN_UNITS_PER_SPLIT)))
-        large_units = units - units * TAIL_SHARE_256 // 256
-        if balance and -(-large_units // nlarge) >= MIN_LARGE_UNITS:
-            small = max(2, round(-(-large_units // nlarge) / 4))
-            nsmall, tail256 = -(-(units - large_units) // small), TAIL_SHARE_256
-        if nsplit is not None and nsplit != nlarge + nsmall:
-            nlarge, nsmall, tail256 = nsplit, 0, 0
-    else:  # planned off the GPU (tests): a static split
-        nlarge = nsplit
-    nsplit = nlarge + nsmall
-    return DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes, options, pdl,
-                      nlarge if nsmall else 0, tail256)
+        nsplit = max(1, min(want, math.ceil(units / MIN_UNITS_PER_SPLIT)))
+    return DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes, options)
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -169,19 +141,6 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 def _rows_ok(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * 2 % 16 == 0 for s in t.stride()[:-1])
-
-
-_tickets: dict = {}
-
-
-def _ticket(dev: torch.device) -> torch.Tensor:
-    """The small-chunk ticket counters of the current stream (zero between launches: the kernel's last warp resets
-    them), one pair per (device, stream) so that launches on different streams never share them."""
-    key = (dev.index, torch.cuda.current_stream(dev).cuda_stream)
-    t = _tickets.get(key)
-    if t is None:
-        t = _tickets[key] = torch.zeros(2, dtype=torch.int32, device=dev)
-    return t
 
 
 def trace_size(p: DecodePlan) -> int:
@@ -213,9 +172,6 @@ def _run(p: DecodePlan, query, kv_len, mask, scale, fill, combine_too: bool = Tr
             raise ValueError("mask must be bool [batch, tokens] with contiguous tokens")
         prm.mask, prm.mask_sb = mask.view(torch.uint8).data_ptr(), mask.stride(0)
     prm.batch, prm.heads, prm.rep, prm.nsplit = b, p.kv_heads, p.rep, p.nsplit
-    prm.nlarge, prm.tail256 = p.large, p.tail256
-    if p.nsplit > p.large:
-        prm.ticket = _ticket(dev).data_ptr()
     prm.buf_bytes, prm.warp_bytes = p.buf_bytes, p.warp_bytes
     prm.qk_scale = scale * LOG2E
     if "-DGAAC_TRACE=1" in p.options:
@@ -227,7 +183,7 @@ def _run(p: DecodePlan, query, kv_len, mask, scale, fill, combine_too: bool = Tr
     with torch.cuda.device(dev):
         split_kernel.launch(p.grid, p.warps * 32, p.smem, prm)
         if combine_too:
-            combine.launch(b * hq * (d // 32), COMBINE_THREADS, 0, prm, programmatic=p.pdl)  # (row, head, 32 ch)
+            combine.launch(b * hq * (d // 32), COMBINE_THREADS, 0, prm)  # a block per (row, query head, 32 channels)
     del keep
     return out
 

@@ -174,37 +174,13 @@ class Kernel:
                                                                             ctypes.c_size_t(smem)), "occupancy")
         return n.value
 
-    def launch(self, grid: int, threads: int, smem: int, params: ctypes.Structure,
-               programmatic: bool = False) -> None:
-        """Launch on torch's current stream of the kernel's device (captured by CUDA graphs like any launch).
-        `programmatic`: a programmatic dependent launch (the kernel may start before the previous kernel on the
-        stream has finished, and must wait for it with `griddepcontrol.wait`)."""
+    def launch(self, grid: int, threads: int, smem: int, params: ctypes.Structure) -> None:
+        """Launch on torch's current stream of the kernel's device (captured by CUDA graphs like any launch)."""
         self._allow_smem(smem)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
-        if not programmatic:
-            _check_cu(_load("cuda").cuLaunchKernel(self._fn, grid, 1, 1, threads, 1, 1, smem,
-                                                   ctypes.c_void_p(stream), args, None), f"cuLaunchKernel({self.name})")
-            return
-        attr = _LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-        cfg = _LaunchConfig(grid, 1, 1, threads, 1, 1, smem, ctypes.c_void_p(stream), ctypes.pointer(attr), 1)
-        _check_cu(_load("cuda").cuLaunchKernelEx(ctypes.byref(cfg), self._fn, args, None),
-                  f"cuLaunchKernelEx({self.name})")
-
-
-CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
-
-
-class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union (here an int)
-    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
-                ("rest", ctypes.c_char * 60)]
-
-
-class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
-                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+        _check_cu(_load("cuda").cuLaunchKernel(self._fn, grid, 1, 1, threads, 1, 1, smem, ctypes.c_void_p(stream),
+                                               args, None), f"cuLaunchKernel({self.name})")
 
 
 def get_kernel(source: str, options: list[str], name: str, device: torch.device) -> Kernel:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gaac_cuda import available, decode_attention, plain_decode_attention, plan
-from gaac_cuda.decode_attention import _SOURCE_FILE, _ticket
+from gaac_cuda.decode_attention import _SOURCE_FILE
 from gaac_hf.format import TileLayout
 from gaac_triton_cases import compress_kv, realistic_kv
 
@@ -132,26 +132,20 @@ def test_cuda_compressed_equals_plain_twin(case):
     assert err < 1e-2, err
 
 
+
 @gpu
-def test_balanced_plan_is_deterministic_and_resets_its_tickets():
-    """At long contexts the plan hands the last quarter of the units out as small chunks to whichever warp is free
-    (a ticket counter): the chunks, so the bits, must not depend on which warp ran them, launch after launch, and the
-    last warp must leave the counters at zero for the next launch."""
-    b, h, nrep, d = 1, 8, 4, 128
+def test_combine_over_many_splits_and_empty_ones():
+    """The one-round combine: more splits than one round of loads covers (a short context over many splits leaves
+    most of them empty, m = -inf), the same bits for compressed KV and its twin, and close to the fp64 reference."""
+    b, h, nrep, d = 1, 1, 4, 64
     (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout = compressed_case(
-        b, h, nrep, [40003], d, "mixed", 32, seed=5)
+        b, h, nrep, [4000], d, "mixed", 32, seed=3)
     scale = d ** -0.5
-    pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes)
-    pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit)
-    assert pc.nsplit > pc.nlarge > 0 and pc.tail256 > 0 and (pp.nlarge, pp.tail256) == (pc.nlarge, pc.tail256)
-    outs = [decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, None, scale, layout, pc) for _ in range(3)]
-    twin = plain_decode_attention(q, k, v, kv_len, None, scale, pp)
-    torch.cuda.synchronize()
-    assert _ticket(q.device).tolist() == [0, 0]
-    for got in outs:
-        assert torch.equal(bits(got), bits(outs[0])) and torch.equal(bits(got), bits(twin))
-    static = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, balance=False)
-    assert static.nsplit == static.large == pc.nlarge and static.tail256 == 0
-    ref = reference_attention(q.cpu(), k.cpu(), v.cpu(), kv_len.cpu(), None, scale)
-    for got in (outs[0], decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, None, scale, layout, static)):
-        assert ((got.cpu().double() - ref).norm() / ref.norm()).item() < 1e-2
+    for nsplit in (300, 997):  # > 256 splits: two or more rounds per warp; 997 over 250 units: most are empty
+        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit)
+        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=nsplit)
+        got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, None, scale, layout, pc)
+        twin = plain_decode_attention(q, k, v, kv_len, None, scale, pp)
+        assert torch.equal(bits(got), bits(twin)), nsplit
+        ref = reference_attention(q.cpu(), k.cpu(), v.cpu(), kv_len.cpu(), None, scale)
+        assert ((got.cpu().double() - ref).norm() / ref.norm()).item() < 1e-2, nsplit

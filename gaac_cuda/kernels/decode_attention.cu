@@ -25,17 +25,14 @@
 // Bitstream: docs/format.md; offsets come from the launcher (gaac_hf/format.py is the one definition).
 //
 // Compile-time configuration (NVRTC -D): GAAC_C (64|128 channels per tile), GAAC_TILES (tiles per head: 1|2),
-// GAAC_PLAIN (0|1), GAAC_STAGES (ring depth), GAAC_WARPS, GAAC_MIN_CTAS (register budget), GAAC_PDL (the combine
-// kernel overlaps the split kernel's tail as a programmatic dependent launch), and for the benchmarks
-// GAAC_SKIP (leave-one-stage-out breakdown; bit 0: no tensor-core math, bit 1: no reconstruction) and GAAC_TRACE.
+// GAAC_PLAIN (0|1), GAAC_STAGES (ring depth), GAAC_WARPS, GAAC_MIN_CTAS (register budget), and for the
+// benchmarks GAAC_SKIP (leave-one-stage-out breakdown; bit 0: no tensor-core math, bit 1: no reconstruction) and
+// GAAC_TRACE (globaltimer stamps, benchmarks/cuda_stream_probe.py).
 #ifndef GAAC_SKIP
 #define GAAC_SKIP 0
 #endif
 #ifndef GAAC_TRACE  // benchmark probe: per-warp globaltimer stamps into Params::trace
 #define GAAC_TRACE 0
-#endif
-#ifndef GAAC_PDL  // the combine kernel is launched as a programmatic dependent of the split kernel
-#define GAAC_PDL 0
 #endif
 #ifndef GAAC_MIN_CTAS  // register budget: CTAs of GAAC_WARPS warps that must fit on one SM
 #define GAAC_MIN_CTAS 1
@@ -74,14 +71,12 @@ struct Params {
   float* part_o;       // [items, rep, D]
   float* part_ml;      // [items, rep, 2]
   u16* out;            // [B, Hq, D]
-  int* ticket;         // [2] chunk tickets taken, warps done (zero between launches; only if nsplit > nlarge)
   unsigned long long* trace;  // GAAC_TRACE: [items, 3] split stamps (entry, first unit ready, done), then combine starts
   i64 slot_bytes;
   i64 table_sb;        // table stride per batch row, in int32
   i64 kv_sb, kv_sh, kv_ss;  // strides of kv_k / kv_v in elements
   i64 mask_sb;
-  int batch, heads, rep, nsplit;  // nsplit: chunks (partials) per (row, kv-head)
-  int nlarge, tail256;  // large chunks (one per warp of the launch) and the share of units left to the small ones, /256
+  int batch, heads, rep, nsplit;
   int buf_bytes;       // bytes of one tile buffer in the ring
   int warp_bytes;      // shared memory per warp
   int planes_off, tags_off, esc_off;  // slot layout (format.py)
@@ -475,15 +470,10 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   extern __shared__ __align__(128) u8 smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  // Work: nsplit chunks per (row, kv-head), each one partial for the combine. Chunks 0..nlarge-1 split the first
-  // (256 - tail256)/256 of the row's units evenly and are the launch's warps, one each (with tail256 = 0 they are all
-  // the work: static split-K). The rest of the units come as nsplit - nlarge small chunks, handed out by a ticket
-  // counter to whichever warp finishes first, so slow and fast SMs end together. A chunk's units and its partial's
-  // place depend on the shape alone, never on which warp ran it: the bits are the same every run.
-  const int bh_total = p.batch * p.heads, first_wave = bh_total * p.nlarge;
-  const int total = first_wave + bh_total * (p.nsplit - p.nlarge);
-  int item = blockIdx.x * GAAC_WARPS + warp;
-  if (item >= first_wave) return;
+  const int item = blockIdx.x * GAAC_WARPS + warp;
+  if (item >= p.batch * p.heads * p.nsplit) return;
+  const int b = item / (p.heads * p.nsplit), hk = (item / p.nsplit) % p.heads, split = item % p.nsplit;
+  if (GAAC_TRACE && lane == 0) p.trace[3 * item] = gtimer();
 
   u8* ws = smem + warp * p.warp_bytes;
   const u32 bars = smem_u32(ws);
@@ -492,39 +482,19 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   scr.base = ring + GAAC_STAGES * 2 * TILES * p.buf_bytes;
   scr.planes = scr.base + G;
   scr.raw = scr.planes + 5 * G;
+
+  const int len = p.kv_len[b];
+  const int nb = len >> 4, tl = len & 15;
+  const int units = nb + (tl > 0 ? 1 : 0);
+  const int per = (units + p.nsplit - 1) / p.nsplit;
+  const int u0 = min(units, split * per), u1 = min(units, u0 + per);
+
   if (lane == 0) {
 #pragma unroll
     for (int st = 0; st < GAAC_STAGES; ++st) mbar_init(bars + 8 * st, 33);  // lane 0's expect_tx + 32 cp.async arrivals
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncwarp();
-#if GAAC_PDL
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // the combine may launch; it waits for us
-#endif
-  u32 phases = 0;
-
-  while (item < total) {
-  int bh, chunk;
-  if (item < first_wave) bh = item / p.nlarge, chunk = item % p.nlarge;
-  else bh = (item - first_wave) % bh_total, chunk = p.nlarge + (item - first_wave) / bh_total;
-  int next_item = total;  // the next ticket, taken now so that its latency hides behind this chunk
-  if (p.nsplit > p.nlarge && lane == 0) next_item = first_wave + atomicAdd(p.ticket, 1);
-  const int b = bh / p.heads, hk = bh % p.heads;
-  const int out_item = bh * p.nsplit + chunk;  // where the combine reads this chunk's partial
-  if (GAAC_TRACE && lane == 0) p.trace[3 * out_item] = gtimer();
-
-  const int len = p.kv_len[b];
-  const int nb = len >> 4, tl = len & 15;
-  const int units = nb + (tl > 0 ? 1 : 0);
-  const int ul = units - units * p.tail256 / 256;  // units of the large chunks
-  int u0, u1;
-  if (chunk < p.nlarge) {
-    const int per = (ul + p.nlarge - 1) / p.nlarge;
-    u0 = min(ul, chunk * per), u1 = min(ul, u0 + per);
-  } else {
-    const int ns = p.nsplit - p.nlarge, per = (units - ul + ns - 1) / ns;
-    u0 = min(units, ul + (chunk - p.nlarge) * per), u1 = min(units, u0 + per);
-  }
 
   // query fragments (operand B of the score mma): column g = query head g; k pairs (c0, c2), (c1, c3) of word
   // w = t*NKS + s (channels 4w..4w+3), as the K fragments pair them
@@ -636,6 +606,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   };
   int ent[2][TILES];
   load_entries(u0, ent);
+  u32 phases = 0;
   const u8* mrow = p.mask ? p.mask + (i64)b * p.mask_sb : nullptr;
   constexpr bool DECODE = !GAAC_PLAIN && !(GAAC_SKIP & 2);
 
@@ -652,7 +623,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       asm volatile("prefetch.global.L1 [%0];" ::"l"(trow + (i64)(u + 8) * tstride));
     mbar_wait(bars + 8 * st, (phases >> st) & 1);
     phases ^= 1u << st;
-    if (GAAC_TRACE && lane == 0 && u == u0) p.trace[3 * out_item + 1] = gtimer();
+    if (GAAC_TRACE && lane == 0 && u == u0) p.trace[3 * item + 1] = gtimer();
     const u32 slots_here = kinds[st];
     const bool tail = u >= nb;
     const int valid = tail ? tl : 16;
@@ -748,7 +719,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   for (int c = 0; c < 2; ++c) {
     const int head = 2 * t + c;
     if (head >= p.rep) continue;
-    const i64 row = (i64)out_item * p.rep + head;
+    const i64 row = (i64)item * p.rep + head;
     if (g == 0) {
       p.part_ml[2 * row] = m[c];
       p.part_ml[2 * row + 1] = l[c];
@@ -763,13 +734,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         po[ch + 1] = o[T][n][2 + c];
       }
   }
-  if (GAAC_TRACE && lane == 0) p.trace[3 * out_item + 2] = gtimer();
-  item = __shfl_sync(0xffffffffu, next_item, 0);
-  }  // chunks
-  if (p.nsplit > p.nlarge && lane == 0) {  // the last warp out resets the counters for the next launch
-    __threadfence();
-    if (atomicAdd(p.ticket + 1, 1) == first_wave - 1) p.ticket[0] = 0, p.ticket[1] = 0;
-  }
+  if (GAAC_TRACE && lane == 0) p.trace[3 * item + 2] = gtimer();
 }
 
 // out[b, hq, 32c .. 32c + 31] = merge of the nsplit partials of (b, hq) for one chunk c of 32 channels. One block of
@@ -788,9 +753,6 @@ extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) gaac_combine(co
   const int hk = hq / p.rep, r = hq % p.rep;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int ch = 32 * chunk + lane;
-#if GAAC_PDL
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // the split kernel's partials are complete and visible
-#endif
   if (GAAC_TRACE && threadIdx.x == 0) p.trace[3 * (i64)p.batch * p.heads * p.nsplit + blockIdx.x] = gtimer();
   const i64 item0 = ((i64)b * p.heads + hk) * p.nsplit;
   float mw = NEG_INF, acc = 0.f, den = 0.f;
