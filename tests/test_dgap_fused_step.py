@@ -120,8 +120,13 @@ def test_cuda_graph_replays_the_eager_bits(dtype):
         scores = awkward_scores(seed=seed, device="cuda").to(dtype)
         a, b = graphed(None, scores), plain(None, scores)
         assert same_bits(a, b), seed
-        ref, _, _ = plain.reference_restore(scores)
-        assert same_bits(a, ref), seed
+        # against the feature-by-feature step: bit-identical on the CPU (test_restore_bit_identical_to_reference_step);
+        # on CUDA the fused and the separate reductions are different kernels, so float32 features may differ in
+        # the last bits (measured on the H200: float32 differs, bfloat16 does not): the same rows are corrected and
+        # the values agree to float32 rounding
+        ref, _, ref_fix = plain.reference_restore(scores)
+        assert torch.equal(plain.restore(scores)[2], ref_fix), seed
+        assert torch.allclose(a.float(), ref.float(), rtol=1e-5, atol=1e-5), seed
     assert len(graphed._graphs) == 1  # captured once, replayed after
     assert graphed.stats() == plain.stats() and 0 < graphed.stats()["corrected"] < graphed.stats()["rows"]
     graphed.reset_stats()
