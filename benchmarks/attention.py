@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gaac_hf.calibrate import choose_escape_capacity, exponent_histogram, windows_from_histogram
 from gaac_hf.codec import encode_tiles, escape_bytes, group_modes, split_fields, split_head
-from gaac_hf.format import TileLayout
+from gaac_hf.format import TileLayout, tile_split
 import gaac_cuda
 from triton_ops.gaac_attention import fused_compressed_attention, fused_plain_attention, plain_as_raw_tiles
 from triton_ops.gaac_decode import expand_tiles
@@ -51,7 +51,7 @@ def real_kv(pool: torch.Tensor, batch: int, heads: int, length: int, head_dim: i
 def compress(k, v, capacity=None):
     """Calibrate windows and capacity on this KV, encode, and lay out pools + table as GAACCache does."""
     b, h, s, d = k.shape
-    c = min(d, 128)
+    c = tile_split(d)[1]
     n = s // 16
     hist = exponent_histogram(torch.stack([k, v]).transpose(1, 2).reshape(1, 2, h, b * s, d))  # [1, 2, H, D, 256]
     base3, base4 = windows_from_histogram(hist[0])  # [2, H, D]
@@ -148,7 +148,7 @@ def main():
         k, v = real_kv(pool.cpu(), b, hkv, s, d, gen)
         k, v = k.to(dev), v.to(dev)
         packed, info = compress(k, v)
-        layout = TileLayout(min(d, 128), info["escape_capacity"])
+        layout = TileLayout(tile_split(d)[1], info["escape_capacity"])
         scale = d ** -0.5
         q = torch.randn(b, hq, d, device=dev).to(torch.bfloat16)
         # correctness on this data
@@ -163,7 +163,7 @@ def main():
         # rotating buffers: copies at other addresses
         bufs = [(packed, k, v)] + [(tuple(x.clone() for x in packed), k.clone(), v.clone())
                                    for _ in range(args.buffers - 1)]
-        plains = [] if args.no_triton else [plain_as_raw_tiles(bk, bv) for _, bk, bv in bufs]
+        plains = [] if args.no_triton else [plain_as_raw_tiles(bk, bv, layout.channels) for _, bk, bv in bufs]
         q4 = q[:, :, None]
         bf16_bytes = 2 * k.numel() * 2
         gaac_bytes = info["bytes"]

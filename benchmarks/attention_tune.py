@@ -23,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.dirname(__file__))
 from attention import SHAPES, bench, compress, real_kv  # noqa: E402
 
-from gaac_hf.format import TileLayout  # noqa: E402
+from gaac_hf.format import TileLayout, tile_split  # noqa: E402
 from triton_ops.gaac_attention import (  # noqa: E402
     fused_compressed_attention, fused_plain_attention, plain_as_raw_tiles)
 
@@ -47,12 +47,12 @@ def main():
     k, v = real_kv(load_file(args.real_kv)["kv"], b, hkv, s, d, gen)
     k, v = k.to(dev), v.to(dev)
     packed, info = compress(k, v)
-    layout = TileLayout(min(d, 128), info["escape_capacity"])
+    layout = TileLayout(tile_split(d)[1], info["escape_capacity"])
     scale = d ** -0.5
     q = torch.randn(b, hq, d, device=dev).to(torch.bfloat16)
     bufs = [(packed, k, v)] + [(tuple(x.clone() for x in packed), k.clone(), v.clone())
                                for _ in range(args.buffers - 1)]
-    plains = [plain_as_raw_tiles(bk, bv) for _, bk, bv in bufs]
+    plains = [plain_as_raw_tiles(bk, bv, layout.channels) for _, bk, bv in bufs]
     bf16_bytes, gaac_bytes = 2 * k.numel() * 2, info["bytes"]
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.float()[:, :, None], k.float(), v.float(), scale=scale, enable_gqa=True)[:, :, 0]

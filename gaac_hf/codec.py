@@ -120,7 +120,8 @@ class EncodedTiles:
 
 
 def encode_tiles(x: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, escape_capacity: int) -> EncodedTiles:
-    """Encode BF16 tiles `[..., 16, C]` (C = 64 or 128) with per-channel bases `[..., C]` (uint8, broadcastable)."""
+    """Encode BF16 tiles `[..., 16, C]` (C = 16, 32, 64 or 128) with per-channel bases `[..., C]` (uint8,
+    broadcastable)."""
     check_bf16(x)
     if x.dim() < 2 or x.shape[-2] != BLOCK_TOKENS:
         raise ValueError(f"tiles must have shape [..., {BLOCK_TOKENS}, C]; got {tuple(x.shape)}")
@@ -143,9 +144,11 @@ def encode_tiles(x: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, esca
     index = torch.where(k < weights.unsqueeze(-1), offsets.unsqueeze(-1) + k, dump)
     area = torch.zeros(*lead, dump + 1, dtype=torch.int32, device=x.device)
     area.scatter_(-1, index.reshape(*lead, 5 * layout.groups).long(), values.reshape(*lead, 5 * layout.groups))
+    pad = torch.zeros(*lead, layout.escape_offset - layout.tags_end,
+                      dtype=torch.int32, device=x.device)  # zero bytes that align the escape area (C = 16 only)
     slots = torch.cat(
         [signmant.reshape(*lead, layout.elements),
-         planes[..., :CODE_PLANES_IN_STREAM, :].reshape(*lead, CODE_PLANES_IN_STREAM * layout.groups), tags,
+         planes[..., :CODE_PLANES_IN_STREAM, :].reshape(*lead, CODE_PLANES_IN_STREAM * layout.groups), tags, pad,
          area[..., :escape_capacity]], -1).to(torch.uint8)
     return EncodedTiles(slots, total <= escape_capacity, total, mode)
 
@@ -160,7 +163,7 @@ def decode_tiles(slots: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, 
     s = slots.to(torch.int32)
     signmant = s[..., :layout.planes_offset].reshape(*lead, BLOCK_TOKENS, channels)
     planes = s[..., layout.planes_offset:layout.tags_offset].reshape(*lead, CODE_PLANES_IN_STREAM, layout.groups)
-    tags = _unpack_bits(s[..., layout.tags_offset:layout.escape_offset].reshape(*lead, 2, layout.tag_plane_bytes)).reshape(
+    tags = _unpack_bits(s[..., layout.tags_offset:layout.tags_end].reshape(*lead, 2, layout.tag_plane_bytes)).reshape(
         *lead, 2, layout.groups)
     wide, raw = tags[..., 0, :], tags[..., 1, :]
     if bool((raw > wide).any()):

@@ -31,7 +31,7 @@ def decode_slots(slots: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, 
     if slots.device != _SPREAD.device:
         raise ValueError("decode_slots is the CPU decoder")
     planes = slots[:, layout.planes_offset:layout.tags_offset].reshape(n, CODE_PLANES_IN_STREAM, g)
-    tags = slots[:, layout.tags_offset:layout.escape_offset].reshape(n, 2, layout.tag_plane_bytes)
+    tags = slots[:, layout.tags_offset:layout.tags_end].reshape(n, 2, layout.tag_plane_bytes)
     mode_bits = _spread(tags).view(torch.uint8).reshape(n, 2, g)  # [N, 2 (wide, raw), G] of 0/1
     wide, raw = mode_bits[:, 0], mode_bits[:, 1]
     pair = planes[:, 0].to(torch.int32) | (planes[:, 1].to(torch.int32) << 8)

@@ -1,13 +1,17 @@
 """The GAAC bitstream, defined once. `docs/format.md` is the prose version of this file.
 
-A *tile* is the coding unit: 16 tokens x C channels of one (layer, K|V, kv-head), C = 64 or 128. Head dims 64 and
-128 are one tile per block; head dim 256 is two tiles (channels 0-127 and 128-255), coded independently.
+A *tile* is the coding unit: 16 tokens x C channels of one (layer, K|V, kv-head), C = 16, 32, 64 or 128: the
+largest of these that divides the head dim, which must be a multiple of 16. Head dims 64 and 128 are one tile per
+block, 256 two tiles of 128 (channels 0-127 and 128-255), 80 five tiles of 16, 96 three of 32; tiles are coded
+independently.
 Elements are grouped in runs of 8 tokens of one channel (group g = h * C + c holds tokens 8h..8h+7 of channel c);
 see docs/format.md for the measurement behind that choice.
 
 Slot layout of one tile (all offsets in bytes, every section 16-byte aligned):
 
-    [ sign+mantissa  16*C ][ code planes 0-2  3*G ][ mode tags  G/4 ][ escape area  E ]      G = 2*C groups
+    [ sign+mantissa  16*C ][ code planes 0-2  3*G ][ mode tags  G/4 (+ pad) ][ escape area  E ]      G = 2*C groups
+
+(the tags end on a 16-byte boundary for every C but 16, where 8 zero bytes pad them)
 
 * sign+mantissa: one byte per element, `sign << 7 | mantissa`, token-major (`[16][C]`, like the KV itself).
 * code planes: plane p (p = 0, 1, 2) holds bit p of every element's exponent code; byte g of a plane belongs
@@ -32,7 +36,7 @@ FORMAT_VERSION = 1
 BLOCK_TOKENS = 16
 GROUP_SIZE = 8
 MAX_TILE_CHANNELS = 128
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+TILE_CHANNELS = (16, 32, 64, 128)
 ALIGN = 16
 
 MODE_3BIT, MODE_4BIT, MODE_RAW = 0, 1, 2
@@ -42,12 +46,11 @@ CODE_PLANES_IN_STREAM = 3  # planes 0-2 are always stored; plane 3 (4-bit) and p
 
 
 def tile_split(head_dim: int) -> tuple[int, int]:
-    """Return `(tiles_per_head, channels_per_tile)` for a head dim."""
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(
-            f"GAAC supports head_dim {SUPPORTED_HEAD_DIMS}; this model has head_dim {head_dim}"
-        )
-    channels = min(head_dim, MAX_TILE_CHANNELS)
+    """Return `(tiles_per_head, channels_per_tile)` for a head dim: the widest tile of TILE_CHANNELS that divides it."""
+    if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % TILE_CHANNELS[0]:
+        raise ValueError(f"GAAC supports head dims that are positive multiples of {TILE_CHANNELS[0]}; this model has "
+                         f"head_dim {head_dim}")
+    channels = max(c for c in TILE_CHANNELS if head_dim % c == 0)
     return head_dim // channels, channels
 
 
@@ -59,8 +62,8 @@ class TileLayout:
     escape_capacity: int
 
     def __post_init__(self):
-        if self.channels not in (64, 128):
-            raise ValueError(f"a tile has 64 or 128 channels, not {self.channels}")
+        if self.channels not in TILE_CHANNELS:
+            raise ValueError(f"a tile has {', '.join(map(str, TILE_CHANNELS))} channels, not {self.channels}")
         if self.escape_capacity < 0 or self.escape_capacity % ALIGN:
             raise ValueError(f"escape capacity must be a non-negative multiple of {ALIGN}, not {self.escape_capacity}")
 
@@ -97,8 +100,13 @@ class TileLayout:
         return self.groups // 8
 
     @property
-    def escape_offset(self) -> int:
+    def tags_end(self) -> int:
+        """End of the mode tags; zero padding up to `escape_offset` follows (16-channel tiles only)."""
         return self.tags_offset + 2 * self.tag_plane_bytes
+
+    @property
+    def escape_offset(self) -> int:
+        return -(-self.tags_end // ALIGN) * ALIGN
 
     @property
     def fixed_bytes(self) -> int:

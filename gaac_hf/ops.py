@@ -75,6 +75,8 @@ def splits(batch: int, kv_heads: int, max_blocks: int, device, head_dim: int = 1
     """Split count of the decode attention over at most `max_blocks` blocks (1 for the torch reference)."""
     device = torch.device(device)
     backend = _backend(device)
+    if not _fused_serves(head_dim):
+        return 1
     if backend == "gaac_cuda":  # the CUDA kernel's split count depends on the shape alone (host arithmetic)
         return gaac_cuda.plan(batch, kv_heads, 1, head_dim, max_blocks * BLOCK_TOKENS, device, plain=True).nsplit
     if backend == "triton":
@@ -99,6 +101,17 @@ def plan(batch: int, kv_heads: int, max_blocks: int, head_dim: int, device) -> D
 def _cuda_plan(batch, kv_heads, rep, head_dim, max_blocks, slot_bytes, plain, nsplit, device):
     return gaac_cuda.plan(batch, kv_heads, rep, head_dim, max_blocks * BLOCK_TOKENS, torch.device(device),
                           slot_bytes=slot_bytes, plain=plain, nsplit=nsplit)
+
+
+FUSED_HEAD_DIMS = (64, 128, 256)  # what the fused kernels (CUDA, Triton) cover; other head dims use the reference
+
+
+def _fused_serves(head_dim: int) -> bool:
+    """The fused decode kernels cover this head dim (one 64- or 128-channel tile per head, or two of 128). Other
+    multiples of 16 (Phi-2's 80, Phi-3-mini's 96, ...) take the torch reference attention over tiles decoded by the
+    expand kernel: bit-exact the same way (compressed and plain KV through the same code), but eager only on CUDA
+    (it reads the lengths on the host, so a CUDA graph cannot capture it)."""
+    return head_dim in FUSED_HEAD_DIMS
 
 
 def _cuda_serves(query: torch.Tensor, kv_heads: int) -> bool:
@@ -148,7 +161,7 @@ def expand_tiles(table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.T
 def tiles_of(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """K, V `[B, H, n * 16, D]` -> tiles `[B, n, 2 * H * tiles, 16, C]` (position order of the block table)."""
     b, h, s, d = k.shape
-    c = min(d, 128)
+    c = tile_split(d)[1]
     x = torch.stack([k, v], 1).reshape(b, 2, h, s // BLOCK_TOKENS, BLOCK_TOKENS, d // c, c)
     return x.permute(0, 3, 1, 2, 5, 4, 6).reshape(b, s // BLOCK_TOKENS, 2 * h * (d // c), BLOCK_TOKENS, c)
 
@@ -244,6 +257,8 @@ def _mask4(mask: torch.Tensor | None) -> torch.Tensor | None:
 def _decode_attention_impl(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, kv_len, mask, scale,
                            num_splits):
     backend = _backend(query.device)
+    if not _fused_serves(query.shape[-1]):
+        backend = "torch"
     if backend == "gaac_cuda" and _cuda_serves(query, table.shape[3]):
         b, hq, d = query.shape
         h = table.shape[3]
@@ -279,6 +294,8 @@ def _(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, kv_len, m
 
 def _plain_decode_attention_impl(query, key, value, table, kv_len, mask, scale, num_splits):
     backend = _backend(query.device)
+    if not _fused_serves(query.shape[-1]):
+        backend = "torch"
     if backend == "gaac_cuda" and _cuda_serves(query, key.shape[1]):
         b, h, s, d = key.shape
         plan_ = _cuda_plan(b, h, query.shape[1] // h, d, s // BLOCK_TOKENS, 0, True, num_splits, str(query.device))

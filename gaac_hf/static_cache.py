@@ -372,7 +372,7 @@ class PlainStaticLayer(_StaticLayerBase):
         if ops._backend(dev) == "triton":
             from triton_ops.gaac_attention import plain_table
 
-            table = _static(plain_table(b, self.num_kv_heads, s_cap, self.head_dim, dev))
+            table = _static(plain_table(b, self.num_kv_heads, s_cap, self.head_dim, dev, self.channels))
         self.record = ops.PlainRecord(self.keys, self.values, table, self.kv_len,
                                       ops.plan(b, self.num_kv_heads, self.max_blocks, self.head_dim, dev))
         self.keys.gaac_record = self.record

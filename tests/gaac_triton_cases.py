@@ -3,12 +3,13 @@
 import torch
 
 from gaac_hf.codec import encode_tiles, split_head
+from gaac_hf.format import tile_split
 
 
 def compress_kv(k: torch.Tensor, v: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, capacity: int):
     """Plain K/V `[B, H, S, D]` -> (slot_pool, raw_pool, table `[B, n, 2, H, tiles]`, tail_k, tail_v, fits)."""
     b, h, s, d = k.shape
-    c = min(d, 128)
+    c = tile_split(d)[1]
     n = s // 16
     kv = torch.stack([k, v], 2)[:, :, :, : n * 16]  # [B, H, 2, n*16, D]
     tiles = split_head(kv.reshape(b, h, 2, n, 16, d).permute(0, 3, 2, 1, 4, 5))  # [B, n, 2, H, tiles, 16, C]

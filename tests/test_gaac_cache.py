@@ -24,7 +24,7 @@ from gaac_hf.attention import gaac_attention_forward, gaac_decode_attention
 from gaac_hf.cache import CompressedKV, GAACCache, GAACLayer, GAACLazyKV
 from gaac_hf.calibrate import calibrate, exponent_histogram, windows_from_histogram
 from gaac_hf.calibration import CalibrationConfig, CalibrationMismatchError, GAACCalibration
-from gaac_hf.format import BLOCK_TOKENS, MODE_NAMES, TileLayout
+from gaac_hf.format import BLOCK_TOKENS, MODE_NAMES, TileLayout, tile_split
 from gaac_hf.model_layers import cache_kwarg
 
 SHIPPED_CALIBRATION = Path(__file__).resolve().parents[1] / "hub_configs" / "gaac-SmolLM2-135M-Instruct"
@@ -358,11 +358,11 @@ def _random_layer(head_dim: int, capacity: int, batch=3, heads=2, tokens=87, see
     return layer, k, v
 
 
-@pytest.mark.parametrize("head_dim,capacity", [(64, 16), (128, 0), (256, 32)])
+@pytest.mark.parametrize("head_dim,capacity", [(64, 16), (128, 0), (256, 32), (80, 16), (96, 0)])
 def test_decode_attention_compressed_equals_plain(head_dim, capacity, monkeypatch):
     layer, k, v = _random_layer(head_dim, capacity)
     stats = layer.stats()
-    assert stats["slots"] + stats["raw_tiles"] == 3 * 5 * 2 * 2 * (head_dim // min(head_dim, 128))
+    assert stats["slots"] + stats["raw_tiles"] == 3 * 5 * 2 * 2 * tile_split(head_dim)[0]
     view = layer.compressed()
     lazy_k, lazy_v = GAACLazyKV(view, 0), GAACLazyKV(view, 1)
     gen = torch.Generator().manual_seed(1)
@@ -617,3 +617,4 @@ def test_smollm2_shipped_calibration(request):
                         do_sample=False)
     assert_same_generation(got, ref)
     assert cache.stats()["ratio"] > 1
+

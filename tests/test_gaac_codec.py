@@ -46,7 +46,7 @@ def forced_bases(e: torch.Tensor, mode: int, channels: int):
     return b3.to(torch.uint8), b4.to(torch.uint8)
 
 
-@pytest.mark.parametrize("channels", [64, 128])
+@pytest.mark.parametrize("channels", [16, 32, 64, 128])
 @pytest.mark.parametrize("mode", [MODE_3BIT, MODE_4BIT, MODE_RAW])
 def test_every_bf16_pattern_round_trips_in_every_mode(channels, mode):
     exps = torch.arange(256)
@@ -125,6 +125,15 @@ def test_slot_layout_sizes_match_the_format():
     assert (layout.planes_offset, layout.tags_offset, layout.escape_offset, layout.slot_bytes) == (
         2048, 2048 + 768, 2048 + 768 + 64, 3008)
     assert TileLayout(64, 32).slot_bytes == 1024 + 384 + 32 + 32
+    # 16-channel tiles: 8 tag bytes, then 8 zero bytes so that the escape area stays 16-byte aligned
+    small = TileLayout(16, 16)
+    assert (small.tags_offset, small.tags_end, small.escape_offset, small.slot_bytes) == (352, 360, 368, 384)
+    assert TileLayout(32, 0).escape_offset == 512 + 192 + 16
+    y = torch.randn(3, 16, 16).to(torch.bfloat16)
+    zz = torch.zeros(16, dtype=torch.uint8)
+    assert (encode_tiles(y, zz, zz, 16).slots[:, 360:368] == 0).all()
+    with pytest.raises(ValueError, match="16, 32, 64, 128 channels"):
+        TileLayout(48, 0)
     x = torch.randn(2, 16, 64).to(torch.bfloat16)
     z = torch.zeros(64, dtype=torch.uint8)
     assert encode_tiles(x, z, z, 32).slots.shape == (2, TileLayout(64, 32).slot_bytes)
@@ -159,10 +168,11 @@ def test_non_bf16_input_is_rejected():
 
 def test_unsupported_shapes_are_rejected():
     z = torch.zeros(96, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="64 or 128"):
+    with pytest.raises(ValueError, match="16, 32, 64, 128 channels"):  # a head of 96 is 3 tiles of 32, not one tile
         encode_tiles(torch.zeros(1, 16, 96, dtype=torch.bfloat16), z, z, 0)
-    with pytest.raises(ValueError, match="head_dim"):
-        split_head(torch.zeros(1, 16, 80, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="head_dim 72"):
+        split_head(torch.zeros(1, 16, 72, dtype=torch.bfloat16))
+    assert split_head(torch.zeros(1, 16, 80, dtype=torch.bfloat16)).shape == (1, 5, 16, 16)
     with pytest.raises(ValueError, match="16"):
         z128 = torch.zeros(128, dtype=torch.uint8)
         encode_tiles(torch.zeros(1, 8, 128, dtype=torch.bfloat16), z128, z128, 0)

@@ -13,7 +13,7 @@ triton = pytest.importorskip("triton")
 from gaac_triton_cases import compress_kv, realistic_kv  # noqa: E402
 
 from gaac_hf.codec import decode_tiles  # noqa: E402
-from gaac_hf.format import TileLayout  # noqa: E402
+from gaac_hf.format import TileLayout, tile_split  # noqa: E402
 from triton_ops.gaac_attention import fused_compressed_attention, fused_plain_attention  # noqa: E402
 from triton_ops.gaac_decode import expand_tiles  # noqa: E402
 
@@ -26,12 +26,13 @@ def bits(x):
 
 
 @pytest.mark.parametrize("d, kind, capacity", [(64, "mixed", 32), (128, "mixed", 16), (256, "mixed", 48),
-                                               (64, "raw", 1280), (64, "4bit", 256), (128, "mixed", 0)])
+                                               (64, "raw", 1280), (64, "4bit", 256), (128, "mixed", 0),
+                                               (80, "mixed", 16), (96, "raw", 320)])
 def test_expand_kernel_is_bit_exact(d, kind, capacity):
     gen = torch.Generator().manual_seed(d + capacity)
     k, v, b3, b4 = realistic_kv(2, 2, 48, d, gen, kind)
     slot_pool, raw_pool, table, _, _, fits = compress_kv(k, v, b3, b4, capacity)
-    c = min(d, 128)
+    c = tile_split(d)[1]
     period = table.shape[2] * table.shape[3] * table.shape[4]
     out = expand_tiles(table.reshape(*table.shape[:2], period).to(DEVICE), slot_pool.to(DEVICE), raw_pool.to(DEVICE),
                        b3.reshape(period, c).to(DEVICE), b4.reshape(period, c).to(DEVICE),
@@ -90,7 +91,7 @@ def test_fused_attention_compressed_equals_plain(case):
     (q, k, v, sp, rp, tab, tk, tv, b3, b4, mask), _ = attention_case(b, h, nrep, s, d, kind, cap, sum(case[:5]), pad)
     scale = d ** -0.5
     for splits in (1, 3):
-        layout = TileLayout(min(d, 128), cap)
+        layout = TileLayout(tile_split(d)[1], cap)
         got = fused_compressed_attention(q, sp, rp, tab, tk, tv, b3, b4, scale, layout, mask, num_splits=splits,
                                          blocks_per_iter=8)
         plain = fused_plain_attention(q, k, v, scale, layout, mask, num_splits=splits, blocks_per_iter=8)
@@ -114,14 +115,15 @@ def test_fused_attention_large_on_gpu(s):
 
 
 @pytest.mark.parametrize("d, kind, capacity", [(64, "mixed", 32), (128, "mixed", 16), (256, "mixed", 48),
-                                               (64, "raw", 1280), (64, "raw", 48), (128, "4bit", 64)])
+                                               (64, "raw", 1280), (64, "raw", 48), (128, "4bit", 64),
+                                               (80, "mixed", 16), (96, "raw", 320), (48, "4bit", 32)])
 def test_encode_kernel_is_bit_exact(d, kind, capacity):
     from gaac_hf.codec import encode_tiles, split_head
     from triton_ops.gaac_encode import gaac_encode
 
     gen = torch.Generator().manual_seed(7 * d + capacity)
     k, v, b3, b4 = realistic_kv(2, 2, 48, d, gen, kind)
-    c = min(d, 128)
+    c = tile_split(d)[1]
     tiles = split_head(torch.stack([k, v], 2).reshape(2, 2, 2, 3, 16, d).permute(0, 3, 2, 1, 4, 5))
     shape = (2, 2, d // c, c)
     ref = encode_tiles(tiles, b3.reshape(shape), b4.reshape(shape), capacity)

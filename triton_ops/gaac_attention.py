@@ -358,10 +358,12 @@ def _split_kernel(q_ptr, slot_ptr, slot_w_ptr, raw_ptr, raw_w_ptr, rawv_ptr, raw
 
 
 @triton.jit
-def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, S_PAD: tl.constexpr, D: tl.constexpr):
+def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, S_PAD: tl.constexpr, D: tl.constexpr,
+                    D_PAD: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, S_PAD)
-    d = tl.arange(0, D)
+    d = tl.arange(0, D_PAD)  # D itself need not be a power of 2 (head dims 80, 96, ...)
+    dk = d < D
     ok = s < SPLITS
     m = tl.load(m_ptr + pid * SPLITS + s, mask=ok, other=float("-inf"))
     l = tl.load(l_ptr + pid * SPLITS + s, mask=ok, other=0.0)
@@ -369,10 +371,10 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, S_PAD: tl.constexpr,
     big = tl.where(big == float("-inf"), 0.0, big)
     w = tl.exp2(m - big)
     total = tl.sum(l * w, axis=0)
-    acc = tl.load(acc_ptr + (pid * SPLITS + s)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    acc = tl.load(acc_ptr + (pid * SPLITS + s)[:, None] * D + d[None, :], mask=ok[:, None] & dk[None, :], other=0.0)
     o = tl.sum(acc * w[:, None], axis=0)
     o = tl.where(total > 0, o / total, 0.0)
-    tl.store(out_ptr + pid * D + d, o.to(tl.bfloat16))
+    tl.store(out_ptr + pid * D + d, o.to(tl.bfloat16), mask=dk)
 
 
 @functools.lru_cache(maxsize=None)
@@ -439,7 +441,8 @@ def _launch(query, slot_pool, raw_pool, rawv_pool, raw_tile, raw_row, table, tai
             SLOT_LINES=triton.next_power_of_2(triton.cdiv(slot_pool.shape[-1], 128)), HOIST=hoist, **offsets,
             num_warps=num_warps, num_stages=num_stages,
         )
-        _combine_kernel[(b * hq,)](m_out, l_out, acc_out, out, splits, S_PAD=triton.next_power_of_2(splits), D=d)
+        _combine_kernel[(b * hq,)](m_out, l_out, acc_out, out, splits, S_PAD=triton.next_power_of_2(splits), D=d,
+                                      D_PAD=triton.next_power_of_2(d))
     return out
 
 
@@ -475,11 +478,11 @@ def fused_compressed_attention(query: torch.Tensor, slot_pool: torch.Tensor, raw
                    base4.contiguous(), scale, mask, kv_len, offsets, **tuning)
 
 
-def plain_table(batch: int, heads: int, tokens: int, head_dim: int, device) -> torch.Tensor:
+def plain_table(batch: int, heads: int, tokens: int, head_dim: int, device, channels: int) -> torch.Tensor:
     """Table entries that present contiguous plain KV `[B, H, tokens, D]` as the kernel's raw storage class:
-    the K entries index the key tensor, the V entries the value tensor, both with raw tile stride C elements and row
-    stride D. Depends only on the shape: a static cache builds it once."""
-    c = min(head_dim, 128)
+    the K entries index the key tensor, the V entries the value tensor, both with raw tile stride C = `channels`
+    (the slot layout's tile width) and row stride D. Depends only on the shape: a static cache builds it once."""
+    c = channels
     n = tokens // BLOCK
     t = head_dim // c
     bb = torch.arange(batch, device=device).view(batch, 1, 1, 1, 1)
@@ -490,13 +493,14 @@ def plain_table(batch: int, heads: int, tokens: int, head_dim: int, device) -> t
     return (-1 - index).to(torch.int32).expand(batch, n, 2, heads, t).contiguous()
 
 
-def plain_as_raw_tiles(key: torch.Tensor, value: torch.Tensor):
+def plain_as_raw_tiles(key: torch.Tensor, value: torch.Tensor, channels: int):
     """Plain KV `[B, H, S, D]` as the kernel's raw storage class: `(key, value, table, tail_k, tail_v)` (contiguous
-    K/V, the table of their complete blocks, the tail rows past them)."""
+    K/V, the table of their complete blocks in tiles of `channels`, the tail rows past them)."""
     key, value = key.contiguous(), value.contiguous()
     b, h, s, d = key.shape
     n = s // BLOCK
-    return (key, value, plain_table(b, h, s, d, key.device), key[:, :, n * BLOCK:], value[:, :, n * BLOCK:])
+    return (key, value, plain_table(b, h, s, d, key.device, channels), key[:, :, n * BLOCK:],
+            value[:, :, n * BLOCK:])
 
 
 @functools.lru_cache(maxsize=None)
@@ -518,17 +522,17 @@ def fused_plain_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     `plain_table(...)` of the shape, if precomputed; `plain`: a precomputed `plain_as_raw_tiles(key, value)` (for
     kv_len None)."""
     d = key.shape[-1]
-    c = min(d, 128)
+    c = layout.channels
     offsets = slot_constants(layout, c)
     if kv_len is None:
-        key, value, table, tail_k, tail_v = plain if plain is not None else plain_as_raw_tiles(key, value)
+        key, value, table, tail_k, tail_v = plain if plain is not None else plain_as_raw_tiles(key, value, c)
         kv_len = lengths(query.shape[0], key.shape[2], query.device)
     else:
         if key.stride(-1) != 1 or key.stride(2) != d or key.stride(1) != key.shape[2] * d or \
                 value.stride() != key.stride():
             key, value = key.contiguous(), value.contiguous()
         if table is None:
-            table = plain_table(*key.shape[:3], d, query.device)
+            table = plain_table(*key.shape[:3], d, query.device, c)
         tail_k, tail_v = key, value  # the tail of row b: the rows after its kv_len[b] // 16 blocks (tail_shift)
     dummy_slots, dummy_bases = _dummies(query.device, key.shape[1], d)
     return _launch(query, dummy_slots, key, value, c, d, table, tail_k, tail_v, dummy_bases, dummy_bases, scale,

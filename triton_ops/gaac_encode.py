@@ -55,6 +55,10 @@ def store_slot(out, sm, code, mode, CAPACITY, C: tl.constexpr, E_PAD: tl.constex
     k8 = tl.arange(0, C // 8)[None, :]
     tl.store(out + TAGS + h * (C // 8) + k8, wide_bytes.to(tl.uint8))
     tl.store(out + TAGS + TAG_PLANE + h * (C // 8) + k8, raw_bytes.to(tl.uint8))
+    PAD: tl.constexpr = ESC - TAGS - 2 * TAG_PLANE  # zero bytes that align the escape area (16-channel tiles)
+    if PAD > 0:
+        z16 = tl.arange(0, 16)
+        tl.store(out + TAGS + 2 * TAG_PLANE + z16, tl.zeros([16], tl.uint8), mask=z16 < PAD)
 
     w = wide + 4 * raw  # escape bytes per group
     first_half = tl.sum(tl.sum(tl.where(h == 0, w, 0), axis=1), axis=0)
