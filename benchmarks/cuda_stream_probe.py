@@ -51,19 +51,32 @@ def stream_reader(dev, blocks_per_sm, threads=256):
 
 
 def trace_summary(tr, p):
-    """Stamps (ns) -> µs relative to the first warp's entry."""
+    """Stamps (ns) -> µs relative to the first warp's entry; the finish spread by kv-head and by SM."""
     items = p.items
-    st = tr[: 3 * items].view(items, 3).double()
-    st = st[st[:, 1] > -1e17]  # chunks that had units (empty ones never wait for data)
+    st = tr[: 4 * items].view(items, 4).double()
+    head = torch.arange(items) // p.nsplit % p.kv_heads
+    live = st[:, 1] > -1e17  # splits that had units (empty ones never wait for data)
+    st, head = st[live], head[live]
     t0 = st[:, 0].min()
     entry, first, done = (st[:, 0] - t0) / 1e3, (st[:, 1] - t0) / 1e3, (st[:, 2] - t0) / 1e3
-    comb = (tr[3 * items:].double() - t0) / 1e3
+    sm = st[:, 3].long()
+    comb = (tr[4 * items:].double() - t0) / 1e3
     q = lambda x, f: float(x.quantile(f))  # noqa: E731
     out = {"entry_last_us": q(entry, 1.0), "entry_p50_us": q(entry, 0.5),
            "first_unit_latency_p50_us": q(first - entry, 0.5), "first_unit_latency_max_us": q(first - entry, 1.0),
            "done_min_us": q(done, 0.0), "done_p10_us": q(done, 0.1), "done_p50_us": q(done, 0.5),
            "done_p90_us": q(done, 0.9), "done_max_us": q(done, 1.0),
-           "warp_busy_p50_us": q(done - entry, 0.5), "warp_busy_max_us": q(done - entry, 1.0)}
+           "warp_busy_p50_us": q(done - entry, 0.5), "warp_busy_max_us": q(done - entry, 1.0),
+           "done_p50_by_kv_head_us": [q(done[head == h], 0.5) for h in range(p.kv_heads)]}
+    n_sm = int(sm.max()) + 1
+    sm_max = torch.full((n_sm,), float("-inf"), dtype=torch.float64).scatter_reduce(0, sm, done, "amax")
+    sm_min = torch.full((n_sm,), float("inf"), dtype=torch.float64).scatter_reduce(0, sm, done, "amin")
+    seen = torch.isfinite(sm_max)
+    sm_max, sm_min = sm_max[seen], sm_min[seen]
+    # is the spread between SMs (where a warp runs) or within them (what it reads)?
+    out.update(sm_count=int(seen.sum()), sm_last_done_p10_us=q(sm_max, 0.1), sm_last_done_p50_us=q(sm_max, 0.5),
+               sm_last_done_max_us=q(sm_max, 1.0), within_sm_spread_p50_us=q(sm_max - sm_min, 0.5),
+               within_sm_spread_max_us=q(sm_max - sm_min, 1.0))
     if comb.numel() and bool((comb > -1e6).all()):
         out.update(combine_first_start_us=q(comb, 0.0), combine_last_start_us=q(comb, 1.0))
     return out

@@ -144,9 +144,9 @@ def _rows_ok(t: torch.Tensor) -> bool:
 
 
 def trace_size(p: DecodePlan) -> int:
-    """Length of the int64 `trace` tensor a `plan(..., trace=True)` launch writes: 3 globaltimer stamps (ns) per
-    split (entry, first unit in shared memory, partial written), then one per combine block (entry)."""
-    return 3 * p.items + p.batch * p.kv_heads * p.rep * (p.head_dim // 32)
+    """Length of the int64 `trace` tensor a `plan(..., trace=True)` launch writes: per split 3 globaltimer stamps (ns:
+    entry, first unit in shared memory, partial written) and its SM, then one stamp per combine block (entry)."""
+    return 4 * p.items + p.batch * p.kv_heads * p.rep * (p.head_dim // 32)
 
 
 def _run(p: DecodePlan, query, kv_len, mask, scale, fill, combine_too: bool = True,

@@ -71,7 +71,7 @@ struct Params {
   float* part_o;       // [items, rep, D]
   float* part_ml;      // [items, rep, 2]
   u16* out;            // [B, Hq, D]
-  unsigned long long* trace;  // GAAC_TRACE: [items, 3] split stamps (entry, first unit ready, done), then combine starts
+  unsigned long long* trace;  // GAAC_TRACE: [items, 4] split stamps (entry, first unit ready, done, SM), combine starts
   i64 slot_bytes;
   i64 table_sb;        // table stride per batch row, in int32
   i64 kv_sb, kv_sh, kv_ss;  // strides of kv_k / kv_v in elements
@@ -473,7 +473,12 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   const int item = blockIdx.x * GAAC_WARPS + warp;
   if (item >= p.batch * p.heads * p.nsplit) return;
   const int b = item / (p.heads * p.nsplit), hk = (item / p.nsplit) % p.heads, split = item % p.nsplit;
-  if (GAAC_TRACE && lane == 0) p.trace[3 * item] = gtimer();
+  if (GAAC_TRACE && lane == 0) {
+    u32 sm;
+    asm volatile("mov.u32 %0, %smid;" : "=r"(sm));
+    p.trace[4 * item] = gtimer();
+    p.trace[4 * item + 3] = sm;
+  }
 
   u8* ws = smem + warp * p.warp_bytes;
   const u32 bars = smem_u32(ws);
@@ -623,7 +628,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       asm volatile("prefetch.global.L1 [%0];" ::"l"(trow + (i64)(u + 8) * tstride));
     mbar_wait(bars + 8 * st, (phases >> st) & 1);
     phases ^= 1u << st;
-    if (GAAC_TRACE && lane == 0 && u == u0) p.trace[3 * item + 1] = gtimer();
+    if (GAAC_TRACE && lane == 0 && u == u0) p.trace[4 * item + 1] = gtimer();
     const u32 slots_here = kinds[st];
     const bool tail = u >= nb;
     const int valid = tail ? tl : 16;
@@ -734,7 +739,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         po[ch + 1] = o[T][n][2 + c];
       }
   }
-  if (GAAC_TRACE && lane == 0) p.trace[3 * item + 2] = gtimer();
+  if (GAAC_TRACE && lane == 0) p.trace[4 * item + 2] = gtimer();
 }
 
 // out[b, hq, 32c .. 32c + 31] = merge of the nsplit partials of (b, hq) for one chunk c of 32 channels. One block of
@@ -753,7 +758,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) gaac_combine(co
   const int hk = hq / p.rep, r = hq % p.rep;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int ch = 32 * chunk + lane;
-  if (GAAC_TRACE && threadIdx.x == 0) p.trace[3 * (i64)p.batch * p.heads * p.nsplit + blockIdx.x] = gtimer();
+  if (GAAC_TRACE && threadIdx.x == 0) p.trace[4 * (i64)p.batch * p.heads * p.nsplit + blockIdx.x] = gtimer();
   const i64 item0 = ((i64)b * p.heads + hk) * p.nsplit;
   float mw = NEG_INF, acc = 0.f, den = 0.f;
   for (int s0 = warp; s0 < p.nsplit; s0 += COMBINE_WARPS * COMBINE_UNROLL) {
