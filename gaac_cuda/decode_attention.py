@@ -24,7 +24,7 @@ LOG2E = 1.4426950408889634
 BLOCK = 16
 MAX_GROUP_HEADS = 8  # query heads per kv-head: the n dimension of the mma tile
 MIN_UNITS_PER_SPLIT = 4
-SPLITS_PER_SM = 12  # warps (= splits) per SM the default plan aims at (3 CTAs of 4 warps)
+SPLITS_PER_SM = 12  # warps (= splits) resident per SM at head_dim 64/128 (3 CTAs of 4 warps); 256: 4 (1 CTA)
 COMBINE_THREADS = 512  # COMBINE_WARPS * 32 in the kernel source
 
 
@@ -130,7 +130,9 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         # split alike to give the same bits
         units = max(1, -(-max_tokens // BLOCK))
         sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
-        want = math.ceil(sms * SPLITS_PER_SM / (batch * kv_heads))
+        # splits that fit in one wave of warps (a few more would run as a second wave: twice the time)
+        per_sm = SPLITS_PER_SM if tiles == 1 else SPLITS_PER_SM // 3  # two tiles per stage: one CTA fits
+        want = max(1, sms * per_sm // (batch * kv_heads))
         nsplit = max(1, min(want, math.ceil(units / MIN_UNITS_PER_SPLIT)))
     return DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes, options)
 
