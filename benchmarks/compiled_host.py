@@ -41,6 +41,10 @@ def stub_op_kernels() -> None:
                 raw_modes, counts):
         kv_len.add_(1)
 
+    @torch.library.register_kernel("gaac::plain_append_token", "cpu")
+    def _plain_append(key, value, keys, values, kv_len):
+        kv_len.add_(1)
+
     for name in ("gaac::decode_attention", "gaac::plain_decode_attention"):
         torch.library.register_kernel(name, "cpu", lambda query, *args: torch.empty_like(query))
 
