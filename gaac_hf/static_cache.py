@@ -2,12 +2,16 @@
 
 Like transformers' `StaticCache(config, max_cache_len)`, every buffer is allocated once and updated in place:
 
-* the slot pool, uint8 `[n_slots + 1, slot_bytes]`, sized for every tile of `max_batch_size x max_cache_len` (a
-  tile takes at most one slot), and the raw pool, BF16 `[n_raw + 1, 16, C]`, sized from the calibration's raw-tile
-  share (measured when it was made) plus headroom; their last rows are scratch;
+* the slot pool, uint8 `[n_slots + 1, slot_bytes]` per layer, sized for every tile of `max_batch_size x
+  max_cache_len` (a tile takes at most one slot), and the raw pool, BF16 `[n_raw + 1, 16, C]` per layer, sized from
+  the calibration's raw-tile share (measured when it was made) plus headroom; their last rows are scratch;
 * the block table, int32 `[B, ceil(max_cache_len / 16), 2, H, tiles]`;
 * the BF16 tail, `[B, H, 16, D]`, a fixed buffer;
 * per-row lengths `kv_len` int32 `[B]` and the pool counters (slots, raw tiles taken), on the device.
+
+Each kind is one cache-wide tensor stacked over the layers (`[L, ...]`, `_LayerStack`); a layer reads views of it,
+made inside the traced step, so the compiled step carries 9 cache tensors whatever the layer count (fewer inputs
+for Dynamo's guards and the CUDA-graph tree's per-replay checks). The buffers have static addresses and sizes.
 
 A decode step (`update` with one token per row) is one custom op, `gaac::append_token`: it writes the token into the
 tail and, for rows whose block the token completes, encodes the block and takes slots / raw tiles by advancing the
@@ -17,12 +21,15 @@ step and returns early for rows with nothing to finalize). The attention then re
 returns. Prefill (several tokens per row) runs eagerly.
 
 Raw pool overflow never passes silently: between steps (`get_mask_sizes`, which `generate` calls eagerly before
-every step, and `check()`, `stats()`) the cache reads the counters, grows the raw pool while there is headroom for
-the steps until the next check, and raises `GAACPoolOverflowError` if tiles were ever dropped (a hand-written loop
-that never calls `check()`). The same check raises `GAACCacheFullError` past `max_cache_len`.
+every step, and `check()`, `stats()`) the cache reads the counters, grows the raw pools (all layers' at once: one
+new stacked tensor, the step recompiles for it) while there is headroom for the steps until the next check, and
+raises `GAACPoolOverflowError` if tiles were ever dropped (a hand-written loop that never calls `check()`). The same
+check raises `GAACCacheFullError` past `max_cache_len`.
 
-`PlainStaticCache` is the bit-exact twin: the same static layout over plain BF16 KV, read by the same attention
-code (`gaac::plain_decode_attention`), for lossless checks and benchmarks.
+`PlainStaticCache` is the bit-exact twin: the same static layout over plain BF16 KV, updated by an opaque op of the
+same shape (`gaac::plain_append_token`: the same model-side inputs, in place, so inductor compiles the code around
+both updates alike) and read by the same attention code (`gaac::plain_decode_attention`), for lossless checks and
+benchmarks.
 """
 
 from __future__ import annotations
