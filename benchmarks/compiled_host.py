@@ -182,13 +182,13 @@ def main(argv=None):
                "threads": 1, "command": "python benchmarks/compiled_host.py " + " ".join(
                    sys.argv[1:] if argv is None else argv),
                "note": "CPU, gaac:: op kernels stubbed; outside = step wall time - time inside the compiled graph; "
-                       "guards_us: the profiler's TorchDynamo Cache Lookup per step (least of 3 x 10 steps)",
+                       "guards_us: the profiler's TorchDynamo Cache Lookup per step (least of 5 x 10 steps)",
                "variants": {}}
     for key, s in state.items():
         model.set_attn_implementation(attn[key])
         row = dict(inputs.get(key, {}))
         row.update(guard_counts(s["frame"], s["stepper"]))
-        profs = [host_profile(s["stepper"], device, steps=10) for _ in range(3)]  # the least disturbed of 3
+        profs = [host_profile(s["stepper"], device, steps=10) for _ in range(5)]  # the least disturbed of 5
         for k in ("guards_us", "aot_prologue_us", "compiled_region_us"):
             if all(k in prof for prof in profs):
                 row[k] = min(prof[k] for prof in profs)
@@ -226,7 +226,7 @@ def guard_counts(frame, stepper) -> dict:
         return {"cache_entries": len(entries)}
     gm = guards[0]
     times = []
-    for _ in range(10):
+    for _ in range(50):  # the least disturbed of 50 rounds (the machine may be shared)
         t = time.perf_counter()
         for _ in range(20):
             gm.check(local)

@@ -192,7 +192,8 @@ def test_gpu_cuda_graph_steps_equal_twin_bit_for_bit():
     model.set_attn_implementation("gaac")
     prompt = torch.randint(0, cfg.vocab_size, (1, 40), generator=gen).cuda()
     got = {}
-    for key, cache in (("gaac", GAACStaticCache(cfg, 128, calibration)), ("plain", PlainStaticCache(cfg, 128))):
+    config = model.config  # the model's own (from_config copies cfg), which says "gaac"
+    for key, cache in (("gaac", GAACStaticCache(config, 128, calibration)), ("plain", PlainStaticCache(config, 128))):
         got[key] = compiled_steps(model, cache, prompt, 48, mode="reduce-overhead")
     (gaac_logits, gaac_code), (plain_logits, plain_code) = got["gaac"], got["plain"]
     gaac, plain = kernel_sources(gaac_code), kernel_sources(plain_code)
