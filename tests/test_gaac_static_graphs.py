@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 
@@ -131,7 +132,7 @@ def test_cache_ops_run_in_place_on_the_stacked_buffers(both_compiled):
     input buffers through views, no pool is copied in and back)."""
     cache, _, code = both_compiled["gaac"]
     call = code[code.index("def call("):]
-    sizes = [eval(s) for s in re.findall(r"empty_strided_\w+\((\([^)]*\))", call)]  # noqa: S307 (shape tuples)
+    sizes = [ast.literal_eval(s) for s in re.findall(r"empty_strided_\w+\((\([^)]*\))", call)]
     largest = max(int(torch.Size(s).numel()) for s in sizes)
     assert largest < cache.layers[0].record.slot_pool.numel() // 4
 
