@@ -8,7 +8,8 @@
   them and a captured CUDA graph replays them. Lengths come from a device tensor `kv_len` int32 `[B]`; the split
   count comes from a `DecodePlan`, made once per shape (FlashInfer's plan/run split).
 * `append_token` (`gaac::append_token`): one decode token into a static layer, finalizing the blocks it completes,
-  with no host synchronization (a static cache's whole decode-step update).
+  with no host synchronization (a static cache's whole decode-step update); `plain_append_token`
+  (`gaac::plain_append_token`): the plain twin's, the same op shape (so both compiled steps compile alike).
 
 Backends: `gaac_cuda` (the CUDA C++ package, when installed and available for the device), else Triton on CUDA,
 else the torch reference. The torch reference of the attention is block-chunked with an fp32 online softmax; the
@@ -444,3 +445,31 @@ def append_token(key: torch.Tensor, value: torch.Tensor, record: DecodeRecord, s
     r = record
     torch.ops.gaac.append_token(key, value, r.tail_k, r.tail_v, r.kv_len, r.base3, r.base4, r.slot_pool, r.raw_pool,
                                 r.table, slot_modes, raw_modes, counts)
+
+
+@torch.library.custom_op("gaac::plain_append_token", mutates_args=("keys", "values", "kv_len"))
+def _plain_append_token_op(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           kv_len: torch.Tensor) -> None:
+    if _backend(key.device) != "torch":
+        from triton_ops.gaac_append import plain_append
+
+        plain_append(key, value, keys, values, kv_len)
+        kv_len.add_(1)
+        return
+    rows = torch.arange(key.shape[0], device=key.device)
+    pos = kv_len.long().clamp(max=keys.shape[2] - 1)  # past the buffer: the last row (the cache's check raises)
+    keys[rows, :, pos] = key[:, :, 0]
+    values[rows, :, pos] = value[:, :, 0]
+    kv_len.add_(1)
+
+
+@_plain_append_token_op.register_fake
+def _(key, value, keys, values, kv_len):
+    return None
+
+
+def plain_append_token(key: torch.Tensor, value: torch.Tensor, record: PlainRecord) -> None:
+    """One token per row (`[B, H, 1, D]`) into a static plain layer: the twin of `append_token`, an opaque op with
+    the same model-side inputs (the new key and value states, first) and the same in-place writes of the layer's
+    buffers and lengths, so a compiler treats the code that produces them alike in both caches."""
+    torch.ops.gaac.plain_append_token(key, value, record.key, record.value, record.kv_len)

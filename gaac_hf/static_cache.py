@@ -2,12 +2,16 @@
 
 Like transformers' `StaticCache(config, max_cache_len)`, every buffer is allocated once and updated in place:
 
-* the slot pool, uint8 `[n_slots + 1, slot_bytes]`, sized for every tile of `max_batch_size x max_cache_len` (a
-  tile takes at most one slot), and the raw pool, BF16 `[n_raw + 1, 16, C]`, sized from the calibration's raw-tile
-  share (measured when it was made) plus headroom; their last rows are scratch;
+* the slot pool, uint8 `[n_slots + 1, slot_bytes]` per layer, sized for every tile of `max_batch_size x
+  max_cache_len` (a tile takes at most one slot), and the raw pool, BF16 `[n_raw + 1, 16, C]` per layer, sized from
+  the calibration's raw-tile share (measured when it was made) plus headroom; their last rows are scratch;
 * the block table, int32 `[B, ceil(max_cache_len / 16), 2, H, tiles]`;
 * the BF16 tail, `[B, H, 16, D]`, a fixed buffer;
 * per-row lengths `kv_len` int32 `[B]` and the pool counters (slots, raw tiles taken), on the device.
+
+Each kind is one cache-wide tensor stacked over the layers (`[L, ...]`, `_LayerStack`); a layer reads views of it,
+made inside the traced step, so the compiled step carries 9 cache tensors whatever the layer count (fewer inputs
+for Dynamo's guards and the CUDA-graph tree's per-replay checks). The buffers have static addresses and sizes.
 
 A decode step (`update` with one token per row) is one custom op, `gaac::append_token`: it writes the token into the
 tail and, for rows whose block the token completes, encodes the block and takes slots / raw tiles by advancing the
@@ -17,12 +21,15 @@ step and returns early for rows with nothing to finalize). The attention then re
 returns. Prefill (several tokens per row) runs eagerly.
 
 Raw pool overflow never passes silently: between steps (`get_mask_sizes`, which `generate` calls eagerly before
-every step, and `check()`, `stats()`) the cache reads the counters, grows the raw pool while there is headroom for
-the steps until the next check, and raises `GAACPoolOverflowError` if tiles were ever dropped (a hand-written loop
-that never calls `check()`). The same check raises `GAACCacheFullError` past `max_cache_len`.
+every step, and `check()`, `stats()`) the cache reads the counters, grows the raw pools (all layers' at once: one
+new stacked tensor, the step recompiles for it) while there is headroom for the steps until the next check, and
+raises `GAACPoolOverflowError` if tiles were ever dropped (a hand-written loop that never calls `check()`). The same
+check raises `GAACCacheFullError` past `max_cache_len`.
 
-`PlainStaticCache` is the bit-exact twin: the same static layout over plain BF16 KV, read by the same attention
-code (`gaac::plain_decode_attention`), for lossless checks and benchmarks.
+`PlainStaticCache` is the bit-exact twin: the same static layout over plain BF16 KV, updated by an opaque op of the
+same shape (`gaac::plain_append_token`: the same model-side inputs, in place, so inductor compiles the code around
+both updates alike) and read by the same attention code (`gaac::plain_decode_attention`), for lossless checks and
+benchmarks.
 """
 
 from __future__ import annotations
@@ -63,8 +70,13 @@ def calibrated_raw_share(calibration: GAACCalibration) -> float:
 
 
 def _static(t: torch.Tensor) -> torch.Tensor:
+    """A cache buffer for compiled steps: a static address (CUDA graphs read it in place) and static sizes. A raw
+    pool that grows is a new tensor of a new size: the step recompiles for it, specialized again, instead of with
+    a symbolic size (inductor then loses the symbolic offset of a layer's view in a mutating op's arguments:
+    torch 2.13, CPU, every layer's append would write layer 0's pool)."""
     if not torch.compiler.is_compiling():
         torch._dynamo.mark_static_address(t)
+        torch._dynamo.mark_static(t)
     return t
 
 
@@ -80,15 +92,18 @@ def _query_length(arg) -> int:
     return int(arg.shape[0]) if isinstance(arg, torch.Tensor) else int(arg)
 
 
-class _StaticLayerBase(CacheLayerMixin):
-    is_compileable = True
-    is_croppable = False
-    is_sliding = False
+class _LayerStack:
+    """The buffers of a static cache's own layers, stacked: one `[L, ...]` tensor per kind (L layers), allocated
+    once on the first update (when batch and device are known), static addresses.
 
-    def __init__(self, layer_idx: int, max_cache_len: int, max_batch_size: int | None, num_kv_heads: int,
-                 head_dim: int):
-        super().__init__()
-        self.layer_idx = layer_idx
+    Layer `j` of the stack reads views `t[j]` (contiguous, so the kernels get per-layer pointers). Made inside the
+    traced step the views cost nothing at replay, and the compiled step carries one input per kind instead of one
+    per layer: fewer tensors for Dynamo to guard and for CUDA-graph trees to check every step."""
+
+    def __init__(self, max_cache_len: int, max_batch_size: int | None, num_kv_heads: int, head_dim: int):
+        if not isinstance(max_cache_len, int) or max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be a positive int, not {max_cache_len!r}")
+        self.layer_ids: list[int] = []
         self.max_cache_len = int(max_cache_len)
         self.max_batch_size = max_batch_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
@@ -96,7 +111,41 @@ class _StaticLayerBase(CacheLayerMixin):
         self.max_blocks = -(-self.max_cache_len // BLOCK_TOKENS)
         self.batch = 0
         self.device = None
-        self.record = None
+        self.plan = None
+
+    def add(self, layer_idx: int) -> int:
+        """Register a model layer; returns its index in the stack."""
+        self.layer_ids.append(layer_idx)
+        return len(self.layer_ids) - 1
+
+    @property
+    def allocated(self) -> bool:
+        return self.device is not None
+
+    def allocate(self, batch: int, device: torch.device) -> None:
+        self.batch, self.device = batch, device
+        self.plan = ops.plan(batch, self.num_kv_heads, self.max_blocks, self.head_dim, device)
+        self._allocate(len(self.layer_ids), batch, device)
+
+    def _allocate(self, layers: int, batch: int, device: torch.device) -> None:
+        raise NotImplementedError
+
+
+class _StaticLayerBase(CacheLayerMixin):
+    is_compileable = True
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, stack: _LayerStack, layer_idx: int):
+        super().__init__()
+        self.stack = stack
+        self.j = stack.add(layer_idx)
+        self.layer_idx = layer_idx
+        self.max_cache_len, self.max_batch_size = stack.max_cache_len, stack.max_batch_size
+        self.num_kv_heads, self.head_dim = stack.num_kv_heads, stack.head_dim
+        self.tiles, self.channels, self.max_blocks = stack.tiles, stack.channels, stack.max_blocks
+        self.batch = 0
+        self.device = None
 
     def _check_input(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         _check_kv_dtype(key_states, value_states)
@@ -108,15 +157,37 @@ class _StaticLayerBase(CacheLayerMixin):
                 f"the cache was built for {self.num_kv_heads} KV heads of dim {self.head_dim}")
         if self.max_batch_size is not None and b > self.max_batch_size:
             raise ValueError(f"batch of {b} rows is larger than max_batch_size={self.max_batch_size}")
-        if self.is_initialized and b != self.batch:
-            raise ValueError(f"layer {self.layer_idx} holds {self.batch} rows; got a batch of {b} "
+        held = self.batch if self.is_initialized else self.stack.batch if self.stack.allocated else b
+        if b != held:
+            raise ValueError(f"layer {self.layer_idx} holds {held} rows; got a batch of {b} "
                              "(reset() the cache before reusing it for another batch)")
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._check_input(key_states, value_states)
+        b, dev = key_states.shape[0], key_states.device
+        if not self.stack.allocated:
+            self.stack.allocate(b, dev)
+        elif torch.device(dev) != torch.device(self.stack.device):
+            raise ValueError(f"layer {self.layer_idx} gets KV on {dev}; the cache's buffers are on "
+                             f"{self.stack.device} (one device per cache)")
+        self.batch, self.device = b, dev
+        self.batch_size = b  # what Cache.batch_size reads, set on initialization as StaticLayer does
+        self._bind()
+        self.is_initialized = True
+
+    def _bind(self) -> None:
+        pass
 
     def _room(self, length: int, q: int) -> None:
         if length + q > self.max_cache_len:
             raise GAACCacheFullError(
                 f"{length} cached + {q} new tokens exceed max_cache_len={self.max_cache_len}; build the cache with "
                 "a larger max_cache_len")
+
+    @property
+    def kv_len(self) -> torch.Tensor:
+        """Tokens held per row, int32 `[B]` on the device (a view of the stack's lengths)."""
+        return self.stack.kv_len[self.j]
 
     def host_length(self) -> int:
         """Tokens held (one host synchronization; eager callers only)."""
@@ -126,6 +197,12 @@ class _StaticLayerBase(CacheLayerMixin):
         if len(set(lens)) != 1:
             raise ValueError(f"rows hold different lengths {lens}; the eager path needs equal rows")
         return lens[0]
+
+    @staticmethod
+    def _hand_over(record, key: torch.Tensor, value: torch.Tensor):
+        """What a decode-step update returns: the layer's buffers, with the record the "gaac" attention reads."""
+        key.gaac_record = record
+        return key, value
 
     # --- CacheLayerMixin ----------------------------------------------------------------------------------------
     def get_seq_length(self):
@@ -154,56 +231,133 @@ class _StaticLayerBase(CacheLayerMixin):
     def _reset_storage(self) -> None:
         pass
 
+    def offload(self):
+        raise NotImplementedError(f"{type(self).__name__} keeps its buffers on the device (no offloading)")
 
-class GAACStaticLayer(_StaticLayerBase):
-    """One full-attention layer of a `GAACStaticCache` (see the module docstring)."""
+    prefetch = offload
 
-    def __init__(self, calibration: GAACCalibration, layer_idx: int, max_cache_len: int,
-                 max_batch_size: int | None = None, raw_tiles: int | None = None):
+
+class _GAACStack(_LayerStack):
+    """The stacked buffers of a `GAACStaticCache` (see the module docstring); the raw pools of all layers grow
+    together (one reallocation of the stacked pool)."""
+
+    def __init__(self, calibration: GAACCalibration, max_cache_len: int, max_batch_size: int | None = None,
+                 raw_tiles: int | None = None):
         cfg = calibration.config
-        super().__init__(layer_idx, max_cache_len, max_batch_size, cfg.num_kv_heads, cfg.head_dim)
+        super().__init__(max_cache_len, max_batch_size, cfg.num_kv_heads, cfg.head_dim)
+        self.calibration = calibration
         self.layout = TileLayout(self.channels, cfg.escape_capacity)
-        self._base3, self._base4 = calibration.windows(layer_idx)  # [2, H, D]
         self.raw_share = calibrated_raw_share(calibration)
         self.raw_tiles = raw_tiles
+        self.headroom = 0
 
     @property
     def tile_positions(self) -> int:
         """Tiles of one block of one row (K and V, every kv-head, every tile of the head)."""
         return 2 * self.num_kv_heads * self.tiles
 
+    def _allocate(self, layers: int, b: int, dev: torch.device) -> None:
+        self.headroom = b * self.tile_positions
+        n_all = b * self.max_blocks * self.tile_positions
+        n_raw = self.raw_tiles if self.raw_tiles is not None else \
+            min(n_all, math.ceil(1.5 * self.raw_share * n_all) + 2 * self.headroom)
+        h, d, c = self.num_kv_heads, self.head_dim, self.channels
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.kv_len = _static(torch.zeros(layers, b, **i32))
+        self.counts = _static(torch.zeros(layers, 2, **i32))  # per layer: slots, raw tiles taken
+        self.tails = _static(torch.zeros(layers, 2, b, h, BLOCK_TOKENS, d, dtype=torch.bfloat16, device=dev))
+        self.bases = _static(torch.stack([torch.stack(self.calibration.windows(i)) for i in self.layer_ids])
+                             .to(dev).contiguous())  # [L, base3|base4, K|V, H, D]
+        self.table = _static(torch.full((layers, b, self.max_blocks, 2, h, self.tiles), -1 - n_raw, **i32))
+        self.slot_pool = _static(torch.zeros(layers, n_all + 1, self.layout.slot_bytes, dtype=torch.uint8,
+                                             device=dev))
+        self.slot_modes = _static(torch.zeros(layers, n_all + 1, 3, **i32))
+        self.raw_pool = _static(torch.zeros(layers, n_raw + 1, BLOCK_TOKENS, c, dtype=torch.bfloat16, device=dev))
+        self.raw_modes = _static(torch.zeros(layers, n_raw + 1, 3, **i32))
+
+    @property
+    def n_slots(self) -> int:
+        return self.slot_pool.shape[1] - 1
+
+    @property
+    def n_raw(self) -> int:
+        return self.raw_pool.shape[1] - 1
+
+    def record(self, j: int) -> ops.DecodeRecord:
+        return ops.DecodeRecord(slot_pool=self.slot_pool[j], raw_pool=self.raw_pool[j], table=self.table[j],
+                                tail_k=self.tails[j, 0], tail_v=self.tails[j, 1], base3=self.bases[j, 0],
+                                base4=self.bases[j, 1], kv_len=self.kv_len[j], plan=self.plan)
+
+    def grow_raw(self, needed: int) -> None:
+        """Make room for `needed` raw tiles in every layer (eager; the stacked pool moves, so compiled graphs are
+        re-recorded)."""
+        if needed <= self.n_raw:
+            return
+        old = self.n_raw
+        cap = max(needed, int(1.5 * old))
+        layers = len(self.layer_ids)
+        pool = torch.zeros(layers, cap + 1, BLOCK_TOKENS, self.channels, dtype=torch.bfloat16, device=self.device)
+        modes = torch.zeros(layers, cap + 1, 3, dtype=torch.int32, device=self.device)
+        used = min(int(self.counts[:, 1].max()), old)
+        pool[:, :used] = self.raw_pool[:, :used]
+        modes[:, :used] = self.raw_modes[:, :used]
+        # table entries pointing at the old scratch row (blocks not yet finalized) move to the new one
+        self.table.masked_fill_(self.table == -1 - old, -1 - cap)
+        self.raw_pool, self.raw_modes = _static(pool), _static(modes)
+
+    def check_counts(self, counts: dict[int, tuple[int, int]]) -> None:
+        """`counts[j] = (slots, raw tiles taken)` of stack layers `j`: raise if a layer dropped tiles; grow the raw
+        pools if one of them has less than twice `headroom` free."""
+        for j, (slots, raws) in counts.items():
+            if slots > self.n_slots or raws > self.n_raw:
+                raise GAACPoolOverflowError(
+                    f"layer {self.layer_ids[j]} dropped "
+                    f"{max(slots - self.n_slots, 0) + max(raws - self.n_raw, 0)} tiles: its raw pool ({self.n_raw} "
+                    "tiles) filled up between two checks, so the cache contents and every output since are "
+                    "invalid. Call cache.check() between decode steps (generate does it), or build the cache with "
+                    "a larger raw_tiles")
+        worst = max((raws for _, raws in counts.values()), default=0)
+        if worst + 2 * self.headroom > self.n_raw:
+            self.grow_raw(worst + 4 * self.headroom)
+
+
+class GAACStaticLayer(_StaticLayerBase):
+    """One full-attention layer of a `GAACStaticCache` (see the module docstring): its buffers are views of the
+    cache's stacked ones (`layer.record`, `layer.counts`, ...)."""
+
+    def __init__(self, calibration: GAACCalibration, layer_idx: int, max_cache_len: int,
+                 max_batch_size: int | None = None, raw_tiles: int | None = None, stack: _GAACStack | None = None):
+        stack = stack or _GAACStack(calibration, max_cache_len, max_batch_size, raw_tiles)
+        super().__init__(stack, layer_idx)
+        self.layout = stack.layout
+        self.raw_share = stack.raw_share
+        self.raw_tiles = raw_tiles
+
+    @property
+    def tile_positions(self) -> int:
+        return self.stack.tile_positions
+
     @property
     def headroom(self) -> int:
         """Raw tiles one block completion of every row may take (what can happen between two checks)."""
         return self.batch * self.tile_positions
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self._check_input(key_states, value_states)
-        b = key_states.shape[0]
-        dev = key_states.device
-        self.batch, self.device = b, dev
-        self.batch_size = b  # what Cache.batch_size reads, set on initialization as StaticLayer does
-        n_all = b * self.max_blocks * self.tile_positions
-        n_raw = self.raw_tiles if self.raw_tiles is not None else \
-            min(n_all, math.ceil(1.5 * self.raw_share * n_all) + 2 * self.headroom)
-        h, d, c = self.num_kv_heads, self.head_dim, self.channels
-        self.slot_modes = _static(torch.zeros(n_all + 1, 3, dtype=torch.int32, device=dev))
-        self.raw_modes = _static(torch.zeros(n_raw + 1, 3, dtype=torch.int32, device=dev))
-        self.counts = _static(torch.zeros(2, dtype=torch.int32, device=dev))
-        self.kv_len = _static(torch.zeros(b, dtype=torch.int32, device=dev))
-        tail_k = _static(torch.zeros(b, h, BLOCK_TOKENS, d, dtype=torch.bfloat16, device=dev))
-        tail_v = _static(torch.zeros(b, h, BLOCK_TOKENS, d, dtype=torch.bfloat16, device=dev))
-        table = _static(torch.full((b, self.max_blocks, 2, h, self.tiles), -1 - n_raw, dtype=torch.int32,
-                                   device=dev))
-        self.record = ops.DecodeRecord(
-            slot_pool=_static(torch.zeros(n_all + 1, self.layout.slot_bytes, dtype=torch.uint8, device=dev)),
-            raw_pool=_static(torch.zeros(n_raw + 1, BLOCK_TOKENS, c, dtype=torch.bfloat16, device=dev)),
-            table=table, tail_k=tail_k, tail_v=tail_v,
-            base3=_static(self._base3.to(dev).clone(memory_format=torch.contiguous_format)),
-            base4=_static(self._base4.to(dev).clone(memory_format=torch.contiguous_format)), kv_len=self.kv_len,
-            plan=ops.plan(b, h, self.max_blocks, d, dev))
-        tail_k.gaac_record = self.record  # what the "gaac" attention reads (gaac_hf/attention.py)
-        self.is_initialized = True
+    @property
+    def record(self) -> ops.DecodeRecord:
+        """What the attention reads of this layer (views of the stack)."""
+        return self.stack.record(self.j) if self.is_initialized else None
+
+    @property
+    def counts(self) -> torch.Tensor:
+        return self.stack.counts[self.j]
+
+    @property
+    def slot_modes(self) -> torch.Tensor:
+        return self.stack.slot_modes[self.j]
+
+    @property
+    def raw_modes(self) -> torch.Tensor:
+        return self.stack.raw_modes[self.j]
 
     def _row_tensors(self):
         r = self.record
@@ -211,42 +365,24 @@ class GAACStaticLayer(_StaticLayerBase):
 
     def _reset_storage(self) -> None:
         self.counts.zero_()
-        self.record.table.fill_(-1 - (self.record.raw_pool.shape[0] - 1))
+        self.stack.table[self.j].fill_(-1 - self.n_raw)
 
     # --- pools ----------------------------------------------------------------------------------------------------
     @property
     def n_slots(self) -> int:
-        return self.record.slot_pool.shape[0] - 1
+        return self.stack.n_slots
 
     @property
     def n_raw(self) -> int:
-        return self.record.raw_pool.shape[0] - 1
+        return self.stack.n_raw
 
     def grow_raw(self, needed: int) -> None:
-        """Make room for `needed` raw tiles in all (eager; the pool moves, so compiled graphs are re-recorded)."""
-        if needed <= self.n_raw:
-            return
-        r = self.record
-        cap = max(needed, int(1.5 * self.n_raw))
-        pool = torch.zeros(cap + 1, BLOCK_TOKENS, self.channels, dtype=torch.bfloat16, device=self.device)
-        modes = torch.zeros(cap + 1, 3, dtype=torch.int32, device=self.device)
-        used = min(int(self.counts[1]), self.n_raw)
-        pool[:used] = r.raw_pool[:used]
-        modes[:used] = self.raw_modes[:used]
-        # table entries pointing at the old scratch row (blocks not yet finalized) move to the new one
-        r.table.masked_fill_(r.table == -1 - self.n_raw, -1 - cap)
-        r.raw_pool, self.raw_modes = _static(pool), _static(modes)
+        """Make room for `needed` raw tiles in all (every layer's raw pool grows with this one)."""
+        self.stack.grow_raw(needed)
 
     def check_counts(self, slots: int, raws: int) -> None:
         """Raise if tiles were dropped; grow the raw pool if less than `headroom` is free."""
-        if slots > self.n_slots or raws > self.n_raw:
-            raise GAACPoolOverflowError(
-                f"layer {self.layer_idx} dropped {max(slots - self.n_slots, 0) + max(raws - self.n_raw, 0)} tiles: "
-                f"its raw pool ({self.n_raw} tiles) filled up between two checks, so the cache contents and every "
-                "output since are invalid. Call cache.check() between decode steps (generate does it), or build "
-                "the cache with a larger raw_tiles")
-        if raws + 2 * self.headroom > self.n_raw:
-            self.grow_raw(raws + 4 * self.headroom)
+        self.stack.check_counts({self.j: (slots, raws)})
 
     # --- update ---------------------------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -254,8 +390,10 @@ class GAACStaticLayer(_StaticLayerBase):
             self.lazy_initialization(key_states, value_states)
         self._check_input(key_states, value_states)
         if key_states.shape[-2] == 1:
-            ops.append_token(key_states, value_states, self.record, self.slot_modes, self.raw_modes, self.counts)
-            return self.record.tail_k, self.record.tail_v
+            s, j = self.stack, self.j
+            record = s.record(j)
+            ops.append_token(key_states, value_states, record, s.slot_modes[j], s.raw_modes[j], s.counts[j])
+            return self._hand_over(record, record.tail_k, record.tail_v)
         return self._prefill(key_states, value_states)
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> int:
@@ -285,6 +423,7 @@ class GAACStaticLayer(_StaticLayerBase):
             slots_used, raws_used = self.counts.tolist()
             self.check_counts(slots_used, raws_used)
             self.grow_raw(raws_used + int((~fits).sum()) + 2 * self.headroom)  # exactly what this chunk needs
+            r = self.record  # the raw pool may have moved
             first = torch.full((self.batch,), length // BLOCK_TOKENS + b0, dtype=torch.long, device=self.device)
             ops.place_blocks(slots, fits, modes, tiles, rows, first, r.slot_pool, r.raw_pool, r.table,
                              self.slot_modes, self.raw_modes, self.counts)
@@ -355,28 +494,39 @@ class GAACStaticLayer(_StaticLayerBase):
         return out
 
 
-class PlainStaticLayer(_StaticLayerBase):
-    """One full-attention layer of a `PlainStaticCache`: BF16 `[B, H, S_cap, D]` buffers, device lengths."""
+class _PlainStack(_LayerStack):
+    """The stacked buffers of a `PlainStaticCache`: K and V `[L, 2, B, H, S_cap, D]`, lengths `[L, B]`, and (Triton
+    kernel) the raw-tile table of one layer's plain KV, which every layer shares (it depends on the shape only)."""
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self._check_input(key_states, value_states)
-        b, dev = key_states.shape[0], key_states.device
-        self.batch, self.device = b, dev
-        self.batch_size = b
+    def _allocate(self, layers: int, b: int, dev: torch.device) -> None:
         s_cap = self.max_blocks * BLOCK_TOKENS
-        shape = (b, self.num_kv_heads, s_cap, self.head_dim)
-        self.keys = _static(torch.zeros(shape, dtype=torch.bfloat16, device=dev))
-        self.values = _static(torch.zeros(shape, dtype=torch.bfloat16, device=dev))
-        self.kv_len = _static(torch.zeros(b, dtype=torch.int32, device=dev))
-        table = None
+        self.kv = _static(torch.zeros(layers, 2, b, self.num_kv_heads, s_cap, self.head_dim, dtype=torch.bfloat16,
+                                      device=dev))
+        self.kv_len = _static(torch.zeros(layers, b, dtype=torch.int32, device=dev))
+        self.table = None
         if ops._backend(dev) == "triton":
             from triton_ops.gaac_attention import plain_table
 
-            table = _static(plain_table(b, self.num_kv_heads, s_cap, self.head_dim, dev, self.channels))
-        self.record = ops.PlainRecord(self.keys, self.values, table, self.kv_len,
-                                      ops.plan(b, self.num_kv_heads, self.max_blocks, self.head_dim, dev))
-        self.keys.gaac_record = self.record
-        self.is_initialized = True
+            self.table = _static(plain_table(b, self.num_kv_heads, s_cap, self.head_dim, dev, self.channels))
+
+    def record(self, j: int) -> ops.PlainRecord:
+        return ops.PlainRecord(self.kv[j, 0], self.kv[j, 1], self.table, self.kv_len[j], self.plan)
+
+
+class PlainStaticLayer(_StaticLayerBase):
+    """One full-attention layer of a `PlainStaticCache`: BF16 `[B, H, S_cap, D]` buffers (`keys`, `values`: views of
+    the cache's stacked K/V), device lengths."""
+
+    def __init__(self, layer_idx: int, max_cache_len: int, max_batch_size: int | None, num_kv_heads: int,
+                 head_dim: int, stack: _PlainStack | None = None):
+        super().__init__(stack or _PlainStack(max_cache_len, max_batch_size, num_kv_heads, head_dim), layer_idx)
+
+    def _bind(self) -> None:
+        self.keys, self.values = self.stack.kv[self.j, 0], self.stack.kv[self.j, 1]  # for eager readers
+
+    @property
+    def record(self) -> ops.PlainRecord:
+        return self.stack.record(self.j) if self.is_initialized else None
 
     def _row_tensors(self):
         return (self.keys, self.values, self.kv_len)
@@ -386,25 +536,28 @@ class PlainStaticLayer(_StaticLayerBase):
             self.lazy_initialization(key_states, value_states)
         self._check_input(key_states, value_states)
         q = key_states.shape[-2]
-        if q > 1:
-            self._room(self.host_length(), q)
+        if q == 1:  # the decode step: one opaque op, as GAAC's (so inductor compiles the model side alike)
+            record = self.stack.record(self.j)
+            ops.plain_append_token(key_states, value_states, record)
+            return self._hand_over(record, record.key, record.value)
+        self._room(self.host_length(), q)
         pos = self.kv_len.long()[:, None] + torch.arange(q, device=self.device)  # [B, q]
         rows = torch.arange(self.batch, device=self.device)[:, None]
         self.keys[rows, :, pos] = key_states.transpose(1, 2)
         self.values[rows, :, pos] = value_states.transpose(1, 2)
         self.kv_len.add_(q)
-        if q > 1:
-            return self.keys[:, :, :self.max_cache_len], self.values[:, :, :self.max_cache_len]
-        return self.keys, self.values
+        return self.keys[:, :, :self.max_cache_len], self.values[:, :, :self.max_cache_len]
 
 
 class _StaticCacheBase(Cache):
     """Shared by `GAACStaticCache` and `PlainStaticCache`: stock static layers for the other layer types."""
 
-    def _build(self, config, max_cache_len: int, make_layer, offloading: bool):
-        if not isinstance(max_cache_len, int) or max_cache_len < 1:
-            raise ValueError(f"max_cache_len must be a positive int, not {max_cache_len!r}")
+    def _build(self, config, max_cache_len: int, stack: _LayerStack, make_layer, offloading: bool):
+        if offloading:
+            raise NotImplementedError(f"{type(self).__name__} keeps its buffers on the device: offloading=True is "
+                                      "not supported")
         stock = StaticCache(config=config, max_cache_len=max_cache_len).layers
+        self._stack = stack
         layers = full_attention_layers(config, make_layer, stock)
         self.config = config
         self._max_cache_len = max_cache_len  # behind a property: some transformers versions define one on Cache
@@ -451,12 +604,13 @@ class _StaticCacheBase(Cache):
         """Read the device counters (one synchronization); raise on dropped tiles or a full cache; grow raw
         pools short of headroom. Returns the tokens still free. Call it between decode steps in a hand-written
         loop (generate does it)."""
+        stack = self._stack
         layers = [self.layers[i] for i in self.own_layers if self.layers[i].is_initialized]
         if not layers:
             return self.max_cache_len
         lens = layers[0].kv_len
-        counts = [getattr(layer, "counts", None) for layer in layers]
-        parts = [lens.reshape(-1)] + [c for c in counts if c is not None]
+        counts = getattr(stack, "counts", None)
+        parts = [lens] + ([counts.reshape(-1)] if counts is not None else [])
         values = torch.cat([p.to(torch.int64) for p in parts]).tolist()
         length = max(values[:lens.numel()])
         if length > self.max_cache_len:
@@ -466,11 +620,9 @@ class _StaticCacheBase(Cache):
         if length + query_length > self.max_cache_len:
             raise GAACCacheFullError(
                 f"{length} cached + {query_length} new tokens exceed max_cache_len={self.max_cache_len}")
-        at = lens.numel()
-        for layer in layers:
-            if getattr(layer, "counts", None) is not None:
-                layer.check_counts(values[at], values[at + 1])
-                at += 2
+        if counts is not None:
+            at = lens.numel()
+            stack.check_counts({layer.j: (values[at + 2 * layer.j], values[at + 2 * layer.j + 1]) for layer in layers})
         return self.max_cache_len - length
 
 
@@ -495,8 +647,10 @@ class GAACStaticCache(_StaticCacheBase):
             raise ValueError(f"max_batch_size must be a positive int, not {max_batch_size!r}")
         self.calibration = calibration
         self._max_batch_size = max_batch_size
-        self._build(config, max_cache_len,
-                    lambda i: GAACStaticLayer(calibration, i, max_cache_len, max_batch_size, raw_tiles), offloading)
+        stack = _GAACStack(calibration, max_cache_len, max_batch_size, raw_tiles)
+        self._build(config, max_cache_len, stack,
+                    lambda i: GAACStaticLayer(calibration, i, max_cache_len, max_batch_size, raw_tiles, stack),
+                    offloading)
 
     @classmethod
     def from_pretrained(cls, pretrained_calibration, config, max_cache_len: int, *,
@@ -531,6 +685,7 @@ class PlainStaticCache(_StaticCacheBase):
 
         g = kv_geometry(config)
         self._max_batch_size = max_batch_size
-        self._build(config, max_cache_len,
-                    lambda i: PlainStaticLayer(i, max_cache_len, max_batch_size, g.num_kv_heads, g.head_dim),
+        stack = _PlainStack(max_cache_len, max_batch_size, g.num_kv_heads, g.head_dim)
+        self._build(config, max_cache_len, stack,
+                    lambda i: PlainStaticLayer(i, max_cache_len, max_batch_size, g.num_kv_heads, g.head_dim, stack),
                     offloading)

@@ -211,6 +211,58 @@ def test_raw_pool_grows_between_steps_in_generate(llama):
     assert layer["raw_capacity"] > 1 and layer["raw_taken"] <= layer["raw_capacity"]
 
 
+def test_stacked_raw_pool_grows_for_every_layer(llama):
+    """A prefill that outgrows a 1-tile raw pool: the stacked pool is reallocated for all layers (one shape, so
+    the layers stay views of one tensor), each layer's finalized blocks still decode to the KV put in, the blocks
+    of other layers are untouched, and the unfinalized table entries point at the new scratch row."""
+    model, calibration = llama
+    cache = GAACStaticCache(model.config, 160, calibration, raw_tiles=1)
+    gen = torch.Generator().manual_seed(21)
+    kv = [(torch.randn(1, 2, 70, 64, generator=gen).to(torch.bfloat16),
+           torch.randn(1, 2, 70, 64, generator=gen).to(torch.bfloat16)) for _ in cache.own_layers]
+    for i, (k, v) in zip(cache.own_layers, kv):
+        cache.layers[i].append(k, v)  # layer 0 grows the pool of layer 1 too, before layer 1 holds anything
+    stack = cache._stack
+    assert stack.n_raw > 1 and stack.raw_pool.shape[0] == len(cache.own_layers)
+    assert all(cache.layers[i].record.raw_pool.data_ptr() == stack.raw_pool[j].data_ptr()
+               for j, i in enumerate(cache.own_layers))
+    for i, (k, v) in zip(cache.own_layers, kv):
+        layer = cache.layers[i]
+        assert layer.counts[1] > 0  # raw tiles taken, some before the last growth
+        keys, values = layer.expand(4)
+        assert torch.equal(keys[:, :, :64].view(torch.int16), k[:, :, :64].view(torch.int16))
+        assert torch.equal(values[:, :, :64].view(torch.int16), v[:, :, :64].view(torch.int16))
+        assert bool((layer.record.table[:, 4:] == -1 - stack.n_raw).all())
+        assert layer.stats()["raw_capacity"] == stack.n_raw
+
+
+def test_triton_plain_append_kernel_matches_torch_path():
+    """The twin's CUDA append kernel (under Triton's interpreter here) writes what the torch path writes, rows at
+    their own lengths, a length past the buffer clamped to its last row (the cache's check raises there)."""
+    from triton_ops.gaac_append import plain_append
+
+    gen = torch.Generator().manual_seed(8)
+    b, h, s, d = 3, 2, 32, 96  # a head_dim that is not a power of two
+    ref = torch.randn(2, b, h, s, d, generator=gen).to(torch.bfloat16)
+    got = ref.clone().to(DEVICE)
+    kv_len = torch.tensor([0, 17, 40], dtype=torch.int32)
+    got_len = kv_len.clone().to(DEVICE)
+    tokens = []
+    for _ in range(3):
+        k = torch.randn(b, h, 1, d, generator=gen).to(torch.bfloat16)
+        v = torch.randn(b, h, 1, d, generator=gen).to(torch.bfloat16)
+        tokens.append((k, v))
+        torch.ops.gaac.plain_append_token(k, v, ref[0], ref[1], kv_len)
+        plain_append(k.to(DEVICE), v.to(DEVICE), got[0], got[1], got_len)
+        got_len.add_(1)
+    assert torch.equal(kv_len, got_len.cpu()) and kv_len.tolist() == [3, 20, 43]
+    assert torch.equal(got.cpu().view(torch.int16), ref.view(torch.int16))
+    k_in = torch.cat([k for k, _ in tokens], 2)
+    v_in = torch.cat([v for _, v in tokens], 2)
+    assert torch.equal(ref[0, 0, :, :3], k_in[0]) and torch.equal(ref[1, 1, :, 17:20], v_in[1])
+    assert torch.equal(ref[0, 2, :, 31], k_in[2, :, 2])  # 40, 41, 42 past the 32-row buffer: the last row
+
+
 def test_stats_report_resident_and_allocated_bytes(llama):
     model, calibration = llama
     name = cache_kwarg(model)
@@ -379,12 +431,9 @@ def bench():
 
 
 def _all_tensors(cache) -> dict:
-    out = {}
-    for i in cache.own_layers:
-        layer = cache.layers[i]
-        for name, t in list(vars(layer).items()) + list(vars(layer.record).items()):
-            if isinstance(t, torch.Tensor):
-                out[(i, name)] = t.clone()
+    """Every buffer of the cache (the stacked ones hold all its layers)."""
+    out = {name: t.clone() for name, t in vars(cache._stack).items() if isinstance(t, torch.Tensor)}
+    assert out
     return out
 
 

@@ -1,4 +1,5 @@
-"""Append one decode token to a static GAAC layer and finalize the blocks it completes, with no host involvement.
+"""Append one decode token to a static GAAC layer and finalize the blocks it completes, with no host involvement;
+and the plain twin's append (`plain_append`: the token written into plain BF16 buffers, one launch too).
 
 One program per tile position (row, K|V, kv-head, tile). Each writes its slice of the new token into the BF16 tail
 `[B, H, 16, D]` at row `kv_len[b] % 16`; where that token completes the block (`(kv_len[b] + 1) % 16 == 0`) it
@@ -95,3 +96,37 @@ def gaac_append(key: torch.Tensor, value: torch.Tensor, tail_k: torch.Tensor, ta
             tail_k.stride(1), tail_k.stride(2), h, table.shape[1], slot_pool.shape[0] - 1, raw_pool.shape[0] - 1,
             slot_pool.shape[-1], capacity, C=channels, TILES=tiles,
             E_PAD=max(16, triton.next_power_of_2(max(capacity, 1))), **offsets)
+
+
+@triton.jit
+def _plain_append_kernel(k_ptr, v_ptr, keys_ptr, values_ptr, len_ptr, s_kb, s_kh, s_vb, s_vh, s_cb, s_ch, s_ct, H,
+                         S_CAP, D, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    h = pid % H
+    kv = (pid // H) % 2
+    b = pid // (H * 2)
+    d = tl.arange(0, BLOCK_D)
+    pos = tl.minimum(tl.load(len_ptr + b), S_CAP - 1)  # past the buffer: the last row (the cache's check raises)
+    at = b.to(tl.int64) * s_cb + h * s_ch + pos.to(tl.int64) * s_ct + d
+    if kv == 0:
+        new = tl.load(k_ptr + b.to(tl.int64) * s_kb + h * s_kh + d, mask=d < D)
+        tl.store(keys_ptr + at, new, mask=d < D)
+    else:
+        new = tl.load(v_ptr + b.to(tl.int64) * s_vb + h * s_vh + d, mask=d < D)
+        tl.store(values_ptr + at, new, mask=d < D)
+
+
+def plain_append(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 kv_len: torch.Tensor) -> None:
+    """Write `key`/`value` `[B, H, 1, D]` (last dim contiguous) into plain KV buffers `keys`/`values` `[B, H, S, D]`
+    (equal strides, last dim contiguous) at row `kv_len[b]` of each row b (int32 `[B]`, not advanced here): the
+    plain twin's decode-step update, one launch like `gaac_append`'s."""
+    b, h, q, d = key.shape
+    if q != 1 or key.stride(-1) != 1 or value.stride(-1) != 1 or keys.stride() != values.stride() or \
+            keys.stride(-1) != 1:
+        raise ValueError("plain_append takes one token per row, last dims contiguous, and equal buffer strides")
+    with on_device_of(key):
+        _plain_append_kernel[(b * 2 * h,)](
+            key, value, keys, values, kv_len, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            keys.stride(0), keys.stride(1), keys.stride(2), h, keys.shape[2], d,
+            BLOCK_D=triton.next_power_of_2(d))
