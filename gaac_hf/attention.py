@@ -28,7 +28,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .cache import GAAC_ATTENTION_NAME, CompressedKV, GAACLazyKV
 from .format import BLOCK_TOKENS
-from .ops import DecodePlan, PlainRecord, decode_attention, plain_decode_attention, reference_attention, splits
+from .ops import (DecodePlan, PlainRecord, decode_attention, fused_serves, plain_decode_attention, reference_attention,
+                  splits)
 
 # Blocks of 16 tokens per decode step of the online softmax (the chunking is part of the math: both the compressed
 # and the plain path use it, so they stay bit-identical whatever its value).
@@ -75,7 +76,7 @@ def _fused_attention(query, source, attention_mask, scale):
     """The fused kernel on CUDA (through the `gaac::` ops): compressed blocks read in place, or plain KV."""
     b, hq, _, d = query.shape
     ok, mask = _mask_rows(attention_mask, b)
-    if not ok:
+    if not ok or not fused_serves(d):  # other head dims: the reference below, for compressed and plain KV alike
         return None
     q = query.reshape(b, hq, d)
     if isinstance(source, CompressedKV):

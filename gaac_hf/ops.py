@@ -76,7 +76,7 @@ def splits(batch: int, kv_heads: int, max_blocks: int, device, head_dim: int = 1
     """Split count of the decode attention over at most `max_blocks` blocks (1 for the torch reference)."""
     device = torch.device(device)
     backend = _backend(device)
-    if not _fused_serves(head_dim):
+    if not fused_serves(head_dim):
         return 1
     if backend == "gaac_cuda":  # the CUDA kernel's split count depends on the shape alone (host arithmetic)
         return gaac_cuda.plan(batch, kv_heads, 1, head_dim, max_blocks * BLOCK_TOKENS, device, plain=True).nsplit
@@ -107,7 +107,7 @@ def _cuda_plan(batch, kv_heads, rep, head_dim, max_blocks, slot_bytes, plain, ns
 FUSED_HEAD_DIMS = (64, 128, 256)  # what the fused kernels (CUDA, Triton) cover; other head dims use the reference
 
 
-def _fused_serves(head_dim: int) -> bool:
+def fused_serves(head_dim: int) -> bool:
     """The fused decode kernels cover this head dim (one 64- or 128-channel tile per head, or two of 128). Other
     multiples of 16 (Phi-2's 80, Phi-3-mini's 96, ...) take the torch reference attention over tiles decoded by the
     expand kernel: bit-exact the same way (compressed and plain KV through the same code), but eager only on CUDA
@@ -258,7 +258,7 @@ def _mask4(mask: torch.Tensor | None) -> torch.Tensor | None:
 def _decode_attention_impl(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, kv_len, mask, scale,
                            num_splits):
     backend = _backend(query.device)
-    if not _fused_serves(query.shape[-1]):
+    if not fused_serves(query.shape[-1]):
         backend = "torch"
     if backend == "gaac_cuda" and _cuda_serves(query, table.shape[3]):
         b, hq, d = query.shape
@@ -295,7 +295,7 @@ def _(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, kv_len, m
 
 def _plain_decode_attention_impl(query, key, value, table, kv_len, mask, scale, num_splits):
     backend = _backend(query.device)
-    if not _fused_serves(query.shape[-1]):
+    if not fused_serves(query.shape[-1]):
         backend = "torch"
     if backend == "gaac_cuda" and _cuda_serves(query, key.shape[1]):
         b, h, s, d = key.shape
