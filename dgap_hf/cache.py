@@ -64,7 +64,10 @@ class LowBitLayer(RowSelectionMixin, CacheLayerMixin):
             config = LowBitConfig(format_precision(check_bits(key_bits, "key_bits"), check_bits(value_bits,
                                   "value_bits")), key_group_size=group_size, value_group_size=group_size,
                                   residual_length=residual_length, sink_length=sink_length, one_bit_mode=one_bit_mode)
-        self.config = config
+        if config.layer_key_bits and layer_idx is None:
+            raise ValueError("a config with layer_key_bits needs the layer index of each layer (build the cache "
+                             "with the model's config: LowBitCache(model.config, ...))")
+        self.config = config = config.for_layer(layer_idx)
         self.key_bits, self.value_bits = config.key_bits, config.value_bits
         self.group_size = config.key_group_size  # flush granularity (tokens)
         self.residual_length = config.residual_length
@@ -158,9 +161,11 @@ class LowBitLayer(RowSelectionMixin, CacheLayerMixin):
         """Quantize whole groups `k`, `v` `[B, H, n * G, D]` and append them to the quantized prefix."""
         c = self.config
         qk = quantize_keys(self._rotate(k.float(), "k"), c.key_bits, c.key_group_size, c.one_bit_mode, c.levels,
-                           c.key_outliers)
+                           c.key_outliers, scale_dtype=c.key_scale_dtype, zero_dtype=c.key_zero_dtype,
+                           outlier_dtype=c.outlier_dtype)
         qv = quantize_values(self._rotate(v.float(), "v"), c.value_bits, c.value_group_size, c.one_bit_mode, c.levels,
-                             c.value_outliers)
+                             c.value_outliers, scale_dtype=c.value_scale_dtype, zero_dtype=c.value_zero_dtype,
+                             outlier_dtype=c.outlier_dtype)
         self._qk = qk if self._qk is None else self._qk.cat(qk, 2)
         self._qv = qv if self._qv is None else self._qv.cat(qv, 2)
         self._n_quant += k.shape[-2]
@@ -348,9 +353,12 @@ class LowBitCache(Cache):
             raise TypeError(f"LowBitCache: {e} (the options are LowBitConfig's fields)") from None
         if head_dim is not None:
             quant.check_head_dim(head_dim)
+            quant.check_layers(tc.num_hidden_layers)
         self.config = config
         self.quant_config = quant
         if config is None:
+            if quant.layer_key_bits:
+                raise ValueError("layer_key_bits needs the model's config: LowBitCache(model.config, ...)")
             super().__init__(layer_class_to_replicate=functools.partial(LowBitLayer, config=quant),
                              offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
             return

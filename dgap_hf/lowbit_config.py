@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from .precision import UnknownPrecisionError, format_precision, normalize_precision, parse_precision
-from .quantize import ONE_BIT_MODES, check_bits
+from .quantize import ONE_BIT_MODES, check_bits, check_stat_dtype, group_mode
 from .rotation import ROTATIONS, check_rotation
 
 SPEC_VERSION = 2
@@ -22,7 +22,8 @@ LEVELS = ("uniform", "normal")
 ROTATE = ("kv", "k", "v")
 # descriptive entries of a spec (written for readers, not options)
 _PROSE = ("key_grouping", "value_grouping", "stat_dtype", "packing", "minmax", "sign", "sink", "normal", "rotation_doc",
-          "outliers_doc", "spec_version", "key_bits", "value_bits", "group_size")
+          "outliers_doc", "spec_version", "key_bits", "value_bits", "group_size", "stat_dtypes_doc",
+          "layer_key_bits_doc")
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,12 @@ class LowBitConfig:
     * `levels`: `"uniform"` or `"normal"` (Lloyd-Max levels of a Gaussian) for 2- and 4-bit groups.
     * `rotation`: `"none"`, `"hadamard"` or `"random"` (seeded by `rotation_seed`), applied post-RoPE to the
       keys and/or values (`rotate`: `"kv"`, `"k"`, `"v"`) before quantization and undone on dequantization.
-    * `key_outliers` / `value_outliers`: elements per group kept in BF16 (dense-and-sparse).
+    * `key_outliers` / `value_outliers`: elements per group kept in `outlier_dtype` (dense-and-sparse).
+    * `key_scale_dtype`, `key_zero_dtype`, `value_scale_dtype`, `value_zero_dtype`, `outlier_dtype`: formats of
+      the group statistics, `"bfloat16"` or `"float8_e4m3fn"` (`dgap_hf.quantize`); a zero dtype `"none"` stores
+      no zero-point (symmetric groups; Lloyd-Max or 1-bit sign groups only).
+    * `layer_key_bits`: `((layer, bits), ...)`, key bits of some layers other than the precision's (mixed
+      precision across layers: e.g. the few layers whose 2-bit keys cost the most at 4 bits).
     * `head_dim`: when set, the head dimension the config is for (checked against the model).
     """
 
@@ -55,6 +61,12 @@ class LowBitConfig:
     rotation_seed: int = 0
     key_outliers: int = 0
     value_outliers: int = 0
+    key_scale_dtype: str = "bfloat16"
+    key_zero_dtype: str = "bfloat16"
+    value_scale_dtype: str = "bfloat16"
+    value_zero_dtype: str = "bfloat16"
+    outlier_dtype: str = "bfloat16"
+    layer_key_bits: tuple = ()
     head_dim: int | None = field(default=None)
 
     def __post_init__(self):
@@ -78,8 +90,50 @@ class LowBitConfig:
         for name, g in (("key_outliers", self.key_group_size), ("value_outliers", self.value_group_size)):
             if getattr(self, name) >= min(g, 256):
                 raise ValueError(f"{name}={getattr(self, name)} must be below the group size {g} (and 256)")
+        for name in ("key_scale_dtype", "value_scale_dtype", "outlier_dtype"):
+            check_stat_dtype(getattr(self, name), name)
+        for name in ("key_zero_dtype", "value_zero_dtype"):
+            check_stat_dtype(getattr(self, name), name, allow_none=True)
+        self._check_layer_key_bits()
+        for name, bits in (("key_zero_dtype", self.key_bits), ("value_zero_dtype", self.value_bits)):
+            if getattr(self, name) == "none":
+                for b in {bits} | ({b for _, b in self.layer_key_bits} if name == "key_zero_dtype" else set()):
+                    if group_mode(b, self.one_bit_mode, self.levels) == "minmax":
+                        raise ValueError(f"{name}='none' (symmetric groups) needs Lloyd-Max levels "
+                                         f"(levels='normal', 2 or 4 bits) or 1-bit sign groups; {b}-bit groups "
+                                         f"here are min/max groups, which need their zero-point")
         if self.head_dim is not None:
             self.check_head_dim(self.head_dim)
+
+    def _check_layer_key_bits(self) -> None:
+        raw = self.layer_key_bits
+        items = list(raw.items()) if isinstance(raw, dict) else raw
+        try:
+            items = [tuple(p) for p in items]
+        except TypeError:
+            raise ValueError(f"layer_key_bits must be ((layer, bits), ...) pairs, not {raw!r}") from None
+        for pair in items:
+            if len(pair) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in pair) or pair[0] < 0:
+                raise ValueError(f"layer_key_bits entries are (layer >= 0, bits) integer pairs, not {pair!r}")
+            check_bits(pair[1], f"layer_key_bits bits of layer {pair[0]}")
+        layers = [layer for layer, _ in items]
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"layer_key_bits lists a layer twice: {sorted(layers)}")
+        object.__setattr__(self, "layer_key_bits", tuple(sorted(items)))
+
+    def for_layer(self, layer_idx: int | None) -> "LowBitConfig":
+        """The config of one layer: its `layer_key_bits` entry (if any) as the key bits, no per-layer table."""
+        if not self.layer_key_bits:
+            return self
+        bits = dict(self.layer_key_bits).get(layer_idx, self.key_bits)
+        return self.replace(precision=format_precision(bits, self.value_bits), layer_key_bits=())
+
+    def check_layers(self, num_layers: int) -> None:
+        """Raise `ValueError` if `layer_key_bits` names a layer the model does not have."""
+        bad = [layer for layer, _ in self.layer_key_bits if layer >= num_layers]
+        if bad:
+            raise ValueError(f"layer_key_bits names layers {bad}, but the model has {num_layers} layers "
+                             f"(0..{num_layers - 1})")
 
     @property
     def key_bits(self) -> int:
@@ -138,7 +192,10 @@ class LowBitConfig:
             "sink": "the first sink_length tokens stay in the model dtype",
             "rotation_doc": "x @ R before quantization, x_hat @ R.T after (post-RoPE); R from rotation, "
                             "rotation_seed, head_dim",
-            "outliers_doc": "per group, the elements farthest from the mean kept in BF16 with a uint8 index",
+            "outliers_doc": "per group, the elements farthest from the mean kept in outlier_dtype with a uint8 index",
+            "stat_dtypes_doc": "scale/zero formats: bfloat16 or float8_e4m3fn (saturating at +/-448); zero 'none': "
+                               "symmetric groups",
+            "layer_key_bits_doc": "[[layer, key bits], ...]: layers whose keys use other bits than the precision's",
         }
 
     @classmethod
