@@ -44,8 +44,8 @@ class LowBitConfig:
     * `key_scale_dtype`, `key_zero_dtype`, `value_scale_dtype`, `value_zero_dtype`, `outlier_dtype`: formats of
       the group statistics, `"bfloat16"` or `"float8_e4m3fn"` (`dgap_hf.quantize`); a zero dtype `"none"` stores
       no zero-point (symmetric groups; Lloyd-Max or 1-bit sign groups only).
-    * `layer_key_bits`: `((layer, bits), ...)`, key bits of some layers other than the precision's (mixed
-      precision across layers: e.g. the few layers whose 2-bit keys cost the most at 4 bits).
+    * `layer_key_bits`: `((layer, bits), ...)` or `((layer, kv_head, bits), ...)`: key bits of some layers or KV
+      heads other than the precision's (mixed precision: e.g. the few heads whose 2-bit keys cost the most at 4).
     * `head_dim`: when set, the head dimension the config is for (checked against the model).
     """
 
@@ -97,7 +97,7 @@ class LowBitConfig:
         self._check_layer_key_bits()
         for name, bits in (("key_zero_dtype", self.key_bits), ("value_zero_dtype", self.value_bits)):
             if getattr(self, name) == "none":
-                for b in {bits} | ({b for _, b in self.layer_key_bits} if name == "key_zero_dtype" else set()):
+                for b in {bits} | ({e[-1] for e in self.layer_key_bits} if name == "key_zero_dtype" else set()):
                     if group_mode(b, self.one_bit_mode, self.levels) == "minmax":
                         raise ValueError(f"{name}='none' (symmetric groups) needs Lloyd-Max levels "
                                          f"(levels='normal', 2 or 4 bits) or 1-bit sign groups; {b}-bit groups "
@@ -111,29 +111,44 @@ class LowBitConfig:
         try:
             items = [tuple(p) for p in items]
         except TypeError:
-            raise ValueError(f"layer_key_bits must be ((layer, bits), ...) pairs, not {raw!r}") from None
-        for pair in items:
-            if len(pair) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in pair) or pair[0] < 0:
-                raise ValueError(f"layer_key_bits entries are (layer >= 0, bits) integer pairs, not {pair!r}")
-            check_bits(pair[1], f"layer_key_bits bits of layer {pair[0]}")
-        layers = [layer for layer, _ in items]
-        if len(set(layers)) != len(layers):
-            raise ValueError(f"layer_key_bits lists a layer twice: {sorted(layers)}")
+            raise ValueError(f"layer_key_bits must be ((layer, bits) or (layer, kv_head, bits), ...), not {raw!r}") \
+                from None
+        for e in items:
+            if (len(e) not in (2, 3) or not all(isinstance(x, int) and not isinstance(x, bool) for x in e)
+                    or min(e[:-1]) < 0):
+                raise ValueError(f"layer_key_bits entries are (layer, bits) or (layer, kv_head, bits) integer "
+                                 f"tuples with layer, kv_head >= 0, not {e!r}")
+            check_bits(e[-1], f"layer_key_bits bits of {'layer %d' % e[0] if len(e) == 2 else 'layer %d head %d' % e[:2]}")
+        places = [e[:-1] for e in items]
+        if len(set(places)) != len(places):
+            raise ValueError(f"layer_key_bits lists a layer or head twice: {sorted(places)}")
+        whole = {e[0] for e in items if len(e) == 2}
+        both = sorted(whole & {e[0] for e in items if len(e) == 3})
+        if both:
+            raise ValueError(f"layer_key_bits gives layers {both} both whole-layer and per-head bits; give one")
         object.__setattr__(self, "layer_key_bits", tuple(sorted(items)))
 
     def for_layer(self, layer_idx: int | None) -> "LowBitConfig":
-        """The config of one layer: its `layer_key_bits` entry (if any) as the key bits, no per-layer table."""
+        """The config of one layer: its whole-layer `layer_key_bits` entry (if any) as the key bits, no per-layer
+        table (per-head entries: `head_key_bits`)."""
         if not self.layer_key_bits:
             return self
-        bits = dict(self.layer_key_bits).get(layer_idx, self.key_bits)
+        bits = {e[0]: e[1] for e in self.layer_key_bits if len(e) == 2}.get(layer_idx, self.key_bits)
         return self.replace(precision=format_precision(bits, self.value_bits), layer_key_bits=())
 
-    def check_layers(self, num_layers: int) -> None:
-        """Raise `ValueError` if `layer_key_bits` names a layer the model does not have."""
-        bad = [layer for layer, _ in self.layer_key_bits if layer >= num_layers]
+    def head_key_bits(self, layer_idx: int | None) -> dict[int, int]:
+        """`{kv_head: bits}` of the per-head `layer_key_bits` entries of layer `layer_idx`."""
+        return {e[1]: e[2] for e in self.layer_key_bits if len(e) == 3 and e[0] == layer_idx}
+
+    def check_layers(self, num_layers: int, num_kv_heads: int | None = None) -> None:
+        """Raise `ValueError` if `layer_key_bits` names a layer (or KV head) the model does not have."""
+        bad = sorted({e[0] for e in self.layer_key_bits if e[0] >= num_layers})
         if bad:
             raise ValueError(f"layer_key_bits names layers {bad}, but the model has {num_layers} layers "
                              f"(0..{num_layers - 1})")
+        heads = sorted({e[1] for e in self.layer_key_bits if len(e) == 3})
+        if num_kv_heads is not None and heads and heads[-1] >= num_kv_heads:
+            raise ValueError(f"layer_key_bits names KV head {heads[-1]}, but the model has {num_kv_heads} KV heads")
 
     @property
     def key_bits(self) -> int:
@@ -195,7 +210,8 @@ class LowBitConfig:
             "outliers_doc": "per group, the elements farthest from the mean kept in outlier_dtype with a uint8 index",
             "stat_dtypes_doc": "scale/zero formats: bfloat16 or float8_e4m3fn (saturating at +/-448); zero 'none': "
                                "symmetric groups",
-            "layer_key_bits_doc": "[[layer, key bits], ...]: layers whose keys use other bits than the precision's",
+            "layer_key_bits_doc": "[[layer, key bits] or [layer, kv_head, key bits], ...]: layers or heads whose "
+                                  "keys use other bits than the precision's",
         }
 
     @classmethod

@@ -357,10 +357,59 @@ def quantize_keys(k: torch.Tensor, bits: int, group_size: int, one_bit_mode: str
     return quantize_groups(x, bits, group_mode(bits, one_bit_mode, levels), outliers, **stat_formats)
 
 
-def dequantize_keys(q: QuantizedGroups, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_keys(q: "QuantizedGroups | HeadGroups", dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(q, HeadGroups):
+        parts = [dequantize_keys(p, dtype) for p in q.parts]
+        out = parts[0].new_empty(parts[0].shape[0], q.num_heads, *parts[0].shape[2:])
+        for heads, part in zip(q.heads, parts):
+            out[:, list(heads)] = part
+        return out
     x = dequantize_groups(q, dtype)  # [B, H, n, D, G]
     b, h, n, d, g = x.shape
     return x.transpose(-1, -2).reshape(b, h, n * g, d)
+
+
+@dataclass
+class HeadGroups:
+    """Keys of one layer whose KV heads use different bit widths: `parts[i]` (`QuantizedGroups` of
+    `quantize_keys`) holds the heads `heads[i]` (indices along dim 1). Same interface as `QuantizedGroups` for the
+    cache (`map`, `cat`, `to`, byte counts); `dequantize_keys` puts the heads back in order."""
+
+    heads: tuple[tuple[int, ...], ...]
+    parts: tuple[QuantizedGroups, ...]
+
+    @property
+    def num_heads(self) -> int:
+        return sum(len(h) for h in self.heads)
+
+    def map(self, fn) -> "HeadGroups":
+        return HeadGroups(self.heads, tuple(p.map(fn) for p in self.parts))
+
+    def cat(self, other: "HeadGroups", dim: int) -> "HeadGroups":
+        if not isinstance(other, HeadGroups) or other.heads != self.heads:
+            raise ValueError("cannot concatenate keys of different per-head formats")
+        return HeadGroups(self.heads, tuple(a.cat(b, dim) for a, b in zip(self.parts, other.parts)))
+
+    def to(self, device) -> "HeadGroups":
+        return self.map(lambda t: t.to(device, non_blocking=True))
+
+    nbytes = property(lambda self: sum(p.nbytes for p in self.parts))
+    packed_bytes = property(lambda self: sum(p.packed_bytes for p in self.parts))
+    stat_bytes = property(lambda self: sum(p.stat_bytes for p in self.parts))
+    outlier_bytes = property(lambda self: sum(p.outlier_bytes for p in self.parts))
+
+
+def quantize_keys_by_head(k: torch.Tensor, head_bits, group_size: int, one_bit_mode: str = "sign",
+                          levels: str = "uniform", outliers: int = 0, **stat_formats) -> HeadGroups:
+    """`quantize_keys` with `head_bits[h]` bits for KV head `h` of `k` `[B, H, S, D]` (heads of equal bits share
+    one `QuantizedGroups`)."""
+    head_bits = [check_bits(b, "head bits") for b in head_bits]
+    if len(head_bits) != k.shape[1]:
+        raise ValueError(f"head_bits has {len(head_bits)} entries for {k.shape[1]} KV heads")
+    heads = tuple(tuple(h for h, b in enumerate(head_bits) if b == bits) for bits in sorted(set(head_bits)))
+    parts = tuple(quantize_keys(k[:, list(hs)], head_bits[hs[0]], group_size, one_bit_mode, levels, outliers,
+                                **stat_formats) for hs in heads)
+    return HeadGroups(heads, parts)
 
 
 def quantize_values(v: torch.Tensor, bits: int, group_size: int, one_bit_mode: str = "sign", levels: str = "uniform",

@@ -112,17 +112,27 @@ def test_format_and_layer_options_are_validated():
     LowBitConfig("K1V1", value_zero_dtype="none")  # 1-bit sign groups
     with pytest.raises(ValueError, match="bits of layer 3 must be one of"):
         LowBitConfig(layer_key_bits=((3, 3),))
-    with pytest.raises(ValueError, match="lists a layer twice"):
+    with pytest.raises(ValueError, match="lists a layer or head twice"):
         LowBitConfig(layer_key_bits=((3, 4), (3, 8)))
-    with pytest.raises(ValueError, match="integer pairs"):
+    with pytest.raises(ValueError, match="lists a layer or head twice"):
+        LowBitConfig(layer_key_bits=((3, 1, 4), (3, 1, 8)))
+    with pytest.raises(ValueError, match="both whole-layer and per-head bits"):
+        LowBitConfig(layer_key_bits=((3, 4), (3, 1, 8)))
+    with pytest.raises(ValueError, match="bits of layer 3 head 1 must be one of"):
+        LowBitConfig(layer_key_bits=((3, 1, 5),))
+    with pytest.raises(ValueError, match="integer tuples"):
         LowBitConfig(layer_key_bits=((-1, 4),))
-    with pytest.raises(ValueError, match="integer pairs"):
+    with pytest.raises(ValueError, match="integer tuples"):
         LowBitConfig(layer_key_bits=((1.5, 4),))
-    with pytest.raises(ValueError, match="pairs"):
+    with pytest.raises(ValueError, match="integer tuples"):
+        LowBitConfig(layer_key_bits=((1, 2, 3, 4),))
+    with pytest.raises(ValueError, match="layer_key_bits must be"):
         LowBitConfig(layer_key_bits=(4,))
     cfg = tiny_llama_config()  # 2 layers
     with pytest.raises(ValueError, match=r"names layers \[2\], but the model has 2 layers"):
         LowBitCache(cfg, "K2V2", layer_key_bits=((2, 4),))
+    with pytest.raises(ValueError, match="names KV head 2, but the model has 2 KV heads"):
+        LowBitCache(cfg, "K2V2", layer_key_bits=((1, 2, 4),))
     with pytest.raises(ValueError, match="needs the model's config"):
         LowBitCache(None, "K2V2", layer_key_bits=((0, 4),))
     with pytest.raises(ValueError, match="needs the layer index"):
@@ -132,9 +142,11 @@ def test_format_and_layer_options_are_validated():
 
 def test_spec_round_trips_formats_and_layer_bits():
     cfg = LowBitConfig("K2V2", levels="normal", key_scale_dtype=F8, key_zero_dtype=F8, value_scale_dtype=F8,
-                       value_zero_dtype="none", outlier_dtype=F8, key_outliers=1, layer_key_bits=((7, 4), (18, 8)))
+                       value_zero_dtype="none", outlier_dtype=F8, key_outliers=1,
+                       layer_key_bits=((18, 8), (7, 4), (9, 2, 4)))
     back = LowBitConfig.from_spec(json.loads(json.dumps(cfg.to_spec())))
-    assert back == cfg and back.layer_key_bits == ((7, 4), (18, 8))
+    assert back == cfg and back.layer_key_bits == ((7, 4), (9, 2, 4), (18, 8))
+    assert back.head_key_bits(9) == {2: 4} and back.head_key_bits(7) == {} and back.for_layer(9).precision == "K2V2"
     assert back.for_layer(7).precision == "K4V2" and back.for_layer(18).precision == "K8V2"
     assert back.for_layer(0).precision == "K2V2" and back.for_layer(0).layer_key_bits == ()
     assert LowBitConfig().for_layer(3) is not None and LowBitConfig().for_layer(3) == LowBitConfig()
@@ -183,3 +195,29 @@ def test_four_bit_layer_keys_are_more_accurate():
     err = [float((cache.layers[i].keys - ref.layers[i].keys).pow(2).mean() / ref.layers[i].keys.var())
            for i in range(2)]
     assert err[0] < 0.25 * err[1]  # 4-bit keys in layer 0, 2-bit keys in layer 1
+
+
+def test_per_head_key_bits_count_and_round_trip():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_llama_config(vocab_size=128), dtype=torch.float32).eval()
+    base = LowBitConfig.default("K2V2", key_scale_dtype=F8)
+    ref = _run(model, LowBitCache(model.config, LowBitConfig("K8V8", key_group_size=128, value_group_size=64,
+                                                             residual_length=0)), n=520)
+    mixed = _run(model, LowBitCache(model.config, base.replace(layer_key_bits=((1, 0, 4),))), n=520)
+    plain = _run(model, LowBitCache(model.config, base), n=520)
+    a, p = mixed.layers[1], plain.layers[1]
+    assert a.head_bits == {0: 4} and mixed.layers[0].head_bits == {}
+    # head 0 of layer 1 at 4 bits: twice its key code bytes, same statistics; head 1 and layer 0 unchanged
+    nq, d = a.quantized_length, 64
+    assert a.stats()["bytes"]["key_codes"] == nq * d * (4 + 2) // 8 == p.stats()["bytes"]["key_codes"] * 3 // 2
+    assert a.stats()["bytes"]["key_stats"] == p.stats()["bytes"]["key_stats"]
+    assert torch.equal(mixed.layers[0].keys, plain.layers[0].keys)
+    err = lambda c, h: float((c.layers[1].keys[:, h] - ref.layers[1].keys[:, h]).pow(2).mean())  # noqa: E731
+    assert err(mixed, 0) < 0.25 * err(plain, 0)
+    assert torch.equal(a.keys[:, 1], p.keys[:, 1])  # the 2-bit head is quantized exactly as without the mix
+    # cropping into the quantized prefix and selecting rows keep the per-head layout
+    before = a.keys[:, :, :300].clone()
+    mixed.crop(-220)
+    assert a.get_seq_length() == 300 and torch.equal(a.keys, before)
+    mixed.batch_repeat_interleave(2)
+    assert a.keys.shape[0] == 2 and torch.equal(a.keys[1], before[0])
