@@ -8,12 +8,17 @@ The prefix's own KV is the full-precision one (no error carried through the pref
 are a little below those of the full protocol of `benchmarks/lowbit_quality.py`; they rank options and locate
 damage (K vs V, layers, heads) at a small fraction of its cost.
 
-A probe is a base `LowBitConfig` (default: `LowBitConfig.default("K2V2")`) plus per-layer replacements: `"fp"`
-(the stock full-precision layer) or another config. Probes:
+A probe is a base `LowBitConfig` (the session-1 K2V2 default: groups of 128 tokens / 64 channels, 4 sinks,
+Hadamard, Lloyd-Max levels, BF16 statistics) plus per-layer replacements: `"fp"` (the stock full-precision layer) or
+another config. Probes:
 
 * `kv`: K only at 2 bits (values 8-bit), V only at 2 bits, both.
 * `layers`: for each layer alone, its keys at 2 bits (every other layer full precision); `--probe layers-v` values.
-* `options`: named configs (`OPTIONS` below), all layers.
+* `heads`: for each KV head of `--layers` alone, its keys at 2 bits (the other heads of that layer at 8 bits, every
+  other layer full precision).
+* `niah-layers` / `niah-heads` (with `--task niah`): K4V2 everywhere but one layer's (one head's) keys at 2 bits.
+* `options`: named configs (`options()` below): the statistic formats, outliers, per-layer and per-head 4-bit
+  keys, and the chosen default.
 
     python benchmarks/lowbit_sensitivity.py --probe kv layers --windows 1 --score-tokens 512 \\
         --out benchmarks/results/lowbit_sensitivity.json
@@ -91,10 +96,37 @@ def lowbit_bits(cache) -> float | None:
     return st["bits_per_element"]
 
 
-OPTIONS = {}  # filled by later probes (name -> (base LowBitConfig, per-layer dict))
+F8 = "float8_e4m3fn"
 
 
-def probes(names, n_layers, base):
+def options(base: LowBitConfig, model_config) -> dict:
+    """The options compared on top of the session-1 K2V2 default (`base`): statistic formats, key outliers, 4-bit
+    keys in the most sensitive layers / heads (the orders measured by the `layers` / `heads` probes)."""
+    heads = LowBitConfig.default("K2V2", model_config=model_config).layer_key_bits
+    order = [(18, 2), (7, 2), (8, 0), (4, 0), (7, 1), (3, 2), (3, 1), (8, 2), (17, 1), (23, 0), (6, 2), (9, 0),
+             (6, 1), (20, 2), (5, 2), (5, 1), (23, 2), (5, 0), (9, 2), (24, 0), (24, 1), (24, 2), (10, 0), (10, 1),
+             (10, 2), (28, 2), (28, 1)]
+    h = lambda n: tuple((layer, head, 4) for layer, head in order[:n])  # noqa: E731
+    lay = lambda *ls: tuple((layer, 4) for layer in ls)  # noqa: E731
+    s = base.replace(key_scale_dtype=F8, key_zero_dtype=F8, value_scale_dtype=F8, value_zero_dtype="none",
+                     outlier_dtype=F8)
+    return {
+        "session-1 default": (base, {}),
+        "V stats FP8": (base.replace(value_scale_dtype=F8, value_zero_dtype=F8), {}),
+        "V symmetric (no zero)": (base.replace(value_zero_dtype="none"), {}),
+        "K stats FP8": (base.replace(key_scale_dtype=F8, key_zero_dtype=F8), {}),
+        "S = K stats FP8 + V scale FP8, symmetric": (s, {}),
+        "1 key outlier/group (BF16)": (base.replace(key_outliers=1), {}),
+        "S + 2 key outliers (FP8)": (s.replace(key_outliers=2), {}),
+        "S + 4-bit keys in layers 7, 18": (s.replace(layer_key_bits=lay(7, 18)), {}),
+        "S + 4-bit keys in 9 layers": (s.replace(layer_key_bits=lay(18, 7, 8, 3, 17, 19, 4, 5, 23)), {}),
+        "S + 2 outliers + 4-bit keys in 16 heads": (s.replace(key_outliers=2, layer_key_bits=h(16)), {}),
+        "S + 1 outlier + 4-bit keys in 22 heads": (s.replace(key_outliers=1, layer_key_bits=h(22)), {}),
+        "S + 4-bit keys in 27 heads (new default)": (s.replace(layer_key_bits=heads), {}),
+    }
+
+
+def probes(names, n_layers, base, model_config=None, layers_arg=(), n_heads=0):
     out = {}
     k_only, v_only = base.replace(precision="K2V8"), base.replace(precision="K8V2")
     if "kv" in names:
@@ -108,8 +140,21 @@ def probes(names, n_layers, base):
     if "layers-v" in names:
         for j in range(n_layers):
             out[f"layer {j} values 2-bit only"] = (v_only, {i: "fp" for i in range(n_layers) if i != j})
+    if "heads" in names:
+        for j in layers_arg:
+            for h in range(n_heads):
+                one = base.replace(precision="K8V8", layer_key_bits=((j, h, 2),))
+                out[f"layer {j} head {h} keys 2-bit only"] = (one, {i: "fp" for i in range(n_layers) if i != j})
+    k4 = base.replace(precision="K4V2")
+    if "niah-layers" in names:
+        for j in range(n_layers):
+            out[f"K4V2 but layer {j} keys 2-bit"] = (k4, {j: base})
+    if "niah-heads" in names:
+        for j in layers_arg:
+            for h in range(n_heads):
+                out[f"K4V2 but layer {j} head {h} keys 2-bit"] = (k4.replace(layer_key_bits=((j, h, 2),)), {})
     if "options" in names:
-        out.update(OPTIONS)
+        out.update(options(base, model_config))
     return out
 
 
@@ -149,7 +194,9 @@ def main():
     ap.add_argument("--task", choices=("ppl", "niah"), default="ppl",
                     help="ppl: the last tokens of the 4K windows; niah: multi-key NIAH answers at --tokens")
     ap.add_argument("--samples", type=int, default=6, help="NIAH cases")
-    ap.add_argument("--probe", nargs="+", default=["kv"], choices=("kv", "layers", "layers-v", "options"))
+    ap.add_argument("--probe", nargs="+", default=["kv"],
+                    choices=("kv", "layers", "layers-v", "heads", "niah-layers", "niah-heads", "options"))
+    ap.add_argument("--layers", type=int, nargs="*", default=[], help="layers of the heads / niah-heads probes")
     ap.add_argument("--only", nargs="*")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--windows", type=int, default=1)
@@ -163,8 +210,9 @@ def main():
     model, tok = load_default_model()
     model = model.float()
     n_layers = model.config.num_hidden_layers
-    base = LowBitConfig.default("K2V2", model.config.head_dim)
-    suite = probes(args.probe, n_layers, base)
+    base = LowBitConfig("K2V2", key_group_size=128, value_group_size=64, residual_length=0, sink_length=4,
+                        rotation="hadamard", levels="normal")  # the session-1 K2V2 default
+    suite = probes(args.probe, n_layers, base, model.config, args.layers, model.config.num_key_value_heads)
     if args.only:
         suite = {k: v for k, v in suite.items() if k in args.only}
     if args.task == "niah":

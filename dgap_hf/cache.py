@@ -350,7 +350,8 @@ class LowBitCache(Cache):
         if config is not None:
             tc = text_config(config)
             head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-        quant = precision if isinstance(precision, LowBitConfig) else LowBitConfig.default(precision, head_dim)
+        quant = (precision if isinstance(precision, LowBitConfig)
+                 else LowBitConfig.default(precision, head_dim, model_config=config))
         if key_bits is not None or value_bits is not None:
             kb = quant.key_bits if key_bits is None else check_bits(key_bits, "key_bits")
             vb = quant.value_bits if value_bits is None else check_bits(value_bits, "value_bits")

@@ -82,8 +82,6 @@ class LowBitConfig:
             raise ValueError(f"one_bit_mode must be one of {ONE_BIT_MODES}, not {self.one_bit_mode!r}")
         if self.levels not in LEVELS:
             raise ValueError(f"levels must be one of {LEVELS}, not {self.levels!r}")
-        if self.levels == "normal" and not {self.key_bits, self.value_bits} & {2, 4}:
-            raise ValueError(f"levels='normal' applies to 2- and 4-bit groups; {self.precision} has none")
         if self.rotate not in ROTATE:
             raise ValueError(f"rotate must be one of {ROTATE}, not {self.rotate!r}")
         check_rotation(self.rotation, self.head_dim)
@@ -95,6 +93,8 @@ class LowBitConfig:
         for name in ("key_zero_dtype", "value_zero_dtype"):
             check_stat_dtype(getattr(self, name), name, allow_none=True)
         self._check_layer_key_bits()
+        if self.levels == "normal" and not {self.key_bits, self.value_bits, *(e[-1] for e in self.layer_key_bits)} & {2, 4}:
+            raise ValueError(f"levels='normal' applies to 2- and 4-bit groups; {self.precision} has none")
         for name, bits in (("key_zero_dtype", self.key_bits), ("value_zero_dtype", self.value_bits)):
             if getattr(self, name) == "none":
                 for b in {bits} | ({e[-1] for e in self.layer_key_bits} if name == "key_zero_dtype" else set()):
@@ -176,12 +176,19 @@ class LowBitConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def default(cls, precision: str, head_dim: int | None = None, **changes) -> "LowBitConfig":
+    def default(cls, precision: str, head_dim: int | None = None, model_config=None, **changes) -> "LowBitConfig":
         """The measured best options for `precision` (mixed precisions take those of their key bits), with
         `changes` on top. With `head_dim`, the defaults fit it: a value group that does not divide it shrinks to
-        their common divisor, and a Hadamard rotation becomes a seeded random one when it is not a power of two."""
+        their common divisor, and a Hadamard rotation becomes a seeded random one when it is not a power of two.
+        With `model_config` (head_dim is read from it), a model whose per-head key sensitivity was measured
+        (`MEASURED_KEY_HEADS`: SmolLM2-135M) also gets its measured `layer_key_bits` at 2-bit keys."""
         kb, vb = parse_precision(precision)
         base = dict(DEFAULTS.get(format_precision(kb, vb)) or DEFAULTS[format_precision(kb, kb)])
+        if model_config is not None:
+            head_dim = head_dim or model_head_dim(model_config)
+            heads = MEASURED_KEY_HEADS.get(model_signature(model_config), {}).get(kb)
+            if heads:
+                base["layer_key_bits"] = heads
         if head_dim is not None:
             g = base.get("value_group_size", cls.value_group_size)
             if head_dim % g:
@@ -250,15 +257,45 @@ class LowBitConfig:
         return cls.from_spec(spec)
 
 
+def model_signature(config) -> tuple:
+    """What identifies a model's attention layout for `MEASURED_KEY_HEADS`: (model_type, layers, attention heads,
+    KV heads, head_dim, hidden size, vocabulary) of its text config."""
+    tc = getattr(config, "get_text_config", lambda: config)()
+    return (getattr(tc, "model_type", None), tc.num_hidden_layers, tc.num_attention_heads,
+            getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads, model_head_dim(tc), tc.hidden_size,
+            tc.vocab_size)
+
+
+def model_head_dim(config) -> int:
+    tc = getattr(config, "get_text_config", lambda: config)()
+    return getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+
+
 # The measured best options per precision (benchmarks/results/lowbit_sweep.md, selection on a 1K-token window; the
 # defaults are then reported on held-out 2K-token windows in benchmarks/results/lowbit_quality.md). Keys in groups of
 # 128 tokens and values in groups of 64 channels keep the statistics at 0.375 bits per element; residual_length 0
 # keeps the full-precision residual within the 128-token window; four sink tokens and the Hadamard rotation help at
 # every precision below 8 bits; Lloyd-Max ("normal") levels help at 2 bits, not at 4 (higher KL).
+_F8 = "float8_e4m3fn"
 _GROUPS = {"key_group_size": 128, "value_group_size": 64, "residual_length": 0}
 DEFAULTS: dict[str, dict] = {
     "K1V1": {**_GROUPS, "sink_length": 4, "rotation": "hadamard"},
-    "K2V2": {**_GROUPS, "sink_length": 4, "rotation": "hadamard", "levels": "normal"},
+    # FP8 statistics (keys' scale and zero, values' scale) and symmetric value groups: 0.19 bits per element
+    # saved at no measured cost (benchmarks/results/lowbit_sensitivity_4k.md), spent on 4-bit keys in the most
+    # sensitive heads where the model's are measured (MEASURED_KEY_HEADS)
+    "K2V2": {**_GROUPS, "sink_length": 4, "rotation": "hadamard", "levels": "normal", "key_scale_dtype": _F8,
+             "key_zero_dtype": _F8, "value_scale_dtype": _F8, "value_zero_dtype": "none"},
     "K4V4": {**_GROUPS, "sink_length": 4, "rotation": "hadamard"},
     "K8V8": dict(_GROUPS),
+}
+
+# Per-head 4-bit keys at 2-bit key precision, per model (signature: `model_signature`). SmolLM2-135M-Instruct: the 27
+# KV heads (of 90) whose 2-bit keys cost the most on the held-out 4K windows, each measured alone with every other
+# head at full precision (`benchmarks/lowbit_sensitivity.py --probe heads`); layer 18 head 2 also carries multi-key
+# NIAH. 0.30 bits per element; with the FP8 statistics the K2V2 default stays at 2.49 bits on 2K windows.
+_SMOLLM2_HEADS = ((18, 2), (7, 2), (8, 0), (4, 0), (7, 1), (3, 2), (3, 1), (8, 2), (17, 1), (23, 0), (6, 2), (9, 0),
+                  (6, 1), (20, 2), (5, 2), (5, 1), (23, 2), (5, 0), (9, 2), (24, 0), (24, 1), (24, 2), (10, 0),
+                  (10, 1), (10, 2), (28, 2), (28, 1))
+MEASURED_KEY_HEADS: dict[tuple, dict[int, tuple]] = {
+    ("llama", 30, 9, 3, 64, 576, 49152): {2: tuple(sorted((layer, head, 4) for layer, head in _SMOLLM2_HEADS))},
 }

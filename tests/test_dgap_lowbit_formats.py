@@ -221,3 +221,38 @@ def test_per_head_key_bits_count_and_round_trip():
     assert a.get_seq_length() == 300 and torch.equal(a.keys, before)
     mixed.batch_repeat_interleave(2)
     assert a.keys.shape[0] == 2 and torch.equal(a.keys[1], before[0])
+
+
+def _smollm2_shaped_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                       num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+
+
+def test_k2v2_default_is_measured_heads_within_the_bit_budget():
+    from dgap_hf.lowbit_config import MEASURED_KEY_HEADS, model_signature
+
+    cfg = _smollm2_shaped_config()
+    assert model_signature(cfg) in MEASURED_KEY_HEADS
+    q = LowBitCache(cfg, "K2V2").quant_config
+    assert q == LowBitConfig.default("K2V2", model_config=cfg) and len(q.layer_key_bits) == 27
+    assert {e[-1] for e in q.layer_key_bits} == {4} and (18, 2, 4) in q.layer_key_bits
+    # other models (and other precisions) get no head table; K4V4 / K8V8 / K1V1 defaults are not touched by it
+    assert LowBitCache(tiny_llama_config(), "K2V2").quant_config.layer_key_bits == ()
+    for p in ("K1V1", "K4V4", "K8V8", "K4V2"):
+        assert LowBitCache(cfg, p).quant_config == LowBitConfig.default(p)
+    # the 2K-token cache: bits per element as stats() counts them, at most 2.5 (float32 KV: sinks at 4 bytes)
+    cache = LowBitCache(cfg, "K2V2")
+    for i in range(30):
+        k, v = _x(1, 3, 2048, 64, seed=i), _x(1, 3, 2048, 64, seed=100 + i)
+        cache.update(k, v, i)
+    st = cache.stats()
+    assert st["bytes"]["residual"] == 124 * 2 * 3 * 64 * 4 * 30 and st["bytes"]["pending"] == 0
+    four_bit_heads = sum(cache.layers[i].head_bits.get(h, 2) == 4 for i in range(30) for h in range(3))
+    assert four_bit_heads == 27
+    nq = 2048 - 4 - 124
+    expect_codes = 30 * 3 * nq * 64 * 2 * 2 / 8 + 27 * nq * 64 * 2 / 8  # K and V at 2 bits, +2 bits in 27 heads
+    assert st["bytes"]["key_codes"] + st["bytes"]["value_codes"] == expect_codes
+    assert st["bytes"]["key_stats"] == 30 * 3 * (nq // 128) * 64 * 2 and st["bytes"]["value_stats"] == 30 * 3 * nq
+    assert 2.45 < st["bits_per_element"] <= 2.5
