@@ -12,6 +12,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from hf_common.model_config import kv_geometry, text_config
+
 from .precision import UnknownPrecisionError, format_precision, normalize_precision, parse_precision
 from .quantize import ONE_BIT_MODES, check_bits, check_stat_dtype, group_mode
 from .rotation import ROTATIONS, check_rotation
@@ -129,12 +131,13 @@ class LowBitConfig:
         object.__setattr__(self, "layer_key_bits", tuple(sorted(items)))
 
     def for_layer(self, layer_idx: int | None) -> "LowBitConfig":
-        """The config of one layer: its whole-layer `layer_key_bits` entry (if any) as the key bits, no per-layer
-        table (per-head entries: `head_key_bits`)."""
+        """The config of one layer: its whole-layer `layer_key_bits` entry (if any) as the key bits; of the table only
+        this layer's per-head entries stay (`head_key_bits`)."""
         if not self.layer_key_bits:
             return self
         bits = {e[0]: e[1] for e in self.layer_key_bits if len(e) == 2}.get(layer_idx, self.key_bits)
-        return self.replace(precision=format_precision(bits, self.value_bits), layer_key_bits=())
+        own = tuple(e for e in self.layer_key_bits if len(e) == 3 and e[0] == layer_idx)
+        return self.replace(precision=format_precision(bits, self.value_bits), layer_key_bits=own)
 
     def head_key_bits(self, layer_idx: int | None) -> dict[int, int]:
         """`{kv_head: bits}` of the per-head `layer_key_bits` entries of layer `layer_idx`."""
@@ -185,7 +188,7 @@ class LowBitConfig:
         kb, vb = parse_precision(precision)
         base = dict(DEFAULTS.get(format_precision(kb, vb)) or DEFAULTS[format_precision(kb, kb)])
         if model_config is not None:
-            head_dim = head_dim or model_head_dim(model_config)
+            head_dim = head_dim or kv_geometry(model_config).head_dim
             heads = MEASURED_KEY_HEADS.get(model_signature(model_config), {}).get(kb)
             if heads:
                 base["layer_key_bits"] = heads
@@ -260,15 +263,9 @@ class LowBitConfig:
 def model_signature(config) -> tuple:
     """What identifies a model's attention layout for `MEASURED_KEY_HEADS`: (model_type, layers, attention heads,
     KV heads, head_dim, hidden size, vocabulary) of its text config."""
-    tc = getattr(config, "get_text_config", lambda: config)()
-    return (getattr(tc, "model_type", None), tc.num_hidden_layers, tc.num_attention_heads,
-            getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads, model_head_dim(tc), tc.hidden_size,
-            tc.vocab_size)
-
-
-def model_head_dim(config) -> int:
-    tc = getattr(config, "get_text_config", lambda: config)()
-    return getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    tc, geo = text_config(config), kv_geometry(config)
+    return (getattr(tc, "model_type", None), tc.num_hidden_layers, tc.num_attention_heads, geo.num_kv_heads,
+            geo.head_dim, tc.hidden_size, tc.vocab_size)
 
 
 # The measured best options per precision (benchmarks/results/lowbit_sweep.md, selection on a 1K-token window; the
