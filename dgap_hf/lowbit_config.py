@@ -137,7 +137,10 @@ class LowBitConfig:
             return self
         bits = {e[0]: e[1] for e in self.layer_key_bits if len(e) == 2}.get(layer_idx, self.key_bits)
         own = tuple(e for e in self.layer_key_bits if len(e) == 3 and e[0] == layer_idx)
-        return self.replace(precision=format_precision(bits, self.value_bits), layer_key_bits=own)
+        levels = self.levels
+        if not {bits, self.value_bits, *(e[-1] for e in own)} & {2, 4}:
+            levels = "uniform"  # no 2/4-bit group left in this layer: the same quantizer (levels only apply there)
+        return self.replace(precision=format_precision(bits, self.value_bits), layer_key_bits=own, levels=levels)
 
     def head_key_bits(self, layer_idx: int | None) -> dict[int, int]:
         """`{kv_head: bits}` of the per-head `layer_key_bits` entries of layer `layer_idx`."""

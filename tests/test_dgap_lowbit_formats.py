@@ -149,7 +149,10 @@ def test_spec_round_trips_formats_and_layer_bits():
     assert back.head_key_bits(9) == {2: 4} and back.head_key_bits(7) == {} and back.for_layer(9).precision == "K2V2"
     assert back.for_layer(7).precision == "K4V2" and back.for_layer(18).precision == "K8V2"
     assert back.for_layer(0).precision == "K2V2" and back.for_layer(0).layer_key_bits == ()
-    assert LowBitConfig().for_layer(3) is not None and LowBitConfig().for_layer(3) == LowBitConfig()
+    assert LowBitConfig().for_layer(3) == LowBitConfig()
+    # a layer left without 2/4-bit groups drops levels='normal' (which only applies to them) instead of failing
+    mix = LowBitConfig("K8V8", levels="normal", layer_key_bits=((1, 0, 2),))
+    assert mix.for_layer(0) == LowBitConfig("K8V8") and mix.for_layer(1).levels == "normal"
 
 
 # --- the cache: byte counts and per-layer bits ---------------------------------------------------------------------
