@@ -91,12 +91,14 @@ BASELINES = {
 }
 
 
-def final_suite():
-    """Each precision's documented default (`LowBitConfig.default`), mixed precisions and the former KIVI-32
-    default (`--suite baselines`: transformers' `QuantizedCache`)."""
+def final_suite(model_config=None):
+    """Each precision's documented default (`LowBitConfig.default` for the model, as `LowBitCache(config, p)`
+    builds it), mixed precisions and the former KIVI-32 default (`--suite baselines`: transformers'
+    `QuantizedCache`)."""
     suite = {}
     for p in ("K2V2", "K1V1", "K4V4", "K8V8", "K2V4", "K4V2"):
-        suite[f"{p} default"] = ("lowbit", {"config": LowBitConfig.default(p).to_spec()})
+        suite[f"{p} default"] = ("lowbit", {"config": LowBitConfig.default(p, model_config=model_config).to_spec()})
+    suite["K2V2 default of session 1"] = lowbit("K2V2", **G, sink_length=4, rotation="hadamard", levels="normal")
     for p in ("K2V2", "K1V1"):
         suite[f"{p} kivi32"] = lowbit(p, **KIVI)
     return suite
@@ -201,11 +203,11 @@ def main():
                    "table and plot (run separately, e.g. the QuantizedCache baselines)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    suite = {"sweep": SWEEP, "final": final_suite(), "baselines": BASELINES}[args.suite]
-    if args.only:
-        suite = {k: suite[k] for k in args.only}
     model, tok = load_default_model()
     model = model.float()
+    suite = {"sweep": SWEEP, "final": final_suite(model.config), "baselines": BASELINES}[args.suite]
+    if args.only:
+        suite = {k: suite[k] for k in args.only}
     text = read_text_files(DEBIAN_REFERENCE)
     windows = token_prompts(tok, text.text, args.tokens, args.first_window + args.windows)[args.first_window:]
     protocol = {"model": str(model.config.name_or_path), "text": text.description, "tokens": args.tokens,

@@ -42,7 +42,9 @@ from hf_common.model_config import text_config
 
 from .lowbit_config import RESIDUAL_WINDOW, LowBitConfig
 from .precision import format_precision
-from .quantize import QuantizedGroups, check_bits, dequantize_keys, dequantize_values, quantize_keys, quantize_values
+from .quantize import (
+    QuantizedGroups, check_bits, dequantize_keys, dequantize_values, quantize_keys, quantize_keys_by_head,
+    quantize_values)
 from .rotation import rotation_matrix
 
 
@@ -64,7 +66,11 @@ class LowBitLayer(RowSelectionMixin, CacheLayerMixin):
             config = LowBitConfig(format_precision(check_bits(key_bits, "key_bits"), check_bits(value_bits,
                                   "value_bits")), key_group_size=group_size, value_group_size=group_size,
                                   residual_length=residual_length, sink_length=sink_length, one_bit_mode=one_bit_mode)
-        self.config = config
+        if config.layer_key_bits and layer_idx is None:
+            raise ValueError("a config with layer_key_bits needs the layer index of each layer (build the cache "
+                             "with the model's config: LowBitCache(model.config, ...))")
+        self.head_bits = config.head_key_bits(layer_idx)  # {kv_head: key bits} where they differ from the layer's
+        self.config = config = config.for_layer(layer_idx)
         self.key_bits, self.value_bits = config.key_bits, config.value_bits
         self.group_size = config.key_group_size  # flush granularity (tokens)
         self.residual_length = config.residual_length
@@ -120,6 +126,9 @@ class LowBitLayer(RowSelectionMixin, CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         d = value_states.shape[-1]
         self.config.check_head_dim(d)
+        if self.head_bits and max(self.head_bits) >= key_states.shape[1]:
+            raise ValueError(f"layer {self.layer_idx}: layer_key_bits names KV head {max(self.head_bits)}, but "
+                             f"the layer has {key_states.shape[1]} KV heads")
         self._rot = (rotation_matrix(self.config.rotation, d, self.config.rotation_seed, key_states.device)
                      if self.config.rotation != "none" else None)
         self.device = key_states.device
@@ -157,10 +166,17 @@ class LowBitLayer(RowSelectionMixin, CacheLayerMixin):
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize whole groups `k`, `v` `[B, H, n * G, D]` and append them to the quantized prefix."""
         c = self.config
-        qk = quantize_keys(self._rotate(k.float(), "k"), c.key_bits, c.key_group_size, c.one_bit_mode, c.levels,
-                           c.key_outliers)
+        fmt = dict(scale_dtype=c.key_scale_dtype, zero_dtype=c.key_zero_dtype, outlier_dtype=c.outlier_dtype)
+        if self.head_bits:
+            bits = [self.head_bits.get(h, c.key_bits) for h in range(k.shape[1])]
+            qk = quantize_keys_by_head(self._rotate(k.float(), "k"), bits, c.key_group_size, c.one_bit_mode,
+                                       c.levels, c.key_outliers, **fmt)
+        else:
+            qk = quantize_keys(self._rotate(k.float(), "k"), c.key_bits, c.key_group_size, c.one_bit_mode, c.levels,
+                               c.key_outliers, **fmt)
         qv = quantize_values(self._rotate(v.float(), "v"), c.value_bits, c.value_group_size, c.one_bit_mode, c.levels,
-                             c.value_outliers)
+                             c.value_outliers, scale_dtype=c.value_scale_dtype, zero_dtype=c.value_zero_dtype,
+                             outlier_dtype=c.outlier_dtype)
         self._qk = qk if self._qk is None else self._qk.cat(qk, 2)
         self._qv = qv if self._qv is None else self._qv.cat(qv, 2)
         self._n_quant += k.shape[-2]
@@ -334,7 +350,8 @@ class LowBitCache(Cache):
         if config is not None:
             tc = text_config(config)
             head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-        quant = precision if isinstance(precision, LowBitConfig) else LowBitConfig.default(precision, head_dim)
+        quant = (precision if isinstance(precision, LowBitConfig)
+                 else LowBitConfig.default(precision, head_dim, model_config=config))
         if key_bits is not None or value_bits is not None:
             kb = quant.key_bits if key_bits is None else check_bits(key_bits, "key_bits")
             vb = quant.value_bits if value_bits is None else check_bits(value_bits, "value_bits")
@@ -348,9 +365,13 @@ class LowBitCache(Cache):
             raise TypeError(f"LowBitCache: {e} (the options are LowBitConfig's fields)") from None
         if head_dim is not None:
             quant.check_head_dim(head_dim)
+            quant.check_layers(tc.num_hidden_layers, getattr(tc, "num_key_value_heads", None)
+                               or tc.num_attention_heads)
         self.config = config
         self.quant_config = quant
         if config is None:
+            if quant.layer_key_bits:
+                raise ValueError("layer_key_bits needs the model's config: LowBitCache(model.config, ...)")
             super().__init__(layer_class_to_replicate=functools.partial(LowBitLayer, config=quant),
                              offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
             return

@@ -12,8 +12,10 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from hf_common.model_config import kv_geometry, text_config
+
 from .precision import UnknownPrecisionError, format_precision, normalize_precision, parse_precision
-from .quantize import ONE_BIT_MODES, check_bits
+from .quantize import ONE_BIT_MODES, check_bits, check_stat_dtype, group_mode
 from .rotation import ROTATIONS, check_rotation
 
 SPEC_VERSION = 2
@@ -22,7 +24,8 @@ LEVELS = ("uniform", "normal")
 ROTATE = ("kv", "k", "v")
 # descriptive entries of a spec (written for readers, not options)
 _PROSE = ("key_grouping", "value_grouping", "stat_dtype", "packing", "minmax", "sign", "sink", "normal", "rotation_doc",
-          "outliers_doc", "spec_version", "key_bits", "value_bits", "group_size")
+          "outliers_doc", "spec_version", "key_bits", "value_bits", "group_size", "stat_dtypes_doc",
+          "layer_key_bits_doc")
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,12 @@ class LowBitConfig:
     * `levels`: `"uniform"` or `"normal"` (Lloyd-Max levels of a Gaussian) for 2- and 4-bit groups.
     * `rotation`: `"none"`, `"hadamard"` or `"random"` (seeded by `rotation_seed`), applied post-RoPE to the
       keys and/or values (`rotate`: `"kv"`, `"k"`, `"v"`) before quantization and undone on dequantization.
-    * `key_outliers` / `value_outliers`: elements per group kept in BF16 (dense-and-sparse).
+    * `key_outliers` / `value_outliers`: elements per group kept in `outlier_dtype` (dense-and-sparse).
+    * `key_scale_dtype`, `key_zero_dtype`, `value_scale_dtype`, `value_zero_dtype`, `outlier_dtype`: formats of
+      the group statistics, `"bfloat16"` or `"float8_e4m3fn"` (`dgap_hf.quantize`); a zero dtype `"none"` stores
+      no zero-point (symmetric groups; Lloyd-Max or 1-bit sign groups only).
+    * `layer_key_bits`: `((layer, bits), ...)` or `((layer, kv_head, bits), ...)`: key bits of some layers or KV
+      heads other than the precision's (mixed precision: e.g. the few heads whose 2-bit keys cost the most at 4).
     * `head_dim`: when set, the head dimension the config is for (checked against the model).
     """
 
@@ -55,6 +63,12 @@ class LowBitConfig:
     rotation_seed: int = 0
     key_outliers: int = 0
     value_outliers: int = 0
+    key_scale_dtype: str = "bfloat16"
+    key_zero_dtype: str = "bfloat16"
+    value_scale_dtype: str = "bfloat16"
+    value_zero_dtype: str = "bfloat16"
+    outlier_dtype: str = "bfloat16"
+    layer_key_bits: tuple = ()
     head_dim: int | None = field(default=None)
 
     def __post_init__(self):
@@ -70,16 +84,77 @@ class LowBitConfig:
             raise ValueError(f"one_bit_mode must be one of {ONE_BIT_MODES}, not {self.one_bit_mode!r}")
         if self.levels not in LEVELS:
             raise ValueError(f"levels must be one of {LEVELS}, not {self.levels!r}")
-        if self.levels == "normal" and not {self.key_bits, self.value_bits} & {2, 4}:
-            raise ValueError(f"levels='normal' applies to 2- and 4-bit groups; {self.precision} has none")
         if self.rotate not in ROTATE:
             raise ValueError(f"rotate must be one of {ROTATE}, not {self.rotate!r}")
         check_rotation(self.rotation, self.head_dim)
         for name, g in (("key_outliers", self.key_group_size), ("value_outliers", self.value_group_size)):
             if getattr(self, name) >= min(g, 256):
                 raise ValueError(f"{name}={getattr(self, name)} must be below the group size {g} (and 256)")
+        for name in ("key_scale_dtype", "value_scale_dtype", "outlier_dtype"):
+            check_stat_dtype(getattr(self, name), name)
+        for name in ("key_zero_dtype", "value_zero_dtype"):
+            check_stat_dtype(getattr(self, name), name, allow_none=True)
+        self._check_layer_key_bits()
+        if self.levels == "normal" and not {self.key_bits, self.value_bits, *(e[-1] for e in self.layer_key_bits)} & {2, 4}:
+            raise ValueError(f"levels='normal' applies to 2- and 4-bit groups; {self.precision} has none")
+        for name, bits in (("key_zero_dtype", self.key_bits), ("value_zero_dtype", self.value_bits)):
+            if getattr(self, name) == "none":
+                for b in {bits} | ({e[-1] for e in self.layer_key_bits} if name == "key_zero_dtype" else set()):
+                    if group_mode(b, self.one_bit_mode, self.levels) == "minmax":
+                        raise ValueError(f"{name}='none' (symmetric groups) needs Lloyd-Max levels "
+                                         f"(levels='normal', 2 or 4 bits) or 1-bit sign groups; {b}-bit groups "
+                                         f"here are min/max groups, which need their zero-point")
         if self.head_dim is not None:
             self.check_head_dim(self.head_dim)
+
+    def _check_layer_key_bits(self) -> None:
+        raw = self.layer_key_bits
+        items = list(raw.items()) if isinstance(raw, dict) else raw
+        try:
+            items = [tuple(p) for p in items]
+        except TypeError:
+            raise ValueError(f"layer_key_bits must be ((layer, bits) or (layer, kv_head, bits), ...), not {raw!r}") \
+                from None
+        for e in items:
+            if (len(e) not in (2, 3) or not all(isinstance(x, int) and not isinstance(x, bool) for x in e)
+                    or min(e[:-1]) < 0):
+                raise ValueError(f"layer_key_bits entries are (layer, bits) or (layer, kv_head, bits) integer "
+                                 f"tuples with layer, kv_head >= 0, not {e!r}")
+            check_bits(e[-1], f"layer_key_bits bits of {'layer %d' % e[0] if len(e) == 2 else 'layer %d head %d' % e[:2]}")
+        places = [e[:-1] for e in items]
+        if len(set(places)) != len(places):
+            raise ValueError(f"layer_key_bits lists a layer or head twice: {sorted(places)}")
+        whole = {e[0] for e in items if len(e) == 2}
+        both = sorted(whole & {e[0] for e in items if len(e) == 3})
+        if both:
+            raise ValueError(f"layer_key_bits gives layers {both} both whole-layer and per-head bits; give one")
+        object.__setattr__(self, "layer_key_bits", tuple(sorted(items)))
+
+    def for_layer(self, layer_idx: int | None) -> "LowBitConfig":
+        """The config of one layer: its whole-layer `layer_key_bits` entry (if any) as the key bits; of the table only
+        this layer's per-head entries stay (`head_key_bits`)."""
+        if not self.layer_key_bits:
+            return self
+        bits = {e[0]: e[1] for e in self.layer_key_bits if len(e) == 2}.get(layer_idx, self.key_bits)
+        own = tuple(e for e in self.layer_key_bits if len(e) == 3 and e[0] == layer_idx)
+        levels = self.levels
+        if not {bits, self.value_bits, *(e[-1] for e in own)} & {2, 4}:
+            levels = "uniform"  # no 2/4-bit group left in this layer: the same quantizer (levels only apply there)
+        return self.replace(precision=format_precision(bits, self.value_bits), layer_key_bits=own, levels=levels)
+
+    def head_key_bits(self, layer_idx: int | None) -> dict[int, int]:
+        """`{kv_head: bits}` of the per-head `layer_key_bits` entries of layer `layer_idx`."""
+        return {e[1]: e[2] for e in self.layer_key_bits if len(e) == 3 and e[0] == layer_idx}
+
+    def check_layers(self, num_layers: int, num_kv_heads: int | None = None) -> None:
+        """Raise `ValueError` if `layer_key_bits` names a layer (or KV head) the model does not have."""
+        bad = sorted({e[0] for e in self.layer_key_bits if e[0] >= num_layers})
+        if bad:
+            raise ValueError(f"layer_key_bits names layers {bad}, but the model has {num_layers} layers "
+                             f"(0..{num_layers - 1})")
+        heads = sorted({e[1] for e in self.layer_key_bits if len(e) == 3})
+        if num_kv_heads is not None and heads and heads[-1] >= num_kv_heads:
+            raise ValueError(f"layer_key_bits names KV head {heads[-1]}, but the model has {num_kv_heads} KV heads")
 
     @property
     def key_bits(self) -> int:
@@ -107,12 +182,19 @@ class LowBitConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def default(cls, precision: str, head_dim: int | None = None, **changes) -> "LowBitConfig":
+    def default(cls, precision: str, head_dim: int | None = None, model_config=None, **changes) -> "LowBitConfig":
         """The measured best options for `precision` (mixed precisions take those of their key bits), with
         `changes` on top. With `head_dim`, the defaults fit it: a value group that does not divide it shrinks to
-        their common divisor, and a Hadamard rotation becomes a seeded random one when it is not a power of two."""
+        their common divisor, and a Hadamard rotation becomes a seeded random one when it is not a power of two.
+        With `model_config` (head_dim is read from it), a model whose per-head key sensitivity was measured
+        (`MEASURED_KEY_HEADS`: SmolLM2-135M) also gets its measured `layer_key_bits` at 2-bit keys."""
         kb, vb = parse_precision(precision)
         base = dict(DEFAULTS.get(format_precision(kb, vb)) or DEFAULTS[format_precision(kb, kb)])
+        if model_config is not None:
+            head_dim = head_dim or kv_geometry(model_config).head_dim
+            heads = MEASURED_KEY_HEADS.get(model_signature(model_config), {}).get(kb)
+            if heads:
+                base["layer_key_bits"] = heads
         if head_dim is not None:
             g = base.get("value_group_size", cls.value_group_size)
             if head_dim % g:
@@ -138,7 +220,11 @@ class LowBitConfig:
             "sink": "the first sink_length tokens stay in the model dtype",
             "rotation_doc": "x @ R before quantization, x_hat @ R.T after (post-RoPE); R from rotation, "
                             "rotation_seed, head_dim",
-            "outliers_doc": "per group, the elements farthest from the mean kept in BF16 with a uint8 index",
+            "outliers_doc": "per group, the elements farthest from the mean kept in outlier_dtype with a uint8 index",
+            "stat_dtypes_doc": "scale/zero formats: bfloat16 or float8_e4m3fn (saturating at +/-448); zero 'none': "
+                               "symmetric groups",
+            "layer_key_bits_doc": "[[layer, key bits] or [layer, kv_head, key bits], ...]: layers or heads whose "
+                                  "keys use other bits than the precision's",
         }
 
     @classmethod
@@ -177,15 +263,39 @@ class LowBitConfig:
         return cls.from_spec(spec)
 
 
+def model_signature(config) -> tuple:
+    """What identifies a model's attention layout for `MEASURED_KEY_HEADS`: (model_type, layers, attention heads,
+    KV heads, head_dim, hidden size, vocabulary) of its text config."""
+    tc, geo = text_config(config), kv_geometry(config)
+    return (getattr(tc, "model_type", None), tc.num_hidden_layers, tc.num_attention_heads, geo.num_kv_heads,
+            geo.head_dim, tc.hidden_size, tc.vocab_size)
+
+
 # The measured best options per precision (benchmarks/results/lowbit_sweep.md, selection on a 1K-token window; the
 # defaults are then reported on held-out 2K-token windows in benchmarks/results/lowbit_quality.md). Keys in groups of
 # 128 tokens and values in groups of 64 channels keep the statistics at 0.375 bits per element; residual_length 0
 # keeps the full-precision residual within the 128-token window; four sink tokens and the Hadamard rotation help at
 # every precision below 8 bits; Lloyd-Max ("normal") levels help at 2 bits, not at 4 (higher KL).
+_F8 = "float8_e4m3fn"
 _GROUPS = {"key_group_size": 128, "value_group_size": 64, "residual_length": 0}
 DEFAULTS: dict[str, dict] = {
     "K1V1": {**_GROUPS, "sink_length": 4, "rotation": "hadamard"},
-    "K2V2": {**_GROUPS, "sink_length": 4, "rotation": "hadamard", "levels": "normal"},
+    # FP8 statistics (keys' scale and zero, values' scale) and symmetric value groups: 0.19 bits per element
+    # saved at no measured cost (benchmarks/results/lowbit_sensitivity_4k.md), spent on 4-bit keys in the most
+    # sensitive heads where the model's are measured (MEASURED_KEY_HEADS)
+    "K2V2": {**_GROUPS, "sink_length": 4, "rotation": "hadamard", "levels": "normal", "key_scale_dtype": _F8,
+             "key_zero_dtype": _F8, "value_scale_dtype": _F8, "value_zero_dtype": "none"},
     "K4V4": {**_GROUPS, "sink_length": 4, "rotation": "hadamard"},
     "K8V8": dict(_GROUPS),
+}
+
+# Per-head 4-bit keys at 2-bit key precision, per model (signature: `model_signature`). SmolLM2-135M-Instruct: the 27
+# KV heads (of 90) whose 2-bit keys cost the most on the held-out 4K windows, each measured alone with every other
+# head at full precision (`benchmarks/lowbit_sensitivity.py --probe heads`); layer 18 head 2 also carries multi-key
+# NIAH. 0.30 bits per element; with the FP8 statistics the K2V2 default stays at 2.49 bits on 2K windows.
+_SMOLLM2_HEADS = ((18, 2), (7, 2), (8, 0), (4, 0), (7, 1), (3, 2), (3, 1), (8, 2), (17, 1), (23, 0), (6, 2), (9, 0),
+                  (6, 1), (20, 2), (5, 2), (5, 1), (23, 2), (5, 0), (9, 2), (24, 0), (24, 1), (24, 2), (10, 0),
+                  (10, 1), (10, 2), (28, 2), (28, 1))
+MEASURED_KEY_HEADS: dict[tuple, dict[int, tuple]] = {
+    ("llama", 30, 9, 3, 64, 576, 49152): {2: tuple(sorted((layer, head, 4) for layer, head in _SMOLLM2_HEADS))},
 }

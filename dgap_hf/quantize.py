@@ -34,7 +34,17 @@ statistics are stored in BF16. Modes:
 
 Outliers (dense-and-sparse, as in KVQuant): `outliers=n` keeps the `n` elements of each group farthest from the
 group mean in BF16 with their uint8 position in the group; the dense part is quantized without them (they are
-replaced by the mean of the others) and they are written back on dequantization. Cost: `n * 24` bits per group.
+replaced by the mean of the others) and they are written back on dequantization. Cost: `n * 24` bits per group
+(`n * 16` with `outlier_dtype="float8_e4m3fn"`).
+
+Statistic formats (`scale_dtype`, `zero_dtype`, `outlier_dtype`): `"bfloat16"` (the default) or `"float8_e4m3fn"`
+(FP8 E4M3: 3 mantissa bits, finite range +/-448, subnormals down to 2^-9; values beyond the range saturate, smaller
+ones round to the nearest subnormal or zero). In `"minmax"` mode the statistics are rounded outward in either format
+(so the error bound above holds with the format's spacing, as long as the group stays within +/-448). In
+`"normal"` mode both are rounded to nearest. In
+`"normal"` and `"sign"` modes `zero_dtype="none"` stores no zero-point (symmetric groups, `x ~ scale * level[q]`,
+the scale fitted by least squares with the zero at 0): for channel groups of rotated vectors, whose mean is close
+to 0.
 """
 
 from __future__ import annotations
@@ -50,7 +60,21 @@ BITS = (1, 2, 4, 8)
 ONE_BIT_MODES = ("sign", "minmax")
 MODES = ("minmax", "sign", "normal")
 STAT_DTYPE = torch.bfloat16
+STAT_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
+ZERO_DTYPES = (*STAT_DTYPES, "none")
 _BF16_EPS = 2.0 ** -7  # spacing of BF16 values in [1, 2)
+
+
+def check_stat_dtype(name: str, what: str = "stat dtype", allow_none: bool = False) -> str:
+    allowed = ZERO_DTYPES if allow_none else tuple(STAT_DTYPES)
+    if name not in allowed:
+        raise ValueError(f"{what} must be one of {allowed}, not {name!r}")
+    return name
+
+
+def stat_bits(name: str) -> int:
+    """Bits of one stored statistic of format `name` (0 for `"none"`)."""
+    return 0 if name == "none" else torch.finfo(STAT_DTYPES[check_stat_dtype(name, allow_none=True)]).bits
 
 
 def check_bits(bits: int, what: str = "bits") -> int:
@@ -112,30 +136,59 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return c.reshape(*packed.shape[:-1], -1).to(torch.uint8)
 
 
-# --- BF16 outward rounding ------------------------------------------------------------------------------------------
-def _bf16_down(x: torch.Tensor) -> torch.Tensor:
-    b = x.to(STAT_DTYPE)
+# --- statistics: rounding to their format ----------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _fp8_grid() -> torch.Tensor:
+    """The finite FP8 E4M3 values, ascending (float32, one zero)."""
+    t = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    return torch.unique(t[torch.isfinite(t)])
+
+
+def _to_stat(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round to nearest in `dtype`; FP8 saturates at its largest finite value instead of overflowing to NaN."""
+    if dtype == torch.float8_e4m3fn:
+        big = torch.finfo(dtype).max
+        return x.clamp(-big, big).to(dtype)
+    return x.to(dtype)
+
+
+def _round_down(x: torch.Tensor, dtype: torch.dtype = STAT_DTYPE) -> torch.Tensor:
+    """The largest `dtype` value <= `x` (FP8: saturating at -448)."""
+    if dtype == torch.float8_e4m3fn:
+        grid = _fp8_grid().to(x.device)
+        i = (torch.searchsorted(grid, x.contiguous(), right=True) - 1).clamp_(0, grid.numel() - 1)
+        return grid[i].to(dtype)
+    b = x.to(dtype)
     return torch.where(b.float() > x, torch.nextafter(b, torch.full_like(b, -float("inf"))), b)
 
 
-def _bf16_up(x: torch.Tensor) -> torch.Tensor:
-    b = x.to(STAT_DTYPE)
+def _round_up(x: torch.Tensor, dtype: torch.dtype = STAT_DTYPE) -> torch.Tensor:
+    """The smallest `dtype` value >= `x` (FP8: saturating at 448)."""
+    if dtype == torch.float8_e4m3fn:
+        grid = _fp8_grid().to(x.device)
+        i = torch.searchsorted(grid, x.contiguous(), right=False).clamp_(0, grid.numel() - 1)
+        return grid[i].to(dtype)
+    b = x.to(dtype)
     return torch.where(b.float() < x, torch.nextafter(b, torch.full_like(b, float("inf"))), b)
+
+
+_bf16_down, _bf16_up = _round_down, _round_up
 
 
 # --- groups ----------------------------------------------------------------------------------------------------------
 @dataclass
 class QuantizedGroups:
-    """Packed codes plus BF16 statistics of groups of `group_size` elements.
+    """Packed codes plus statistics of groups of `group_size` elements.
 
-    `packed` is uint8 `[*lead, group_size * bits / 8]`; `scale` and `zero` are BF16 `[*lead]`. In `"sign"` mode
-    `scale` holds the mean absolute deviation and `zero` the mean. With outliers, `outlier_values` (BF16) and
-    `outlier_index` (uint8 position in the group) are `[*lead, n]`.
+    `packed` is uint8 `[*lead, group_size * bits / 8]`; `scale` and `zero` are `[*lead]` in their stat format
+    (BF16 or FP8; `zero` is None for symmetric groups). In `"sign"` mode `scale` holds the mean absolute deviation
+    and `zero` the mean. With outliers, `outlier_values` (BF16 or FP8) and `outlier_index` (uint8 position in the
+    group) are `[*lead, n]`.
     """
 
     packed: torch.Tensor
     scale: torch.Tensor
-    zero: torch.Tensor
+    zero: torch.Tensor | None
     bits: int
     mode: str
     group_size: int
@@ -144,8 +197,14 @@ class QuantizedGroups:
 
     @property
     def _tensor_names(self) -> tuple[str, ...]:
-        base = ("packed", "scale", "zero")
+        base = ("packed", "scale") if self.zero is None else ("packed", "scale", "zero")
         return base if self.outlier_values is None else base + ("outlier_values", "outlier_index")
+
+    @property
+    def _format(self) -> tuple:
+        dt = lambda t: None if t is None else t.dtype  # noqa: E731
+        return (self.bits, self.mode, self.group_size, dt(self.scale), dt(self.zero), dt(self.outlier_values),
+                None if self.outlier_values is None else self.outlier_values.shape[-1])
 
     @property
     def nbytes(self) -> int:
@@ -163,16 +222,15 @@ class QuantizedGroups:
 
     @property
     def stat_bytes(self) -> int:
-        return self.scale.numel() * self.scale.element_size() + self.zero.numel() * self.zero.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.scale, self.zero) if t is not None)
 
     def map(self, fn) -> "QuantizedGroups":
         """Apply `fn` to each tensor (they share their leading dims)."""
         return replace(self, **{n: fn(getattr(self, n)) for n in self._tensor_names})
 
     def cat(self, other: "QuantizedGroups", dim: int) -> "QuantizedGroups":
-        if ((other.bits, other.mode, other.group_size, other.outlier_values is None)
-                != (self.bits, self.mode, self.group_size, self.outlier_values is None)):
-            raise ValueError("cannot concatenate groups of different formats")
+        if other._format != self._format:
+            raise ValueError(f"cannot concatenate groups of different formats: {self._format} and {other._format}")
         return replace(self, **{n: torch.cat([getattr(self, n), getattr(other, n)], dim)
                                 for n in self._tensor_names})
 
@@ -180,9 +238,13 @@ class QuantizedGroups:
         return self.map(lambda t: t.to(device, non_blocking=True))
 
 
-def quantize_groups(x: torch.Tensor, bits: int, mode: str = "minmax", outliers: int = 0) -> QuantizedGroups:
+def quantize_groups(x: torch.Tensor, bits: int, mode: str = "minmax", outliers: int = 0, *,
+                    scale_dtype: str = "bfloat16", zero_dtype: str = "bfloat16",
+                    outlier_dtype: str = "bfloat16") -> QuantizedGroups:
     """Quantize the last dim of `x` (one group) to `bits` bits. `mode="sign"` needs `bits == 1`, `mode="normal"`
-    2 or 4 bits. `outliers`: elements per group kept in BF16 (the farthest from the group mean)."""
+    2 or 4 bits. `outliers`: elements per group kept in `outlier_dtype` (the farthest from the group mean).
+    `scale_dtype` / `zero_dtype`: the statistics' formats (module docstring); `zero_dtype="none"` (symmetric) is for
+    the `"normal"` and `"sign"` modes."""
     check_bits(bits)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
@@ -190,6 +252,14 @@ def quantize_groups(x: torch.Tensor, bits: int, mode: str = "minmax", outliers: 
         raise ValueError("sign mode is a 1-bit quantizer")
     if mode == "normal" and bits not in (2, 4):
         raise ValueError(f"normal (non-uniform) levels are for 2 or 4 bits, not {bits}")
+    sdt = STAT_DTYPES[check_stat_dtype(scale_dtype, "scale_dtype")]
+    odt = STAT_DTYPES[check_stat_dtype(outlier_dtype, "outlier_dtype")]
+    check_stat_dtype(zero_dtype, "zero_dtype", allow_none=True)
+    symmetric = zero_dtype == "none"
+    if symmetric and mode == "minmax":
+        raise ValueError("zero_dtype='none' (symmetric groups) needs the 'normal' or 'sign' mode; minmax groups "
+                         "need their zero-point")
+    zdt = None if symmetric else STAT_DTYPES[zero_dtype]
     g = x.shape[-1]
     if not 0 <= outliers < g or outliers > 255:
         raise ValueError(f"outliers per group must be in [0, min({g}, 256)), not {outliers}")
@@ -198,47 +268,53 @@ def quantize_groups(x: torch.Tensor, bits: int, mode: str = "minmax", outliers: 
     if outliers:
         mu = xf.mean(-1, keepdim=True)
         out_i = (xf - mu).abs().topk(outliers, -1).indices
-        out_v = xf.gather(-1, out_i).to(STAT_DTYPE)
+        out_v = _to_stat(xf.gather(-1, out_i), odt)
         keep = torch.ones_like(xf, dtype=torch.bool).scatter_(-1, out_i, False)
         rest_mean = (xf * keep).sum(-1, keepdim=True) / (g - outliers)
         xf = torch.where(keep, xf, rest_mean)  # the dense part, without the outliers
         out_i = out_i.to(torch.uint8)
+
+    def done(codes, scale, zero):
+        return QuantizedGroups(pack_bits(codes.to(torch.uint8), bits), scale.squeeze(-1),
+                               None if zero is None else zero.squeeze(-1), bits, mode, g, out_v, out_i)
+
     if mode == "sign":
-        mu = xf.mean(-1, keepdim=True).to(STAT_DTYPE)
-        mad = (xf - mu.float()).abs().mean(-1, keepdim=True).to(STAT_DTYPE)
-        codes = (xf >= mu.float()).to(torch.uint8)
-        return QuantizedGroups(pack_bits(codes, 1), mad.squeeze(-1), mu.squeeze(-1), 1, mode, g, out_v, out_i)
+        mu = torch.zeros_like(xf[..., :1]) if symmetric else _to_stat(xf.mean(-1, keepdim=True), zdt).float()
+        mad = _to_stat((xf - mu).abs().mean(-1, keepdim=True), sdt)
+        codes = xf >= mu
+        return done(codes, mad, None if symmetric else mu.to(zdt))
     if mode == "normal":
         levels = torch.tensor(normal_levels(bits), device=x.device)
-        mu = xf.mean(-1, keepdim=True)
-        sd = xf.std(-1, keepdim=True, correction=0)
+        mu = torch.zeros_like(xf[..., :1]) if symmetric else xf.mean(-1, keepdim=True)
+        sd = (xf * xf).mean(-1, keepdim=True).sqrt() if symmetric else xf.std(-1, keepdim=True, correction=0)
         edges = (levels[1:] + levels[:-1]) / 2
         z = ((xf - mu) / torch.where(sd > 0, sd, torch.ones_like(sd))).contiguous()
         codes = torch.bucketize(z, edges)
         c = levels[codes]
+        if symmetric:  # least squares through the origin
+            c2 = (c * c).mean(-1, keepdim=True)
+            scale = _to_stat((c * xf).mean(-1, keepdim=True) / torch.where(c2 > 0, c2, torch.ones_like(c2)), sdt)
+            return done(codes, scale, None)
         c_mean = c.mean(-1, keepdim=True)
         c_var = ((c - c_mean) ** 2).mean(-1, keepdim=True)
         cov = ((c - c_mean) * (xf - mu)).mean(-1, keepdim=True)
         scale = cov / torch.where(c_var > 0, c_var, torch.ones_like(c_var))
-        zero = mu - scale * c_mean
-        return QuantizedGroups(pack_bits(codes.to(torch.uint8), bits), scale.squeeze(-1).to(STAT_DTYPE),
-                               zero.squeeze(-1).to(STAT_DTYPE), bits, mode, g, out_v, out_i)
+        return done(codes, _to_stat(scale, sdt), _to_stat(mu - scale * c_mean, zdt))
     levels = 2 ** bits - 1
     lo = xf.amin(-1, keepdim=True)
     hi = xf.amax(-1, keepdim=True)
-    zero = _bf16_down(lo)
-    scale = _bf16_up((hi - zero.float()) / levels)
+    zero = _round_down(lo, zdt)
+    scale = _round_up((hi - zero.float()) / levels, sdt)
     s = scale.float()
     codes = torch.round((xf - zero.float()) / torch.where(s > 0, s, torch.ones_like(s))).clamp_(0, levels)
-    return QuantizedGroups(pack_bits(codes.to(torch.uint8), bits), scale.squeeze(-1), zero.squeeze(-1), bits, mode, g,
-                           out_v, out_i)
+    return done(codes, scale, zero)
 
 
 def dequantize_groups(q: QuantizedGroups, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`QuantizedGroups` -> values `[*lead, group_size]` in `dtype` (computed in float32)."""
     codes = unpack_bits(q.packed, q.bits)
     s = q.scale.float().unsqueeze(-1)
-    z = q.zero.float().unsqueeze(-1)
+    z = 0.0 if q.zero is None else q.zero.float().unsqueeze(-1)
     if q.mode == "sign":
         out = z + (2 * codes.float() - 1) * s
     elif q.mode == "normal":
@@ -269,33 +345,84 @@ def group_mode(bits: int, one_bit_mode: str = "sign", levels: str = "uniform") -
 
 
 def quantize_keys(k: torch.Tensor, bits: int, group_size: int, one_bit_mode: str = "sign", levels: str = "uniform",
-                  outliers: int = 0) -> QuantizedGroups:
+                  outliers: int = 0, **stat_formats) -> QuantizedGroups:
     """Keys `[B, H, S, D]` (`S % group_size == 0`), per channel over groups of `group_size` tokens.
+    `stat_formats`: `scale_dtype`, `zero_dtype`, `outlier_dtype` of `quantize_groups`.
 
     Codes `[B, H, S/G, D, G*bits/8]`, statistics `[B, H, S/G, D]`."""
     b, h, s, d = k.shape
     if s % group_size:
         raise ValueError(f"keys are quantized in whole groups of {group_size} tokens, got {s} tokens")
     x = k.reshape(b, h, s // group_size, group_size, d).transpose(-1, -2)
-    return quantize_groups(x, bits, group_mode(bits, one_bit_mode, levels), outliers)
+    return quantize_groups(x, bits, group_mode(bits, one_bit_mode, levels), outliers, **stat_formats)
 
 
-def dequantize_keys(q: QuantizedGroups, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_keys(q: "QuantizedGroups | HeadGroups", dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(q, HeadGroups):
+        parts = [dequantize_keys(p, dtype) for p in q.parts]
+        out = parts[0].new_empty(parts[0].shape[0], q.num_heads, *parts[0].shape[2:])
+        for heads, part in zip(q.heads, parts):
+            out[:, list(heads)] = part
+        return out
     x = dequantize_groups(q, dtype)  # [B, H, n, D, G]
     b, h, n, d, g = x.shape
     return x.transpose(-1, -2).reshape(b, h, n * g, d)
 
 
+@dataclass
+class HeadGroups:
+    """Keys of one layer whose KV heads use different bit widths: `parts[i]` (`QuantizedGroups` of
+    `quantize_keys`) holds the heads `heads[i]` (indices along dim 1). Same interface as `QuantizedGroups` for the
+    cache (`map`, `cat`, `to`, byte counts); `dequantize_keys` puts the heads back in order."""
+
+    heads: tuple[tuple[int, ...], ...]
+    parts: tuple[QuantizedGroups, ...]
+
+    @property
+    def num_heads(self) -> int:
+        return sum(len(h) for h in self.heads)
+
+    def map(self, fn) -> "HeadGroups":
+        return HeadGroups(self.heads, tuple(p.map(fn) for p in self.parts))
+
+    def cat(self, other: "HeadGroups", dim: int) -> "HeadGroups":
+        if not isinstance(other, HeadGroups) or other.heads != self.heads:
+            raise ValueError("cannot concatenate keys of different per-head formats")
+        return HeadGroups(self.heads, tuple(a.cat(b, dim) for a, b in zip(self.parts, other.parts)))
+
+    def to(self, device) -> "HeadGroups":
+        return self.map(lambda t: t.to(device, non_blocking=True))
+
+    nbytes = property(lambda self: sum(p.nbytes for p in self.parts))
+    packed_bytes = property(lambda self: sum(p.packed_bytes for p in self.parts))
+    stat_bytes = property(lambda self: sum(p.stat_bytes for p in self.parts))
+    outlier_bytes = property(lambda self: sum(p.outlier_bytes for p in self.parts))
+
+
+def quantize_keys_by_head(k: torch.Tensor, head_bits, group_size: int, one_bit_mode: str = "sign",
+                          levels: str = "uniform", outliers: int = 0, **stat_formats) -> HeadGroups:
+    """`quantize_keys` with `head_bits[h]` bits for KV head `h` of `k` `[B, H, S, D]` (heads of equal bits share
+    one `QuantizedGroups`)."""
+    head_bits = [check_bits(b, "head bits") for b in head_bits]
+    if len(head_bits) != k.shape[1]:
+        raise ValueError(f"head_bits has {len(head_bits)} entries for {k.shape[1]} KV heads")
+    heads = tuple(tuple(h for h, b in enumerate(head_bits) if b == bits) for bits in sorted(set(head_bits)))
+    parts = tuple(quantize_keys(k[:, list(hs)], head_bits[hs[0]], group_size, one_bit_mode, levels, outliers,
+                                **stat_formats) for hs in heads)
+    return HeadGroups(heads, parts)
+
+
 def quantize_values(v: torch.Tensor, bits: int, group_size: int, one_bit_mode: str = "sign", levels: str = "uniform",
-                    outliers: int = 0) -> QuantizedGroups:
+                    outliers: int = 0, **stat_formats) -> QuantizedGroups:
     """Values `[B, H, S, D]` (`D % group_size == 0`), per token over groups of `group_size` channels.
+    `stat_formats`: `scale_dtype`, `zero_dtype`, `outlier_dtype` of `quantize_groups`.
 
     Codes `[B, H, S, D/G, G*bits/8]`, statistics `[B, H, S, D/G]`."""
     b, h, s, d = v.shape
     if d % group_size:
         raise ValueError(f"values are quantized in groups of {group_size} channels; head_dim {d} is not a multiple")
     x = v.reshape(b, h, s, d // group_size, group_size)
-    return quantize_groups(x, bits, group_mode(bits, one_bit_mode, levels), outliers)
+    return quantize_groups(x, bits, group_mode(bits, one_bit_mode, levels), outliers, **stat_formats)
 
 
 def dequantize_values(q: QuantizedGroups, dtype: torch.dtype) -> torch.Tensor:
