@@ -35,7 +35,6 @@ from dataclasses import dataclass
 FORMAT_VERSION = 1
 BLOCK_TOKENS = 16
 GROUP_SIZE = 8
-MAX_TILE_CHANNELS = 128
 TILE_CHANNELS = (16, 32, 64, 128)
 ALIGN = 16
 

@@ -117,7 +117,7 @@ def fused_serves(head_dim: int) -> bool:
 
 def _cuda_serves(query: torch.Tensor, kv_heads: int) -> bool:
     """The CUDA kernel covers this shape (at most 8 query heads per kv-head, head_dim 64/128/256); else Triton."""
-    return query.shape[1] // kv_heads <= gaac_cuda.MAX_GROUP_HEADS and query.shape[-1] in (64, 128, 256)
+    return query.shape[1] // kv_heads <= gaac_cuda.MAX_GROUP_HEADS and fused_serves(query.shape[-1])
 
 
 # --- tiles -------------------------------------------------------------------------------------------------------

@@ -358,12 +358,10 @@ def _split_kernel(q_ptr, slot_ptr, slot_w_ptr, raw_ptr, raw_w_ptr, rawv_ptr, raw
 
 
 @triton.jit
-def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, S_PAD: tl.constexpr, D: tl.constexpr,
-                    D_PAD: tl.constexpr):
+def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, S_PAD: tl.constexpr, D: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, S_PAD)
-    d = tl.arange(0, D_PAD)  # D itself need not be a power of 2 (head dims 80, 96, ...)
-    dk = d < D
+    d = tl.arange(0, D)
     ok = s < SPLITS
     m = tl.load(m_ptr + pid * SPLITS + s, mask=ok, other=float("-inf"))
     l = tl.load(l_ptr + pid * SPLITS + s, mask=ok, other=0.0)
@@ -371,10 +369,10 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, S_PAD: tl.constexpr,
     big = tl.where(big == float("-inf"), 0.0, big)
     w = tl.exp2(m - big)
     total = tl.sum(l * w, axis=0)
-    acc = tl.load(acc_ptr + (pid * SPLITS + s)[:, None] * D + d[None, :], mask=ok[:, None] & dk[None, :], other=0.0)
+    acc = tl.load(acc_ptr + (pid * SPLITS + s)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
     o = tl.sum(acc * w[:, None], axis=0)
     o = tl.where(total > 0, o / total, 0.0)
-    tl.store(out_ptr + pid * D + d, o.to(tl.bfloat16), mask=dk)
+    tl.store(out_ptr + pid * D + d, o.to(tl.bfloat16))
 
 
 @functools.lru_cache(maxsize=None)
@@ -441,8 +439,7 @@ def _launch(query, slot_pool, raw_pool, rawv_pool, raw_tile, raw_row, table, tai
             SLOT_LINES=triton.next_power_of_2(triton.cdiv(slot_pool.shape[-1], 128)), HOIST=hoist, **offsets,
             num_warps=num_warps, num_stages=num_stages,
         )
-        _combine_kernel[(b * hq,)](m_out, l_out, acc_out, out, splits, S_PAD=triton.next_power_of_2(splits), D=d,
-                                      D_PAD=triton.next_power_of_2(d))
+        _combine_kernel[(b * hq,)](m_out, l_out, acc_out, out, splits, S_PAD=triton.next_power_of_2(splits), D=d)
     return out
 
 
