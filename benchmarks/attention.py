@@ -132,6 +132,7 @@ def main():
                    "(each needs a torch.compile)")
     p.add_argument("--breakdown-shape", type=int, default=2, help="shape for the leave-one-stage-out breakdown")
     p.add_argument("--cuda-sweep", action="store_true", help="sweep the CUDA kernel's ring depth, warps and splits")
+    p.add_argument("--twin-sweep", action="store_true", help="sweep the CUDA twin's ring depth and warps per CTA")
     p.add_argument("--no-triton", action="store_true", help="skip the Triton kernel (fused, twin, breakdown)")
     p.add_argument("--graphs", action="store_true", help="also time the CUDA kernel and the baselines replayed from "
                    "CUDA graphs (GPU time without host launch cost)")
@@ -250,6 +251,24 @@ def main():
                         sweep[key] = f"{type(e).__name__}: {e}"[:120]
                 cuda_info["sweep_us"] = sweep
                 print("cuda sweep", sweep, flush=True)
+            if args.twin_sweep and s == 65536 and b == 1 and hq == 32:
+                # the twin's ring depth and CTA shape (its bits depend on the split count alone, kept)
+                twin_sweep = {}
+                for stages, warps in ((2, 4), (3, 4), (4, 4), (3, 2), (4, 2), (2, 8)):
+                    key = f"stages{stages}_warps{warps}"
+                    try:
+                        ppv = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, stages=stages, warps=warps,
+                                             nsplit=pc.nsplit)
+                        same = torch.equal(gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, ppv)
+                                           .view(torch.int16), twin.view(torch.int16))
+                        us = (bench_graph if args.graphs else bench)(lambda i, ppv=ppv: gaac_cuda.plain_decode_attention(
+                            q, bufs[i][1], bufs[i][2], kv_len, None, scale, ppv), args.buffers)
+                        twin_sweep[key] = {"us": us, "bits_equal": same, "registers": ppv.kernels(dev)[0].registers,
+                                           "ctas_per_sm": ppv.kernels(dev)[0].blocks_per_sm(ppv.warps * 32, ppv.smem)}
+                    except Exception as e:  # noqa: BLE001 - a variant may not fit in shared memory
+                        twin_sweep[key] = f"{type(e).__name__}: {e}"[:120]
+                cuda_info["twin_sweep_us"] = twin_sweep
+                print("twin sweep", twin_sweep, flush=True)
         if not args.no_triton:
             variants.update({"gaac_fused": (run_gaac, gaac_bytes), "triton_same_kernel_bf16": (run_plain, bf16_bytes),
                              "decompress_then_cudnn": (run_decomp, gaac_bytes)})

@@ -47,12 +47,17 @@ def variants(hist: torch.Tensor) -> dict:
     free4 = best_window(hist, 2 * WINDOW_3BIT)
     lo = lambda b, k: (b.int() - k).clamp(0, 240).to(torch.uint8)  # noqa: E731
     a3 = aligned_window(hist, WINDOW_3BIT, WINDOW_3BIT)
+    e3, e4 = aligned_window(hist, WINDOW_3BIT, 2), aligned_window(hist, 2 * WINDOW_3BIT, 2)
     return {
         "format_1_free_windows": (b3, free4),
         "tied_4bit_window_b3-4": (b3, lo(b3, 4)),  # [b3 - 4, b3 + 12): centred on the 3-bit window
         "tied_4bit_window_b3-8": (b3, lo(b3, 8)),  # [b3 - 8, b3 + 8): the 3-bit window is its upper half
         "tied_4bit_window_b3": (b3, b3),  # [b3, b3 + 16): its lower half
         "aligned_3bit_tied_b3-8": (a3, lo(a3, 8)),  # exponent field = base | code, no add, one path
+        # both windows start at even exponents: the top 7 exponent bits are coded and the lowest is stored
+        # verbatim with the mantissa (the BF16 low byte), a byte-split layout
+        "even_windows": (e3, e4),
+        "even_3bit_tied_b3-4": (e3, lo(e3, 4)),
     }
 
 
