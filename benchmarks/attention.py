@@ -132,6 +132,7 @@ def main():
                    "(each needs a torch.compile)")
     p.add_argument("--breakdown-shape", type=int, default=2, help="shape for the leave-one-stage-out breakdown")
     p.add_argument("--cuda-sweep", action="store_true", help="sweep the CUDA kernel's ring depth, warps and splits")
+    p.add_argument("--interleave-sweep", action="store_true", help="time contiguous and interleaved split layouts")
     p.add_argument("--twin-sweep", action="store_true", help="sweep the CUDA twin's ring depth and warps per CTA")
     p.add_argument("--no-triton", action="store_true", help="skip the Triton kernel (fused, twin, breakdown)")
     p.add_argument("--graphs", action="store_true", help="also time the CUDA kernel and the baselines replayed from "
@@ -251,6 +252,32 @@ def main():
                         sweep[key] = f"{type(e).__name__}: {e}"[:120]
                 cuda_info["sweep_us"] = sweep
                 print("cuda sweep", sweep, flush=True)
+            if args.interleave_sweep:
+                # split s reads blocks s, s + nsplit, ... (neighbouring blocks streamed together) vs a contiguous range
+                il = {}
+                for inter in (False, True):
+                    pci = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, interleave=inter)
+                    ppi = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, interleave=inter)
+                    gi = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout, pci)
+                    ti = gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, ppi)
+                    timer = bench_graph if args.graphs else bench
+                    il[f"interleave_{int(inter)}"] = {
+                        "bit_identical_to_twin": torch.equal(gi.view(torch.int16), ti.view(torch.int16)),
+                        "rel_err_vs_fp32": ((gi.float() - ref).norm() / ref.norm()).item(),
+                        "gaac_us": timer(lambda i, pci=pci: gaac_cuda.decode_attention(
+                            q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout, pci),
+                            args.buffers),
+                        "twin_us": timer(lambda i, ppi=ppi: gaac_cuda.plain_decode_attention(
+                            q, bufs[i][1], bufs[i][2], kv_len, None, scale, ppi), args.buffers)}
+                    if SHAPES.index((name, hq, hkv, d, b, s)) == args.breakdown_shape:
+                        pvi = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, skip=3,
+                                             interleave=inter)
+                        il[f"interleave_{int(inter)}"]["loads_only_us"] = timer(
+                            lambda i, pvi=pvi: gaac_cuda.decode_attention(
+                                q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout, pvi,
+                                combine=False), args.buffers)
+                cuda_info["interleave_us"] = il
+                print("interleave", il, flush=True)
             if args.twin_sweep and s == 65536 and b == 1 and hq == 32:
                 # the twin's ring depth and CTA shape (its bits depend on the split count alone, kept)
                 twin_sweep = {}

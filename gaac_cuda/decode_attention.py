@@ -26,6 +26,7 @@ MAX_GROUP_HEADS = 8  # query heads per kv-head: the n dimension of the mma tile
 MIN_UNITS_PER_SPLIT = 4
 SPLITS_PER_SM = 12  # warps (= splits) resident per SM at head_dim 64/128 (3 CTAs of 4 warps); 256: 4 (1 CTA)
 COMBINE_THREADS = 512  # COMBINE_WARPS * 32 in the kernel source
+INTERLEAVE = False  # default split layout: contiguous block ranges (see `plan`)
 
 
 class _Params(ctypes.Structure):  # mirrors `struct Params` in the kernel source
@@ -100,11 +101,14 @@ class DecodePlan:
 
 def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, device, *, slot_bytes: int = 0,
          plain: bool = False, nsplit: int | None = None, warps: int = 4, stages: int = 2,
-         min_ctas: int | None = None, skip: int = 0, trace: bool = False) -> DecodePlan:
+         min_ctas: int | None = None, skip: int = 0, trace: bool = False,
+         interleave: bool = INTERLEAVE) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
-    `trace` (benchmarks): the kernels write globaltimer stamps into a `trace` tensor (see `trace_size`)."""
+    `trace` (benchmarks): the kernels write globaltimer stamps into a `trace` tensor (see `trace_size`).
+    `interleave`: split s reads blocks s, s + nsplit, ... instead of a contiguous range (the bits depend on it:
+    compressed KV and its twin must be planned alike, as the default does)."""
     if head_dim not in (64, 128, 256):
         raise ValueError(f"the CUDA decode kernel supports head_dim 64, 128 and 256, not {head_dim}")
     if not 1 <= rep <= MAX_GROUP_HEADS:
@@ -120,7 +124,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         min_ctas = 1 if tiles == 2 else 12 // warps
     options = (f"-DGAAC_C={channels}", f"-DGAAC_TILES={tiles}",
                f"-DGAAC_PLAIN={int(plain)}", f"-DGAAC_STAGES={stages}", f"-DGAAC_WARPS={warps}",
-               f"-DGAAC_MIN_CTAS={min_ctas}")
+               f"-DGAAC_MIN_CTAS={min_ctas}", f"-DGAAC_INTERLEAVE={int(interleave)}")
     if trace:
         options += ("-DGAAC_TRACE=1",)
     if skip:  # benchmark-only variants of the leave-one-stage-out breakdown (wrong results by design)

@@ -121,15 +121,17 @@ def test_cuda_compressed_equals_plain_twin(case):
     (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout = compressed_case(
         b, h, nrep, lengths, d, kind, cap, seed=sum(lengths) + d, pad=pad)
     scale = d ** -0.5
-    for nsplit in (1, 3, None):
-        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit)
-        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit)
-        got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
-        twin = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
-        assert torch.equal(bits(got), bits(twin)), f"compressed != plain twin (nsplit {pc.nsplit})"
     ref = reference_attention(q.cpu(), k.cpu(), v.cpu(), kv_len.cpu(), None if mask is None else mask.cpu(), scale)
-    err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
-    assert err < 1e-2, err
+    for nsplit in (1, 3, None):
+        for interleave in (False, True):  # contiguous block ranges per split, or blocks s, s + nsplit, ...
+            pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit,
+                      interleave=interleave)
+            pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, interleave=interleave)
+            got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
+            twin = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
+            assert torch.equal(bits(got), bits(twin)), f"compressed != twin (nsplit {pc.nsplit}, {interleave=})"
+            err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
+            assert err < 1e-2, (err, pc.nsplit, interleave)
 
 
 

@@ -34,6 +34,9 @@
 #ifndef GAAC_TRACE  // benchmark probe: per-warp globaltimer stamps into Params::trace
 #define GAAC_TRACE 0
 #endif
+#ifndef GAAC_INTERLEAVE  // split s reads units s, s + nsplit, ... (1) or a contiguous range (0)
+#define GAAC_INTERLEAVE 0
+#endif
 #ifndef GAAC_MIN_CTAS  // register budget: CTAs of GAAC_WARPS warps that must fit on one SM
 #define GAAC_MIN_CTAS 1
 #endif
@@ -491,8 +494,14 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   const int len = p.kv_len[b];
   const int nb = len >> 4, tl = len & 15;
   const int units = nb + (tl > 0 ? 1 : 0);
+  // the split's units: u0, u0 + ustep, ... (n of them). GAAC_INTERLEAVE: split s takes units s, s + nsplit, ..., so
+  // the warps of a row stream neighbouring blocks at the same time; else a contiguous range of ceil(units / nsplit)
+#if GAAC_INTERLEAVE
+  const int u0 = split, ustep = p.nsplit, n = split < units ? (units - split + p.nsplit - 1) / p.nsplit : 0;
+#else
   const int per = (units + p.nsplit - 1) / p.nsplit;
-  const int u0 = min(units, split * per), u1 = min(units, u0 + per);
+  const int u0 = min(units, split * per), ustep = 1, n = min(units, u0 + per) - u0;
+#endif
 
   if (lane == 0) {
 #pragma unroll
@@ -615,32 +624,34 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       for (int c = 0; c < 4; ++c) o[T][n][c] = 0.f;
 
   // table entries are loaded one issue ahead, so no issue waits on a global load
-  auto load_entries = [&](int u, int (&e)[2][TILES]) {
+  auto load_entries = [&](int j, int (&e)[2][TILES]) {  // of the split's j-th unit
 #pragma unroll
     for (int kv = 0; kv < 2; ++kv)
 #pragma unroll
-      for (int T = 0; T < TILES; ++T) e[kv][T] = u < u1 ? entry(u, kv, T) : 0;
+      for (int T = 0; T < TILES; ++T) e[kv][T] = j < n ? entry(u0 + j * ustep, kv, T) : 0;
   };
   int ent[2][TILES];
-  load_entries(u0, ent);
+  load_entries(0, ent);
   u32 phases = 0;
   const u8* mrow = p.mask ? p.mask + (i64)b * p.mask_sb : nullptr;
   constexpr bool DECODE = !GAAC_PLAIN && !(GAAC_SKIP & 2);
 
-  // one loop for the prologue and the steady state: iteration u issues unit u + STAGES - 1, then consumes unit u
-  for (int u = u0 - (GAAC_STAGES - 1); u < u1; ++u) {
-    const int next = u + GAAC_STAGES - 1;
-    if (next < u1) {
-      issue(next, (next - u0) % GAAC_STAGES, ent);
+  // one loop for the prologue and the steady state: iteration j issues the split's unit j + STAGES - 1, then
+  // consumes its unit j
+  for (int j = -(GAAC_STAGES - 1); j < n; ++j) {
+    const int next = j + GAAC_STAGES - 1;
+    if (next < n) {
+      issue(u0 + next * ustep, next % GAAC_STAGES, ent);
       load_entries(next + 1, ent);
     }
-    if (u < u0) continue;
-    const int st = (u - u0) % GAAC_STAGES;
-    if (!GAAC_PLAIN && lane == 0 && u + 8 < nb)
-      asm volatile("prefetch.global.L1 [%0];" ::"l"(trow + (i64)(u + 8) * tstride));
+    if (j < 0) continue;
+    const int u = u0 + j * ustep;
+    const int st = j % GAAC_STAGES;
+    if (!GAAC_PLAIN && lane == 0 && u + 8 * ustep < nb)
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(trow + (i64)(u + 8 * ustep) * tstride));
     mbar_wait(bars + 8 * st, (phases >> st) & 1);
     phases ^= 1u << st;
-    if (GAAC_TRACE && lane == 0 && u == u0) p.trace[4 * item + 1] = gtimer();
+    if (GAAC_TRACE && lane == 0 && j == 0) p.trace[4 * item + 1] = gtimer();
     const u32 slots_here = kinds[st];
     const bool tail = u >= nb;
     const int valid = tail ? tl : 16;
