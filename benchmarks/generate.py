@@ -323,6 +323,10 @@ def host_profile(stepper: "Stepper", device, steps: int = 3) -> dict:
     skips = {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}
     if skips:
         out["inductor_cudagraph_counters"] = dict(skips)
+    # where the rest of the host time goes: the events with the most self CPU time per step
+    top = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+    out["top_self_cpu_us"] = {e.key[:80]: [round(e.self_cpu_time_total / steps, 1), round(e.count / steps, 2)]
+                              for e in top}
     return out
 
 
