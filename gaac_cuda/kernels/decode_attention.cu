@@ -34,6 +34,9 @@
 #ifndef GAAC_TRACE  // benchmark probe: per-warp globaltimer stamps into Params::trace
 #define GAAC_TRACE 0
 #endif
+#ifndef GAAC_FORMAT  // slot format: 1 (docs/format.md) or 2 (the byte-split prototype of benchmarks/format_v2_probe.py)
+#define GAAC_FORMAT 1
+#endif
 #ifndef GAAC_INTERLEAVE  // split s reads units s, s + nsplit, ... (1) or a contiguous range (0)
 #define GAAC_INTERLEAVE 0
 #endif
@@ -147,12 +150,18 @@ __device__ __forceinline__ float exp2_(float x) {
 }
 __device__ __forceinline__ u32 lds(const u8* p) { return *reinterpret_cast<const u32*>(p); }
 
-// Bit `i` of every byte lane of planes 0..NP-1 -> bits 0..NP-1 of that lane (the lane's exponent code).
+// Format 1: plane p holds bit p of the exponent code. Format 2 (byte-split prototype, benchmarks/format_v2_probe.py):
+// plane 0 holds the sign (bit 7 of the BF16 high byte) and plane p >= 1 bit p - 1 of the code of the high byte's
+// 7 exponent bits; the sign+mantissa bytes hold the BF16 low byte (exponent bit 0 and the mantissa).
+#define PLANE_BIT(p) (GAAC_FORMAT == 2 ? ((p) == 0 ? 7 : (p) - 1) : (p))
+
+// Bit `i` of every byte lane of planes 0..NP-1 -> bit PLANE_BIT(p) of that lane (the lane's code).
 template <int NP>
 __device__ __forceinline__ u32 codes(const u32 (&pl)[8], int i) {
   u32 c = 0;
 #pragma unroll
-  for (int p = 0; p < NP; ++p) c |= __funnelshift_r(pl[p], pl[p], (i - p) & 31) & (0x01010101u << p);
+  for (int p = 0; p < NP; ++p)
+    c |= __funnelshift_r(pl[p], pl[p], (i - PLANE_BIT(p)) & 31) & (0x01010101u << PLANE_BIT(p));
   return c;
 }
 
@@ -172,9 +181,15 @@ __device__ __forceinline__ u32 bitsel(u32 a, u32 b, u32 m) {
 // Exponent bytes e and sign|mantissa bytes sm of channels c0..c3 of one token -> BF16 pairs lo = (c0, c2) and
 // hi = (c1, c3): the sign-replicating permute puts sm in the low byte and its sign in the high byte of each half,
 // the shifted exponent bytes fill bits 7..14 of each half.
+// Format 2: e holds the BF16 high bytes and sm the low bytes: one byte permute per pair.
 __device__ __forceinline__ void merge(u32 e, u32 sm, u32& lo, u32& hi) {
-  lo = bitsel(prmt(sm, 0u, 0xA280u), e << 7, BF16_SM_BITS);
-  hi = bitsel(prmt(sm, 0u, 0xB391u), e >> 1, BF16_SM_BITS);
+  if (GAAC_FORMAT == 2) {
+    lo = prmt(sm, e, 0x6240u);
+    hi = prmt(sm, e, 0x7351u);
+  } else {
+    lo = bitsel(prmt(sm, 0u, 0xA280u), e << 7, BF16_SM_BITS);
+    hi = bitsel(prmt(sm, 0u, 0xB391u), e >> 1, BF16_SM_BITS);
+  }
 }
 // Natural BF16 pairs (c0, c1), (c2, c3) -> the score mma's k order (c0, c2), (c1, c3).
 __device__ __forceinline__ void kpairs(u32 w01, u32 w23, u32& lo, u32& hi) {

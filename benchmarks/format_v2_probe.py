@@ -1,0 +1,185 @@
+"""The format-v2 question of issue 12, measured in the CUDA kernel: a byte-split slot prototype.
+
+Format 1 (docs/format.md) keeps each element's sign+mantissa byte and codes its 8-bit exponent; the kernel then
+rebuilds a BF16 pair with a byte permute, two shifts and two bit-selects per 4 elements, because the exponent
+straddles the two bytes of a BF16. The prototype ("format 2") splits at the byte boundary instead: the BF16 low byte
+(exponent bit 0 and the mantissa) is kept verbatim where format 1 keeps sign+mantissa, the high byte's 7 exponent bits
+are coded against windows that start at even exponents (codes relative to base / 2, so a 3-bit window is a 2-bit code
+of the high byte) and the sign is bit-plane 0. Sizes, section offsets, mode rules and escape bytes per mode are those
+of format 1 (bit-planes 1-2 hold code bits 0-1; a 4-bit group escapes code bit 2, a raw group code bits 2-6), and a
+pair is one byte permute. `benchmarks/tied_windows.py` measured what even windows cost in ratio (1.405x, 27.6%
+resident saving on held-out SmolLM2 KV, against 1.409x / 27.9%).
+
+This script encodes the same real-statistics KV both ways (the prototype encoder lives here: it is not a format the
+caches write), checks each kernel bit for bit against the plain-BF16 twin, and times both, graph-replayed:
+
+    python benchmarks/format_v2_probe.py --real-kv .bench/real_kv_2k.safetensors --out $OUT/format_v2_probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import gaac_cuda  # noqa: E402
+from benchmarks.attention import bench_graph, compress, real_kv  # noqa: E402
+from gaac_hf.calibrate import choose_escape_capacity, exponent_histogram, window_sums  # noqa: E402
+from gaac_hf.codec import escape_bytes, group_modes, split_head, to_groups  # noqa: E402
+from gaac_hf.format import ESCAPE_BYTES_PER_GROUP, MODE_3BIT, MODE_4BIT, MODE_RAW, TileLayout, tile_split  # noqa: E402
+
+SHAPES = [("llama8b", 32, 8, 128, 1, 16384), ("llama8b", 32, 8, 128, 1, 65536), ("llama8b", 32, 8, 128, 4, 65536),
+          ("smollm2", 9, 3, 64, 1, 65536)]
+
+
+def even_window(hist: torch.Tensor, width: int) -> torch.Tensor:
+    """Base of the best window of `width` exponents among those starting at even exponents (uint8)."""
+    sums = window_sums(hist, width)
+    starts = torch.arange(sums.shape[-1], device=hist.device)
+    return torch.where(starts % 2 == 0, sums, -1).argmax(-1).to(torch.uint8)
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """`[..., n, 8]` of 0/1 -> `[..., n]` bytes (element i in bit i), int32."""
+    return (bits.to(torch.int32) << torch.arange(8, device=bits.device, dtype=torch.int32)).sum(-1, dtype=torch.int32)
+
+
+def encode_v2(x: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, capacity: int):
+    """Byte-split prototype slots of BF16 tiles `[..., 16, C]` under even windows `[..., C]` -> (slots uint8
+    `[..., slot_bytes]`, fits bool `[...]`, modes `[..., G]`)."""
+    c = x.shape[-1]
+    layout = TileLayout(c, capacity)
+    lead = x.shape[:-2]
+    base3, base4 = base3.expand(*lead, c), base4.expand(*lead, c)
+    bits = x.view(torch.int16).to(torch.int32) & 0xFFFF
+    exponent, low, sign = (bits >> 7) & 0xFF, bits & 0xFF, (bits >> 15) & 1
+    mode = group_modes(exponent, base3, base4)  # even windows: the format-1 rules, on the 7 high exponent bits
+    per_group = lambda b: to_groups(b.to(torch.int32).unsqueeze(-2).expand(exponent.shape))[..., 0]  # noqa: E731
+    half = torch.where(mode == MODE_3BIT, per_group(base3) >> 1,
+                       torch.where(mode == MODE_4BIT, per_group(base4) >> 1, 0))
+    code = (to_groups(exponent >> 1) - half.unsqueeze(-1)) & 0x7F  # [..., G, 8]
+    planes = torch.stack([pack_bits(to_groups(sign))] + [pack_bits((code >> p) & 1) for p in range(7)], -2)
+    tags = torch.stack([mode >= MODE_4BIT, mode == MODE_RAW], -2)
+    tags = pack_bits(tags.reshape(*lead, 2, layout.tag_plane_bytes, 8)).reshape(*lead, 2 * layout.tag_plane_bytes)
+    weights = torch.tensor(ESCAPE_BYTES_PER_GROUP, dtype=torch.int32, device=x.device)[mode.long()]
+    offsets = weights.cumsum(-1, dtype=torch.int32) - weights
+    k = torch.arange(5, device=x.device, dtype=torch.int32)
+    values = planes[..., 3:, :].transpose(-1, -2)  # [..., G, 5]: code bits 2..6 of each group
+    dump = max(5 * layout.groups, capacity)
+    index = torch.where(k < weights.unsqueeze(-1), offsets.unsqueeze(-1) + k, dump)
+    area = torch.zeros(*lead, dump + 1, dtype=torch.int32, device=x.device)
+    area.scatter_(-1, index.reshape(*lead, -1).long(), values.reshape(*lead, -1))
+    pad = torch.zeros(*lead, layout.escape_offset - layout.tags_end, dtype=torch.int32, device=x.device)
+    slots = torch.cat([low.reshape(*lead, layout.elements), planes[..., :3, :].reshape(*lead, 3 * layout.groups),
+                       tags, pad, area[..., :capacity]], -1).to(torch.uint8)
+    return slots, weights.sum(-1) <= capacity, mode
+
+
+def compress_v2(k: torch.Tensor, v: torch.Tensor):
+    """`compress` of benchmarks/attention.py with even windows and the prototype encoder; bases returned halved
+    (what the kernel adds to a code)."""
+    b, h, s, d = k.shape
+    c = tile_split(d)[1]
+    n = s // 16
+    hist = exponent_histogram(torch.stack([k, v]).transpose(1, 2).reshape(1, 2, h, b * s, d))[0]
+    base3, base4 = even_window(hist, 8), even_window(hist, 16)  # [2, H, D]
+    shape = (2, h, d // c, c)
+    b3, b4 = base3.reshape(shape), base4.reshape(shape)
+    kv = torch.stack([k, v], 2)[:, :, :, : n * 16]
+    tiles = split_head(kv.reshape(b, h, 2, n, 16, d).permute(0, 3, 2, 1, 4, 5))  # [B, n, 2, H, T, 16, C]
+    sample = tiles[:, : min(n, 512)]
+    exp = (sample.view(torch.int16).to(torch.int32) >> 7) & 0xFF
+    capacity = choose_escape_capacity(escape_bytes(group_modes(exp, b3, b4)).reshape(-1), c)
+    slots, fits, modes = [], [], torch.zeros(3, dtype=torch.int64, device=k.device)
+    step = max(1, 16384 // (2 * h * (d // c)))
+    for j in range(0, n, step):
+        sl, ft, md = encode_v2(tiles[:, j:j + step], b3, b4, capacity)
+        slots.append(sl)
+        fits.append(ft)
+        modes += torch.bincount(md.reshape(-1).long(), minlength=3)
+    slots, fits = torch.cat(slots, 1), torch.cat(fits, 1)
+    raw_pool = tiles[~fits].contiguous()
+    if raw_pool.shape[0] == 0:
+        raw_pool = torch.zeros(1, 16, c, dtype=torch.bfloat16, device=k.device)
+    table = torch.empty(fits.shape, dtype=torch.int32, device=k.device)
+    table[fits] = torch.arange(int(fits.sum()), dtype=torch.int32, device=k.device)
+    table[~fits] = -1 - torch.arange(int((~fits).sum()), dtype=torch.int32, device=k.device)
+    layout = TileLayout(c, capacity)
+    info = {"escape_capacity": capacity, "raw_tiles": int((~fits).sum()),
+            "mode_shares": (modes.double() / modes.sum()).tolist(),
+            "bytes": int(fits.sum()) * layout.slot_bytes + int((~fits).sum()) * layout.raw_bytes + table.numel() * 4
+            + 2 * k[:, :, n * 16:].numel() * 2}
+    packed = (slots[fits].contiguous(), raw_pool, table, k[:, :, n * 16:].contiguous(), v[:, :, n * 16:].contiguous(),
+              (base3 >> 1).contiguous(), (base4 >> 1).contiguous())
+    return packed, layout, info
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--real-kv", default=".bench/real_kv_2k.safetensors")
+    p.add_argument("--buffers", type=int, default=3)
+    p.add_argument("--out", default="benchmarks/results/format_v2_probe.json")
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    pool = load_file(args.real_kv)["kv"]
+    gen = torch.Generator().manual_seed(0)
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+    for name, hq, hkv, d, b, s in SHAPES:
+        t0 = time.time()
+        k, v = (t.to(dev) for t in real_kv(pool, b, hkv, s, d, gen))
+        q = torch.randn(b, hq, d, device=dev).to(torch.bfloat16)
+        scale = d ** -0.5
+        kv_len = torch.full((b,), s, dtype=torch.int32, device=dev)
+        p1, info1 = compress(k, v)
+        l1 = TileLayout(tile_split(d)[1], info1["escape_capacity"])
+        p2, l2, info2 = compress_v2(k, v)
+        pp = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True)
+        twin = gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, pp)
+        row = {"shape": f"{hq}/{hkv}/{d} {b}x{s}", "bf16_bytes": 4 * k.numel()}
+        for label, packed, layout, info, fmt in (("format_1", p1, l1, info1, 1), ("format_2_prototype", p2, l2, info2, 2)):
+            pc = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, format_version=fmt,
+                                nsplit=pp.nsplit)
+            got = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout, pc)
+            bufs = [packed] + [tuple(x.clone() for x in packed) for _ in range(args.buffers - 1)]
+
+            def run(i, pc=pc, layout=layout, skip_plan=None):
+                pk = bufs[i]
+                gaac_cuda.decode_attention(q, *pk[:5], pk[5], pk[6], kv_len, None, scale, layout, skip_plan or pc)
+            us = bench_graph(run, args.buffers)
+            entry = {"bit_identical_to_twin": torch.equal(got.view(torch.int16), twin.view(torch.int16)),
+                     "us": us, "bytes": info["bytes"], "ratio": round(row["bf16_bytes"] / info["bytes"], 4),
+                     "gb_per_s": round(info["bytes"] / us / 1e3, 1), "escape_capacity": info["escape_capacity"],
+                     "mode_shares": [round(x, 5) for x in info["mode_shares"]],
+                     "registers": pc.kernels(dev)[0].registers}
+            if (b, s, hq) == (1, 65536, 32):
+                for skip, key in ((1, "no_math_us"), (2, "no_reconstruction_us")):
+                    pv = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes,
+                                        format_version=fmt, nsplit=pp.nsplit, skip=skip)
+                    entry[key] = bench_graph(lambda i, pv=pv: run(i, skip_plan=pv), args.buffers)
+            row[label] = entry
+        row["twin_us"] = bench_graph(lambda i: gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, pp),
+                                     args.buffers)
+        row["speedup_format_2"] = round(row["format_1"]["us"] / row["format_2_prototype"]["us"], 3)
+        res["rows"].append(row)
+        print(json.dumps(row), f"({time.time() - t0:.0f}s)", flush=True)
+    print("\n| shape | format 1 us (ratio) | format 2 prototype us (ratio) | speedup | twin us | bits = twin (1 / 2) |")
+    print("|---|---|---|---|---|---|")
+    for r in res["rows"]:
+        a, c = r["format_1"], r["format_2_prototype"]
+        print(f"| {r['shape']} | {a['us']:.1f} ({a['ratio']}) | {c['us']:.1f} ({c['ratio']}) | {r['speedup_format_2']}x "
+              f"| {r['twin_us']:.1f} | {a['bit_identical_to_twin']} / {c['bit_identical_to_twin']} |")
+    res["command"] = " ".join(["python", "benchmarks/format_v2_probe.py", *sys.argv[1:]])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
