@@ -136,6 +136,26 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return c.reshape(*packed.shape[:-1], -1).to(torch.uint8)
 
 
+@functools.lru_cache(maxsize=None)
+def _byte_levels(bits: int, mode: str, device: torch.device) -> torch.Tensor:
+    """float32 `[256, 8 / bits]`: the level of every code of a packed byte (code `i` at bit `i * bits`), as
+    `dequantize_groups` computes it from the code: `2c - 1` (sign), `normal_levels(bits)[c]` (normal), `c` (else)."""
+    codes = unpack_bits(torch.arange(256, dtype=torch.uint8), bits).reshape(256, 8 // bits)
+    if mode == "sign":
+        out = 2 * codes.float() - 1
+    elif mode == "normal":
+        out = torch.tensor(normal_levels(bits))[codes.long()]
+    else:
+        out = codes.float()
+    return out.to(device)
+
+
+def code_levels(packed: torch.Tensor, bits: int, mode: str) -> torch.Tensor:
+    """Packed codes uint8 `[..., m]` -> their float32 levels `[..., m * 8 / bits]` by one lookup per byte."""
+    lut = _byte_levels(check_bits(bits), mode, packed.device)
+    return torch.nn.functional.embedding(packed.long(), lut).reshape(*packed.shape[:-1], -1)
+
+
 # --- statistics: rounding to their format ----------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _fp8_grid() -> torch.Tensor:
@@ -312,15 +332,9 @@ def quantize_groups(x: torch.Tensor, bits: int, mode: str = "minmax", outliers: 
 
 def dequantize_groups(q: QuantizedGroups, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`QuantizedGroups` -> values `[*lead, group_size]` in `dtype` (computed in float32)."""
-    codes = unpack_bits(q.packed, q.bits)
     s = q.scale.float().unsqueeze(-1)
     z = 0.0 if q.zero is None else q.zero.float().unsqueeze(-1)
-    if q.mode == "sign":
-        out = z + (2 * codes.float() - 1) * s
-    elif q.mode == "normal":
-        out = z + torch.tensor(normal_levels(q.bits), device=codes.device)[codes.long()] * s
-    else:
-        out = z + codes.float() * s
+    out = z + code_levels(q.packed, q.bits, q.mode) * s
     if q.outlier_values is not None:
         out = out.scatter(-1, q.outlier_index.long(), q.outlier_values.float())
     return out.to(dtype)

@@ -127,3 +127,19 @@ def test_precision_names():
     for bad in ("K3V3", "K2", "fp16", "K16V16", "V2K2", ""):
         with pytest.raises(UnknownPrecisionError):
             parse_precision(bad)
+
+
+@pytest.mark.parametrize("bits,mode", [(b, m) for b in (1, 2, 4, 8) for m in ("minmax", "normal")] + [(1, "sign")])
+def test_code_levels_by_byte_lookup_equal_per_code_levels(bits, mode):
+    """The one-lookup-per-byte decode of packed codes gives exactly the per-code levels (2c - 1, the Lloyd-Max
+    levels, or c) of every code of every byte, in pack order."""
+    from dgap_hf.quantize import code_levels, normal_levels, pack_bits, unpack_bits
+
+    gen = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 2 ** bits, (3, 5, 64), generator=gen, dtype=torch.int32).to(torch.uint8)
+    packed = pack_bits(codes, bits)
+    assert torch.equal(unpack_bits(packed, bits), codes)
+    c = codes.float()
+    want = {"sign": 2 * c - 1, "normal": torch.tensor(normal_levels(bits))[codes.long()], "minmax": c}[mode]
+    got = code_levels(packed, bits, mode)
+    assert got.dtype == torch.float32 and torch.equal(got.view(torch.int32), want.view(torch.int32))
