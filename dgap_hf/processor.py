@@ -30,6 +30,7 @@ from hf_common.model_config import identity_mismatches, warn_if_other_name
 
 from .features import N_PHI, candidate_features, detector_features_from_top, full_vocab_stats
 from .fused_features import WindowConstants, fused_runtime_features, split_row
+from .kernel_step import KernelStep, kernel_serves
 from .models import DGAPMismatchError, DGAPModel
 from .precision import normalize_precision
 
@@ -73,6 +74,7 @@ class DGAPLogitsProcessor(LogitsProcessor):
         self.cuda_graph = bool(cuda_graph)
         self._graphs = {}  # (shape, dtype, device) -> (CUDAGraph, static input, static output)
         self._prepared = None  # (WindowConstants, the corrector's flat normalization or None), on the device
+        self._kernel = None  # the Triton step (`kernel_step.KernelStep`) on CUDA, where it serves these models
         self._corrected = None  # device counter of corrected rows
         self._rows = 0
         if model_config is not None:
@@ -127,8 +129,8 @@ class DGAPLogitsProcessor(LogitsProcessor):
 
     # --- runtime -----------------------------------------------------------------------------------------------
     def _prepare(self, device: torch.device) -> None:
-        """Move the models to `device` and build the window constants, the shared normalization and the device
-        counter there (host side, once per device)."""
+        """Move the models to `device` and build the window constants, the shared normalization, the device
+        counter and, on CUDA, the Triton step there (host side, once per device)."""
         if self.detector.phi_mean.device != device:
             self.model.to(device)
             self._graphs.clear()
@@ -140,8 +142,19 @@ class DGAPLogitsProcessor(LogitsProcessor):
             norm = (torch.cat([c.xi_mean.repeat(self.k_b), c.phi_mean]),
                     torch.cat([c.xi_std.repeat(self.k_b), c.phi_std]))
         self._prepared = (WindowConstants(self.k_b, device), norm)
+        self._kernel = self._kernel_step(norm) if device.type == "cuda" else None
         old = self._corrected
         self._corrected = torch.zeros((), dtype=torch.long, device=device) if old is None else old.to(device)
+
+    def _kernel_step(self, norm) -> KernelStep | None:
+        """The Triton step for these models, or None (transformer models, a window past `MAX_K`, no Triton)."""
+        if not kernel_serves(self.detector, self.corrector, self.k_b):
+            return None
+        try:
+            import triton_ops.dgap_merge  # noqa: F401 - Triton present and importable
+        except ImportError:
+            return None
+        return KernelStep(self.detector, self.corrector, self.k_b, norm)
 
     @torch.no_grad()
     def restore(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -153,6 +166,8 @@ class DGAPLogitsProcessor(LogitsProcessor):
 
     def _restore(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`restore` for scores already checked, on the prepared device (the per-step path: no host checks)."""
+        if self._kernel is not None:
+            return self._kernel(scores, self.tau)
         consts, norm = self._prepared
         row, vals, idx, lse_in = fused_runtime_features(scores, consts)
         phi, xi = split_row(row, self.k_b)
@@ -185,6 +200,8 @@ class DGAPLogitsProcessor(LogitsProcessor):
         return out, risk, corrected
 
     def _step(self, scores: torch.Tensor) -> torch.Tensor:
+        if self._kernel is not None and not torch.compiler.is_compiling():
+            return self._kernel(scores, self.tau, self._corrected)[0]  # counted by the merge kernel
         out, _, corrected = self._restore(scores)
         self._corrected.add_(corrected.sum())  # stays on the device: no synchronization per step
         return out
