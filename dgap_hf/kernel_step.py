@@ -47,8 +47,8 @@ class KernelStep:
     """The processor step for one (detector, corrector, K_b, corrector normalization) on one device.
 
     It holds references to the modules' own weights (no copies: later in-place updates are seen, as by a captured
-    graph). `__call__(scores, tau, counter=None) -> (new scores, risk, corrected)`; with `counter` (int64 scalar) the
-    corrected rows are added to it on the device."""
+    graph). `__call__(scores, tau, atol, counter=None) -> (new scores, risk, corrected)`: rows with `|lse| < atol`
+    count as log-probabilities; with `counter` (int64 scalar) the corrected rows are added to it on the device."""
 
     def __init__(self, detector: DGAPDetector, corrector: DGAPCorrector, k: int,
                  corrector_norm: tuple[torch.Tensor, torch.Tensor]):
@@ -67,8 +67,8 @@ class KernelStep:
         flat = [t for pair in self.detector + self.corrector for t in pair]
         return flat + list(self.detector_norm) + list(self.corrector_norm)
 
-    def __call__(self, scores: torch.Tensor, tau: float, counter: torch.Tensor | None = None,
-                 atol: float = 1e-3, block: int = BLOCK):
+    def __call__(self, scores: torch.Tensor, tau: float, atol: float, counter: torch.Tensor | None = None,
+                 block: int = BLOCK):
         if torch.compiler.is_compiling():
             if counter is not None:
                 raise ValueError("under torch.compile the step counts in tensor code (the operator mutates nothing)")

@@ -3,7 +3,8 @@
 Every call, for all rows at once and without host-device synchronization:
 
 1. `S = TopK(scores, K_b)` and the features `phi` (detector) and `xi` (candidates) from the scores, in one fused
-   pass (`fused_features.py`; `features.py` is the definition, `reference_restore` the step computed from it);
+   pass (`fused_features.py`; `features.py` is the definition, `reference_restore` the step computed from it; on
+   CUDA all four steps are six Triton kernels, `kernel_step.py`);
 2. `r = sigmoid(f_theta(phi))`;
 3. `delta = g_psi(xi, phi)` on the `[N, K_b]` window of every row, kept only where `r > tau` (a mask, not a
    Python branch: the corrector is evaluated on the K_b slice of all rows and discarded for the others, which
@@ -51,13 +52,16 @@ class DGAPLogitsProcessor(LogitsProcessor):
     config) to check the artifact against the model up front (`check_model`); the vocabulary size is checked on every
     call anyway. `stats()` reports how many rows were corrected (kept as device counters, read on demand).
 
-    On CUDA, each call replays a CUDA graph of the whole step, captured on the first call of each scores shape
+    On CUDA the step is six Triton kernels (`kernel_step.py`; linear / MLP models, `triton=False` for the torch
+    step), and each call replays a CUDA graph of the whole step, captured on the first call of each scores shape
     (`cuda_graph=False` runs the kernels one by one); inside a step that is itself being captured or compiled the
-    step runs as plain tensor code, which is capturable and compiles with `fullgraph=True`.
+    step runs without its own graph (the Triton step as one custom operator), which is capturable and compiles with
+    `fullgraph=True`. The Triton step agrees with the torch step within float32 rounding (the torch step on the CPU
+    is bit-identical to `reference_restore`); graph and eager calls of either give the same bits.
     """
 
     def __init__(self, model: DGAPModel, precision: str = "K2V2", *, tau: float | None = None,
-                 k_b: int | None = None, model_config=None, cuda_graph: bool = True):
+                 k_b: int | None = None, model_config=None, cuda_graph: bool = True, triton: bool = True):
         spec = model.spec(precision)
         self.model = model.eval()
         self.precision = normalize_precision(precision)
@@ -72,6 +76,7 @@ class DGAPLogitsProcessor(LogitsProcessor):
             raise ValueError(f"the {self.precision} corrector works on a window of {self.corrector.window} "
                              f"candidates; K_b = {self.k_b} does not fit")
         self.cuda_graph = bool(cuda_graph)
+        self.triton = bool(triton)
         self._graphs = {}  # (shape, dtype, device) -> (CUDAGraph, static input, static output)
         self._prepared = None  # (WindowConstants, the corrector's flat normalization or None), on the device
         self._kernel = None  # the Triton step (`kernel_step.KernelStep`) on CUDA, where it serves these models
@@ -83,10 +88,12 @@ class DGAPLogitsProcessor(LogitsProcessor):
     # --- construction / Hub ------------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, repo_or_path, precision: str = "K2V2", *, model_config=None, tau: float | None = None,
-                        k_b: int | None = None, cuda_graph: bool = True, **hub_kwargs) -> "DGAPLogitsProcessor":
+                        k_b: int | None = None, cuda_graph: bool = True, triton: bool = True,
+                        **hub_kwargs) -> "DGAPLogitsProcessor":
         """Load a DGAP artifact (Hub repo id or local folder) and pick one precision's models."""
         model = DGAPModel.from_pretrained(repo_or_path, **hub_kwargs)
-        return cls(model, precision, tau=tau, k_b=k_b, model_config=model_config, cuda_graph=cuda_graph)
+        return cls(model, precision, tau=tau, k_b=k_b, model_config=model_config, cuda_graph=cuda_graph,
+                   triton=triton)
 
     def save_pretrained(self, save_directory, **kwargs):
         """Save the whole artifact (all precisions): `config.json`, `model.safetensors`, `README.md`."""
@@ -142,7 +149,7 @@ class DGAPLogitsProcessor(LogitsProcessor):
             norm = (torch.cat([c.xi_mean.repeat(self.k_b), c.phi_mean]),
                     torch.cat([c.xi_std.repeat(self.k_b), c.phi_std]))
         self._prepared = (WindowConstants(self.k_b, device), norm)
-        self._kernel = self._kernel_step(norm) if device.type == "cuda" else None
+        self._kernel = self._kernel_step(norm) if device.type == "cuda" and self.triton else None
         old = self._corrected
         self._corrected = torch.zeros((), dtype=torch.long, device=device) if old is None else old.to(device)
 
@@ -159,7 +166,7 @@ class DGAPLogitsProcessor(LogitsProcessor):
     @torch.no_grad()
     def restore(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`(new_scores, risk [N], corrected [N] bool)` for scores `[N, V]` (see the module docstring); the
-        features come from `fused_features` (bit-identical to `features.py`)."""
+        features come from `fused_features` (bit-identical to `features.py`) or, on CUDA, the Triton step."""
         self._check_scores(scores)
         self._prepare(scores.device)
         return self._restore(scores)
@@ -167,7 +174,7 @@ class DGAPLogitsProcessor(LogitsProcessor):
     def _restore(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`restore` for scores already checked, on the prepared device (the per-step path: no host checks)."""
         if self._kernel is not None:
-            return self._kernel(scores, self.tau)
+            return self._kernel(scores, self.tau, NORMALIZED_ATOL)
         consts, norm = self._prepared
         row, vals, idx, lse_in = fused_runtime_features(scores, consts)
         phi, xi = split_row(row, self.k_b)
@@ -201,7 +208,7 @@ class DGAPLogitsProcessor(LogitsProcessor):
 
     def _step(self, scores: torch.Tensor) -> torch.Tensor:
         if self._kernel is not None and not torch.compiler.is_compiling():
-            return self._kernel(scores, self.tau, self._corrected)[0]  # counted by the merge kernel
+            return self._kernel(scores, self.tau, NORMALIZED_ATOL, self._corrected)[0]  # counted by the merge kernel
         out, _, corrected = self._restore(scores)
         self._corrected.add_(corrected.sum())  # stays on the device: no synchronization per step
         return out
