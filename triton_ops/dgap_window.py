@@ -189,8 +189,8 @@ def window_features(scores: torch.Tensor, k: int, floor: float, near_top_nats: f
                     block: int = 2048):
     """The window and features of logits `scores` `[N, V]` (float32 / bfloat16 / float16, last dim contiguous):
     `(row [N, 2 * 18 + 11 k] float32, window logits [N, BK] float32, window tokens [N, BK] int64, stats [N, 4]
-    float32 (lse, max logit, mass outside the window relative to exp(max), unused))` where `BK` is the next power
-    of 2 of `k` (columns past `k` are unused). `block`: logits per program of the vocabulary pass (a power of 2
+    float32 (lse, max logit, mass outside the window relative to exp(max), unset))` where `BK` is the next power
+    of 2 of `k` (columns past `k` are unset). `block`: logits per program of the vocabulary pass (a power of 2
     >= BK). `floor`, `near_top_nats`, `tail_mass_floor`: `features.FEATURE_SPEC`'s constants."""
     n, vocab = scores.shape
     bk = triton.next_power_of_2(k)
@@ -206,9 +206,9 @@ def window_features(scores: torch.Tensor, k: int, floor: float, near_top_nats: f
     keys = torch.empty(n, parts, bk, dtype=torch.int64, device=dev)
     width = 2 * N_PHI + k * N_XI
     row = torch.empty(n, width, dtype=torch.float32, device=dev)
-    win = torch.zeros(n, bk, dtype=torch.float32, device=dev)
-    tok = torch.zeros(n, bk, dtype=torch.int64, device=dev)
-    stats = torch.zeros(n, 4, dtype=torch.float32, device=dev)
+    win = torch.empty(n, bk, dtype=torch.float32, device=dev)  # columns past k: never written nor read (no memset)
+    tok = torch.empty(n, bk, dtype=torch.int64, device=dev)
+    stats = torch.empty(n, 4, dtype=torch.float32, device=dev)
     with on_device_of(scores):
         _vocab_pass_kernel[(n, parts)](scores, scores.stride(0), vocab, part, keys, parts, k, BK=bk, BLOCK=block,
                                        num_warps=8)
