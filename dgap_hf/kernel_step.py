@@ -86,6 +86,8 @@ def kernel_restore(scores: torch.Tensor, tensors: list[torch.Tensor], detector_l
     from triton_ops.dgap_mlp import mlp_pair
     from triton_ops.dgap_window import window_features
 
+    if scores.shape[0] == 0:  # no rows: nothing to launch
+        return scores.clone(), scores.new_empty(0, dtype=torch.float32), scores.new_empty(0, dtype=torch.bool)
     pairs = [(tensors[2 * i], tensors[2 * i + 1]) for i in range((len(tensors) - 4) // 2)]
     det_norm, cor_norm = tuple(tensors[-4:-2]), tuple(tensors[-2:])
     row, window, tokens, stats = window_features(scores, k, FEATURE_SPEC["floor"], FEATURE_SPEC["near_top_nats"],

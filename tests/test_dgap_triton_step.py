@@ -182,6 +182,8 @@ def test_kernel_step_counts_on_the_device_and_restore_does_not():
     out = proc(None, scores)
     assert proc.stats()["corrected"] == int(fixed.sum()) and proc.stats()["rows"] == len(fixed)
     assert same_bits(out, proc.restore(scores)[0])
+    empty = proc(None, scores[:0])
+    assert empty.shape == (0, scores.shape[1]) and proc.stats()["corrected"] == int(fixed.sum())
 
 
 def test_kernel_step_is_six_launches_for_the_shipped_mlps():
