@@ -155,6 +155,12 @@ EAGER_VARIANTS = {  # name: (cuda_graph, triton); the CPU runs the first two
     "graph": (True, True)}
 
 
+def triton_active(procs) -> dict:
+    """Per variant: whether its step ran as Triton kernels to the end (the processor falls back to the torch step,
+    with a warning, where a kernel fails to build)."""
+    return {name: p._kernel is not None for name, p in procs.items()}
+
+
 def eager(args, model, ids, device, result):
     names = list(EAGER_VARIANTS) if device.type == "cuda" else ["reference", "fused"]
     procs = {n: make_processor(args, model, *EAGER_VARIANTS[n]).to(device) for n in names}
@@ -173,6 +179,8 @@ def eager(args, model, ids, device, result):
         except Exception as e:  # noqa: BLE001 - one failing cache must not lose the other's numbers
             traceback.print_exc()
             result["eager"][cache_name] = {"error": f"{type(e).__name__}: {e}"[:800]}
+    result["triton_step_active"] = triton_active(procs)
+    print(f"Triton step ran to the end: {result['triton_step_active']}", flush=True)
 
 
 def eager_cache(args, model, ids, device, result, cache_name, calls, kw):
@@ -296,9 +304,11 @@ def captured(args, model, ids, device, result):
         row[f"processor_gpu_share_of_step_{step}"] = round(gpu_ms / row["plain"]["p50_ms"], 4)
         row[f"processor_graph_kernels_{step}"] = (cuda_launch_counts(lambda s: proc(None, s), scores)["gpu_kernels"]
                                                   if device.type == "cuda" else None)
+    row["triton_step_active"] = triton_active(procs)
     result["captured"]["StaticCache"] = row
     cells = "  ".join(f"{n} +{100 * row[n]['overhead_p95']:.1f}%" for n in variants)
-    print(f"captured StaticCache step p95 {row['plain']['p95_ms']:.3f} ms | p95 overhead: {cells}", flush=True)
+    print(f"captured StaticCache step p95 {row['plain']['p95_ms']:.3f} ms | p95 overhead: {cells} | Triton step "
+          f"ran to the end: {row['triton_step_active']}", flush=True)
     for step in ("triton", "torch"):
         print(f"  processor graph ({step} step): {row[f'processor_graph_kernels_{step}']} GPU kernels (incl. its "
               f"copy in/out), GPU time {row[f'processor_gpu_ms_{step}']:.4f} ms "

@@ -52,12 +52,13 @@ class DGAPLogitsProcessor(LogitsProcessor):
     config) to check the artifact against the model up front (`check_model`); the vocabulary size is checked on every
     call anyway. `stats()` reports how many rows were corrected (kept as device counters, read on demand).
 
-    On CUDA the step is six Triton kernels (`kernel_step.py`; linear / MLP models, `triton=False` for the torch
-    step), and each call replays a CUDA graph of the whole step, captured on the first call of each scores shape
-    (`cuda_graph=False` runs the kernels one by one); inside a step that is itself being captured or compiled the
-    step runs without its own graph (the Triton step as one custom operator), which is capturable and compiles with
-    `fullgraph=True`. The Triton step agrees with the torch step within float32 rounding (the torch step on the CPU
-    is bit-identical to `reference_restore`); graph and eager calls of either give the same bits.
+    On CUDA the step is six Triton kernels (`kernel_step.py`; linear / MLP models; `triton=False`, or a kernel that
+    fails to build, with a warning, gives the torch step), and each call replays a CUDA graph of the whole step,
+    captured on the first call of each scores shape (`cuda_graph=False` runs the kernels one by one); inside a step
+    that is itself being captured or compiled the step runs without its own graph (the Triton step as one custom
+    operator), which is capturable and compiles with `fullgraph=True`. The Triton step agrees with the torch step
+    within float32 rounding (the torch step on the CPU is bit-identical to `reference_restore`); graph and eager
+    calls of either give the same bits.
     """
 
     def __init__(self, model: DGAPModel, precision: str = "K2V2", *, tau: float | None = None,
@@ -174,7 +175,11 @@ class DGAPLogitsProcessor(LogitsProcessor):
     def _restore(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`restore` for scores already checked, on the prepared device (the per-step path: no host checks)."""
         if self._kernel is not None:
-            return self._kernel(scores, self.tau, NORMALIZED_ATOL)
+            if torch.compiler.is_compiling():
+                return self._kernel(scores, self.tau, NORMALIZED_ATOL)  # one custom operator
+            result = self._kernel_or_none(scores)
+            if result is not None:
+                return result
         consts, norm = self._prepared
         row, vals, idx, lse_in = fused_runtime_features(scores, consts)
         phi, xi = split_row(row, self.k_b)
@@ -206,9 +211,24 @@ class DGAPLogitsProcessor(LogitsProcessor):
         out = torch.where(renorm, (out_f - torch.logsumexp(out_f, -1, keepdim=True)).to(scores.dtype), out)
         return out, risk, corrected
 
+    def _kernel_or_none(self, scores: torch.Tensor, counter: torch.Tensor | None = None):
+        """The Triton step's result, or None when it failed to build or launch here (a Triton version that cannot
+        compile a kernel, say): warned once, and the torch step serves from then on."""
+        try:
+            return self._kernel(scores, self.tau, NORMALIZED_ATOL, counter)
+        except Exception as e:  # noqa: BLE001 - the torch step computes the same thing
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise
+            warnings.warn(f"DGAPLogitsProcessor: the Triton step failed ({type(e).__name__}: {e}); running the "
+                          "torch step instead")
+            self._kernel = None
+            return None
+
     def _step(self, scores: torch.Tensor) -> torch.Tensor:
         if self._kernel is not None and not torch.compiler.is_compiling():
-            return self._kernel(scores, self.tau, NORMALIZED_ATOL, self._corrected)[0]  # counted by the merge kernel
+            result = self._kernel_or_none(scores, self._corrected)  # counted by the merge kernel
+            if result is not None:
+                return result[0]
         out, _, corrected = self._restore(scores)
         self._corrected.add_(corrected.sum())  # stays on the device: no synchronization per step
         return out

@@ -219,6 +219,17 @@ def test_kernel_step_serves_linear_and_mlp_models_only():
         dgap_window.window_features(torch.zeros(1, 4), 8, 50.0, 1.0, 1e-12)
 
 
+def test_a_failing_triton_step_falls_back_to_the_torch_step():
+    proc = kernel_processor(tau=0.65)
+    scores = awkward_scores(seed=2, device=DEVICE)
+    expected = torch_step(proc, scores)[0]
+    with mock.patch.object(dgap_window, "window_features", side_effect=RuntimeError("PTX for this GPU failed")):
+        with pytest.warns(UserWarning, match="PTX for this GPU failed"):
+            out = proc(None, scores)
+    assert proc._kernel is None and same_bits(out, expected)
+    assert proc.stats()["corrected"] == int(torch_step(proc, scores)[2].sum())  # counted once, by the torch step
+
+
 def test_kernel_step_compiles_as_one_operator():
     proc = kernel_processor(tau=0.65)
     scores = awkward_scores(seed=2, device=DEVICE)
