@@ -71,48 +71,30 @@ def _check(name, x, layers, norm):
 def mlp_pair(xa: torch.Tensor, layers_a, norm_a, xb: torch.Tensor, layers_b, norm_b):
     """`(MLP a of xa, MLP b of xb)`, float32 `[N, out]` each. `xa`/`xb`: float32 `[N, in]` (column views of one row
     are fine: the last dim must be contiguous); `layers_*`: `[(weight, bias), ...]`; `norm_*`: `(mean [in], std
-    [in])`, applied to the input on load."""
+    [in])`, applied to the input on load. The shallower MLP's layers run with the deeper one's last ones."""
     _check("a", xa, layers_a, norm_a)
     _check("b", xb, layers_b, norm_b)
     if xa.stride(-1) != 1 or xb.stride(-1) != 1 or xa.shape[0] != xb.shape[0]:
         raise ValueError("both inputs need the same rows and a contiguous last dim")
     n = xa.shape[0]
+    xs, mlps = [xa, xb], [(layers_a, norm_a), (layers_b, norm_b)]
     depth = max(len(layers_a), len(layers_b))
     with on_device_of(xa):
-        for layer in range(depth):
-            # the shallower MLP is padded at its start: its layers run with the deeper one's last ones
-            la = layer - (depth - len(layers_a))
-            lb = layer - (depth - len(layers_b))
-            ya = _launch_layer(xa, layers_a, la, norm_a, xb, layers_b, lb, norm_b, n)
-            if la >= 0:
-                xa = ya[0]
-            if lb >= 0:
-                xb = ya[1]
-    return xa, xb
-
-
-def _launch_layer(xa, layers_a, la, norm_a, xb, layers_b, lb, norm_b, n):
-    jobs = []
-    for x, layers, l, norm in ((xa, layers_a, la, norm_a), (xb, layers_b, lb, norm_b)):
-        if l < 0:
-            continue
-        w, b = layers[l]
-        y = torch.empty(n, w.shape[0], dtype=torch.float32, device=x.device)
-        mean, std = norm if l == 0 else (b, b)  # unused past the first layer
-        jobs.append((x, w, b, y, mean, std, l == 0, l < len(layers) - 1))
-    if len(jobs) == 1:
-        jobs.append(jobs[0])  # one MLP only in this layer: its job twice, the second with no chunks
-        chunks = (triton.cdiv(jobs[0][1].shape[0], BJ), 0)
-    else:
-        chunks = (triton.cdiv(jobs[0][1].shape[0], BJ), triton.cdiv(jobs[1][1].shape[0], BJ))
-    (xa, wa, ba, ya, ma, sa, na, ga), (xb, wb, bb, yb, mb, sb, nb, gb) = jobs
-    _dense_pair_kernel[(n, chunks[0] + chunks[1])](
-        xa, xa.stride(0), wa.shape[1], ma, sa, wa, ba, ya, wa.shape[0],
-        xb, xb.stride(0), wb.shape[1], mb, sb, wb, bb, yb, wb.shape[0], chunks[0],
-        NORM_A=na, GELU_A=ga, NORM_B=nb, GELU_B=gb, BJ=BJ, BI=BI, num_warps=4)
-    out = [None, None]
-    if la >= 0:
-        out[0] = ya
-    if lb >= 0:
-        out[1] = yb if la >= 0 else ya
-    return out
+        for step in range(depth):
+            jobs = []  # (x, weight, bias, y, mean, std, normalize, gelu) of the MLPs that have a layer at this step
+            for m, (layers, norm) in enumerate(mlps):
+                layer = step - (depth - len(layers))
+                if layer < 0:
+                    continue
+                w, b = layers[layer]
+                y = torch.empty(n, w.shape[0], dtype=torch.float32, device=xa.device)
+                mean, std = norm if layer == 0 else (b, b)  # (b, b): not read past the first layer
+                jobs.append((xs[m], w, b, y, mean, std, layer == 0, layer < len(layers) - 1))
+                xs[m] = y
+            chunks = [triton.cdiv(job[1].shape[0], BJ) for job in jobs] + [0]  # one job: the second gets no chunks
+            (xa_, wa, ba, ya, ma, sa, na, ga), (xb_, wb, bb, yb, mb, sb, nb, gb) = (jobs * 2)[:2]
+            _dense_pair_kernel[(n, chunks[0] + chunks[1])](
+                xa_, xa_.stride(0), wa.shape[1], ma, sa, wa, ba, ya, wa.shape[0],
+                xb_, xb_.stride(0), wb.shape[1], mb, sb, wb, bb, yb, wb.shape[0], chunks[0],
+                NORM_A=na, GELU_A=ga, NORM_B=nb, GELU_B=gb, BJ=BJ, BI=BI, num_warps=4)
+    return xs[0], xs[1]
