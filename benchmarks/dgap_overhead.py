@@ -89,6 +89,35 @@ def cuda_launch_counts(fn, *args) -> dict:
     return {"launches": len(launches), "launches_by_name": dict(Counter(launches)), "gpu_kernels": len(kernels)}
 
 
+def triton_step_launches(proc, scores, device) -> int | None:
+    """Triton kernel launches of one call of the processor's Triton step (`kernel_step.py`) on `device` (on the CPU
+    only under TRITON_INTERPRET=1); None where it cannot run."""
+    from unittest import mock
+
+    from dgap_hf.kernel_step import KernelStep, kernel_serves
+    from dgap_hf.processor import NORMALIZED_ATOL
+    from triton_ops.device import interpreted
+
+    if not (device.type == "cuda" or interpreted()) or not kernel_serves(proc.detector, proc.corrector, proc.k_b):
+        return None
+    from triton_ops import dgap_merge, dgap_mlp, dgap_window
+
+    kernels = [dgap_window._vocab_pass_kernel, dgap_window._window_kernel, dgap_mlp._dense_pair_kernel,
+               dgap_merge._merge_kernel]
+    proc.to(device)._prepare(device)
+    step = KernelStep(proc.detector, proc.corrector, proc.k_b, proc._prepared[1])
+    original, seen = type(kernels[0]).run, []
+
+    def run(self, *a, **kw):
+        seen.append(self)
+        return original(self, *a, **kw)
+
+    with mock.patch.object(type(kernels[0]), "run", run):
+        step(scores.to(device), proc.tau, NORMALIZED_ATOL)
+    proc.to("cpu")
+    return sum(k in kernels for k in seen)
+
+
 def untrained_artifact(config, precision: str, k_b: int) -> DGAPModel:
     spec = {"k_b": k_b, "tau": 0.0,  # tau 0: the detector fires, so the corrected slice is written every step
             "detector": {"n_features": N_PHI, "arch": "mlp", "hidden": 128, "layers": 2},
@@ -350,6 +379,10 @@ def main(argv=None):
               "fused": aten_op_counts(lambda s: probe(None, s), scores)}
     print(f"aten ops per processor call (CPU profiler): reference {counts['reference']['ops']}, "
           f"fused {counts['fused']['ops']}", flush=True)
+    launches = triton_step_launches(probe, scores, device)
+    if launches is not None:
+        counts["triton_step_kernel_launches"] = launches
+        print(f"Triton step: {launches} kernel launches per processor call", flush=True)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "mode": args.mode, "context": args.context, "batch": args.batch,
               "steps": args.steps, "warmup": args.warmup, "precision": args.precision, "k_b": probe.k_b,
