@@ -7,15 +7,21 @@ architecture and `--k-b` with tau 0, so that the corrected slice is written ever
 
 `--mode eager`: a greedy decode loop with `LowBitCache` and `DynamicCache`; every step times the model (CUDA
 synchronized) and then, on the same logits, each processor variant: `reference` (the step computed feature by
-feature from `features.py`, what the processor ran before the fused step), `fused` (`cuda_graph=False`: the fused
-kernels one by one) and, on CUDA, `graph` (the default: the fused step replayed from the processor's own CUDA graph).
-Overhead = p95 (and mean) of model + variant over p95 (mean) of the model alone.
+feature from `features.py`, what the processor ran before the fused step), `fused` (the torch fused step, kernels
+one by one) and, on CUDA, `fused_graph` (the torch fused step in the processor's own CUDA graph: the session-4
+default), `triton` (the Triton step, `kernel_step.py`, kernels one by one) and `graph` (the default: the Triton step
+in the processor's own graph). Overhead = p95 (and mean) of model + variant over p95 (mean) of the model alone.
+Recorded per run: whether graph and eager outputs are bit-identical, and how far the Triton step's outputs are from
+the torch step's (finite entries; the same rows corrected).
 
 `--mode captured` (CUDA): a `StaticCache` filled with the prefill's KV and `torch.compile(mode="reduce-overhead",
 fullgraph=True)` decode steps (CUDA graphs): `plain` (the compiled model step), `in_graph` (model step and
-`DGAPLogitsProcessor.restore` compiled and captured together), `plus_graph` (the compiled model step, then the
-processor's own graph), in blocks plain / in_graph / plus_graph / plain; plus `processor_gpu_ms`, the GPU time of one
-replay of the processor's graph (CUDA events over back-to-back replays).
+`DGAPLogitsProcessor.restore` compiled and captured together: the Triton step as one custom operator),
+`plus_graph` (the compiled model step, then the processor's own graph), and the same two with the torch step
+(`in_graph_torch`: Inductor fuses it into the model's graph; `plus_graph_torch`), in blocks plain / in_graph /
+plus_graph / in_graph_torch / plus_graph_torch / plain; plus `processor_gpu_ms` and `processor_graph_kernels`, the
+GPU time of one replay of the processor's graph (CUDA events over back-to-back replays) and its GPU kernels
+(profiler), for the Triton and the torch step.
 
 Both modes also record `aten_ops`: aten operators per processor call (torch.profiler on CPU, view operators not
 counted), the reference step against the fused one, which is what sets the number of kernel launches on CUDA.
@@ -83,6 +89,35 @@ def cuda_launch_counts(fn, *args) -> dict:
     return {"launches": len(launches), "launches_by_name": dict(Counter(launches)), "gpu_kernels": len(kernels)}
 
 
+def triton_step_launches(proc, scores, device) -> int | None:
+    """Triton kernel launches of one call of the processor's Triton step (`kernel_step.py`) on `device` (on the CPU
+    only under TRITON_INTERPRET=1); None where it cannot run."""
+    from unittest import mock
+
+    from dgap_hf.kernel_step import KernelStep, kernel_serves
+    from dgap_hf.processor import NORMALIZED_ATOL
+    from triton_ops.device import interpreted
+
+    if not (device.type == "cuda" or interpreted()) or not kernel_serves(proc.detector, proc.corrector, proc.k_b):
+        return None
+    from triton_ops import dgap_merge, dgap_mlp, dgap_window
+
+    kernels = [dgap_window._vocab_pass_kernel, dgap_window._window_kernel, dgap_mlp._dense_pair_kernel,
+               dgap_merge._merge_kernel]
+    proc.to(device)._prepare(device)
+    step = KernelStep(proc.detector, proc.corrector, proc.k_b, proc._prepared[1])
+    original, seen = type(kernels[0]).run, []
+
+    def run(self, *a, **kw):
+        seen.append(self)
+        return original(self, *a, **kw)
+
+    with mock.patch.object(type(kernels[0]), "run", run):
+        step(scores.to(device), proc.tau, NORMALIZED_ATOL)
+    proc.to("cpu")
+    return sum(k in kernels for k in seen)
+
+
 def untrained_artifact(config, precision: str, k_b: int) -> DGAPModel:
     spec = {"k_b": k_b, "tau": 0.0,  # tau 0: the detector fires, so the corrected slice is written every step
             "detector": {"n_features": N_PHI, "arch": "mlp", "hidden": 128, "layers": 2},
@@ -135,25 +170,31 @@ def prompt_ids(args, tok, vocab: int, device) -> torch.Tensor:
     return ids.repeat(args.batch, 1).to(device)
 
 
-def make_processor(args, model, cuda_graph: bool) -> DGAPLogitsProcessor:
+def make_processor(args, model, cuda_graph: bool, triton: bool = True) -> DGAPLogitsProcessor:
     if args.artifact:
         return DGAPLogitsProcessor.from_pretrained(args.artifact, args.precision, model_config=model.config,
-                                                   cuda_graph=cuda_graph)
+                                                   cuda_graph=cuda_graph, triton=triton)
     torch.manual_seed(0)
     return DGAPLogitsProcessor(untrained_artifact(model.config, args.precision, args.k_b), args.precision,
-                               cuda_graph=cuda_graph)
+                               cuda_graph=cuda_graph, triton=triton)
+
+
+EAGER_VARIANTS = {  # name: (cuda_graph, triton); the CPU runs the first two
+    "reference": (False, False), "fused": (False, False), "fused_graph": (True, False), "triton": (False, True),
+    "graph": (True, True)}
+
+
+def triton_active(procs) -> dict:
+    """Per variant: whether its step ran as Triton kernels to the end (the processor falls back to the torch step,
+    with a warning, where a kernel fails to build)."""
+    return {name: p._kernel is not None for name, p in procs.items()}
 
 
 def eager(args, model, ids, device, result):
-    procs = {"reference": make_processor(args, model, False), "fused": make_processor(args, model, False)}
-    if device.type == "cuda":
-        procs["graph"] = make_processor(args, model, True)
-    for p in procs.values():
-        p.to(device)
-    calls = {"reference": lambda s: procs["reference"].reference_restore(s)[0],
-             "fused": lambda s: procs["fused"](None, s)}
-    if "graph" in procs:
-        calls["graph"] = lambda s: procs["graph"](None, s)
+    names = list(EAGER_VARIANTS) if device.type == "cuda" else ["reference", "fused"]
+    procs = {n: make_processor(args, model, *EAGER_VARIANTS[n]).to(device) for n in names}
+    calls = {n: (lambda s, p=p: p(None, s)) for n, p in procs.items()}
+    calls["reference"] = lambda s: procs["reference"].reference_restore(s)[0]
     if device.type == "cuda":
         probe = torch.randn(args.batch, model.config.vocab_size, device=device)
         result["cuda_launches"] = {name: cuda_launch_counts(call, probe) for name, call in calls.items()}
@@ -167,6 +208,8 @@ def eager(args, model, ids, device, result):
         except Exception as e:  # noqa: BLE001 - one failing cache must not lose the other's numbers
             traceback.print_exc()
             result["eager"][cache_name] = {"error": f"{type(e).__name__}: {e}"[:800]}
+    result["triton_step_active"] = triton_active(procs)
+    print(f"Triton step ran to the end: {result['triton_step_active']}", flush=True)
 
 
 def eager_cache(args, model, ids, device, result, cache_name, calls, kw):
@@ -176,7 +219,7 @@ def eager_cache(args, model, ids, device, result, cache_name, calls, kw):
              else DynamicCache(config=model.config))
     logits = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kw: cache}).logits[:, -1].float()
     times = {"plain": [], **{name: [] for name in calls}}
-    identical = True
+    identical, triton_diff, same_rows = True, 0.0, True
     for step in range(args.warmup + args.steps):
         nxt = logits.argmax(-1, keepdim=True)
         sync(device)
@@ -193,15 +236,26 @@ def eager_cache(args, model, ids, device, result, cache_name, calls, kw):
                 times[name].append(plain + time.perf_counter() - t1)
         if step >= args.warmup:
             times["plain"].append(plain)
-        identical &= all(torch.equal(o, outs["reference"]) for o in outs.values())
+        # graph == eager bits; the torch steps equal each other (CPU: bit for bit; CUDA: other reduction kernels)
+        identical &= torch.equal(outs["fused"], outs.get("fused_graph", outs["fused"]))
+        if "graph" in outs:
+            identical &= torch.equal(outs["graph"], outs["triton"])
+            a, b = outs["graph"].float(), outs["fused"].float()
+            finite = torch.isfinite(a) & torch.isfinite(b)
+            triton_diff = max(triton_diff, float(torch.where(finite, (a - b).abs(), 0).max()))
+            same_rows &= torch.equal((a != logits).any(-1), (b != logits).any(-1))
         logits = outs["graph" if "graph" in outs else "fused"]
-    row = {"plain": summary(times["plain"]), "outputs_bit_identical": bool(identical)}
+    row = {"plain": summary(times["plain"]), "graph_equals_eager_bits": bool(identical)}
+    if "graph" in calls:
+        row["triton_vs_torch_step"] = {"max_abs_diff": triton_diff, "same_rows_changed": bool(same_rows)}
     for name in calls:
         row[name] = {**summary(times[name]), **overhead(row["plain"], summary(times[name]))}
     result["eager"][cache_name] = row
     cells = "  ".join(f"{n} +{100 * row[n]['overhead_p95']:.1f}%" for n in calls)
-    print(f"eager {cache_name:12s} step p95 {row['plain']['p95_ms']:8.2f} ms | p95 overhead: {cells} | outputs "
-          f"{'bit-identical' if identical else 'DIFFER'}", flush=True)
+    diff = (f" | Triton vs torch step: max |diff| {triton_diff:.2g}, same rows {same_rows}" if "graph" in calls
+            else "")
+    print(f"eager {cache_name:12s} step p95 {row['plain']['p95_ms']:8.2f} ms | p95 overhead: {cells} | graph vs "
+          f"eager {'bit-identical' if identical else 'DIFFER'}{diff}", flush=True)
 
 
 def captured(args, model, ids, device, result):
@@ -215,25 +269,30 @@ def captured(args, model, ids, device, result):
     prefill = DynamicCache(config=model.config)
     logits = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kw: prefill}).logits[:, -1].float()
     kv = [(layer.keys, layer.values) for layer in prefill.layers]
-    blocks = ("plain", "in_graph", "plus_graph", "plain")
+    blocks = ("plain", "in_graph", "plus_graph", "in_graph_torch", "plus_graph_torch", "plain")
     cache = StaticCache(config=model.config, max_cache_len=args.context + len(blocks) * (args.warmup + args.steps) + 16)
     fill(cache, kv, args.context, device)
     del prefill, kv
-    proc_in = make_processor(args, model, False).to(device)
-    proc_plus = make_processor(args, model, True).to(device)
-    proc_in.restore(logits)  # builds the window constants on the device before tracing
-    proc_plus(None, logits)  # captures the processor's own graph
+    procs = {"in_graph": make_processor(args, model, False), "plus_graph": make_processor(args, model, True),
+             "in_graph_torch": make_processor(args, model, False, triton=False),
+             "plus_graph_torch": make_processor(args, model, True, triton=False)}
+    for name, p in procs.items():
+        p.to(device)
+        p.restore(logits) if name.startswith("in_") else p(None, logits)  # device constants; the own graph
     with_cache_position = "cache_position" in inspect.signature(model.forward).parameters
     compile_kw = {"fullgraph": True, "backend": args.backend}
     if args.backend == "inductor":
         compile_kw["mode"] = "reduce-overhead"
     plain_forward = torch.compile(model.forward, **compile_kw)
 
-    def with_dgap(**kwargs):
-        out = model.forward(**kwargs)
-        return proc_in.restore(out.logits[:, -1].float())[0]
+    def compiled_with(proc):
+        def with_dgap(**kwargs):
+            out = model.forward(**kwargs)
+            return proc.restore(out.logits[:, -1].float())[0]
 
-    dgap_forward = torch.compile(with_dgap, **compile_kw)
+        return torch.compile(with_dgap, **compile_kw)
+
+    dgap_forward = {name: compiled_with(procs[name]) for name in ("in_graph", "in_graph_torch")}
     pos = args.context
     times = {name: [] for name in blocks}
     for name in blocks:
@@ -248,12 +307,12 @@ def captured(args, model, ids, device, result):
                 torch.compiler.cudagraph_mark_step_begin()
             sync(device)
             t0 = time.perf_counter()
-            if name == "in_graph":
-                logits = dgap_forward(input_ids=nxt, **step_kw).clone()
+            if name.startswith("in_graph"):
+                logits = dgap_forward[name](input_ids=nxt, **step_kw).clone()
             else:
                 logits = plain_forward(input_ids=nxt, **step_kw).logits[:, -1].float().clone()
-                if name == "plus_graph":
-                    logits = proc_plus(None, logits)
+                if name.startswith("plus_graph"):
+                    logits = procs[name](None, logits)
             sync(device)
             if step >= args.warmup:
                 times[name].append(time.perf_counter() - t0)
@@ -262,17 +321,27 @@ def captured(args, model, ids, device, result):
                       flush=True)
             pos += 1
     row = {"plain": summary(times["plain"])}
-    for name in ("in_graph", "plus_graph"):
+    variants = ("in_graph", "plus_graph", "in_graph_torch", "plus_graph_torch")
+    for name in variants:
         row[name] = {**summary(times[name]), **overhead(row["plain"], summary(times[name]))}
     row["steps_ms"] = {k: [round(1e3 * t, 3) for t in v] for k, v in times.items()}
     scores = logits.clone()
-    row["processor_gpu_ms"] = round(1e3 * graph_seconds(lambda: proc_plus(None, scores), device, reps=50), 4)
-    row["processor_gpu_share_of_step"] = round(row["processor_gpu_ms"] / row["plain"]["p50_ms"], 4)
+    for step, name in (("triton", "plus_graph"), ("torch", "plus_graph_torch")):
+        proc = procs[name]
+        gpu_ms = round(1e3 * graph_seconds(lambda: proc(None, scores), device, reps=50), 4)
+        row[f"processor_gpu_ms_{step}"] = gpu_ms
+        row[f"processor_gpu_share_of_step_{step}"] = round(gpu_ms / row["plain"]["p50_ms"], 4)
+        row[f"processor_graph_kernels_{step}"] = (cuda_launch_counts(lambda s: proc(None, s), scores)["gpu_kernels"]
+                                                  if device.type == "cuda" else None)
+    row["triton_step_active"] = triton_active(procs)
     result["captured"]["StaticCache"] = row
-    print(f"captured StaticCache step p95 {row['plain']['p95_ms']:.3f} ms | p95 overhead: in_graph "
-          f"+{100 * row['in_graph']['overhead_p95']:.1f}%  plus_graph +{100 * row['plus_graph']['overhead_p95']:.1f}%"
-          f" | processor graph GPU time {row['processor_gpu_ms']:.4f} ms ({100 * row['processor_gpu_share_of_step']:.1f}%"
-          " of the step)", flush=True)
+    cells = "  ".join(f"{n} +{100 * row[n]['overhead_p95']:.1f}%" for n in variants)
+    print(f"captured StaticCache step p95 {row['plain']['p95_ms']:.3f} ms | p95 overhead: {cells} | Triton step "
+          f"ran to the end: {row['triton_step_active']}", flush=True)
+    for step in ("triton", "torch"):
+        print(f"  processor graph ({step} step): {row[f'processor_graph_kernels_{step}']} GPU kernels (incl. its "
+              f"copy in/out), GPU time {row[f'processor_gpu_ms_{step}']:.4f} ms "
+              f"({100 * row[f'processor_gpu_share_of_step_{step}']:.1f}% of the step)", flush=True)
 
 
 @torch.no_grad()
@@ -310,6 +379,10 @@ def main(argv=None):
               "fused": aten_op_counts(lambda s: probe(None, s), scores)}
     print(f"aten ops per processor call (CPU profiler): reference {counts['reference']['ops']}, "
           f"fused {counts['fused']['ops']}", flush=True)
+    launches = triton_step_launches(probe, scores, device)
+    if launches is not None:
+        counts["triton_step_kernel_launches"] = launches
+        print(f"Triton step: {launches} kernel launches per processor call", flush=True)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "mode": args.mode, "context": args.context, "batch": args.batch,
               "steps": args.steps, "warmup": args.warmup, "precision": args.precision, "k_b": probe.k_b,

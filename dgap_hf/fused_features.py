@@ -13,6 +13,9 @@ reductions: there the features agree within float32 rounding, as any compiled co
 
 The row is `[phi | xi_flat | phi]`: its first `N_PHI` columns are the detector's input, the rest is exactly the
 flattened input `[xi_flat, phi]` of an MLP or linear corrector, normalized in one operation pair.
+
+On CUDA the processor computes the same row in Triton kernels (`kernel_step.py`, `triton_ops/dgap_window.py`, tested
+against this file); this is the step on the CPU and for transformer models.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Every call, for all rows at once and without host-device synchronization:
 
 1. `S = TopK(scores, K_b)` and the features `phi` (detector) and `xi` (candidates) from the scores, in one fused
-   pass (`fused_features.py`; `features.py` is the definition, `reference_restore` the step computed from it);
+   pass (`fused_features.py`; `features.py` is the definition, `reference_restore` the step computed from it; on
+   CUDA all four steps are six Triton kernels, `kernel_step.py`);
 2. `r = sigmoid(f_theta(phi))`;
 3. `delta = g_psi(xi, phi)` on the `[N, K_b]` window of every row, kept only where `r > tau` (a mask, not a
    Python branch: the corrector is evaluated on the K_b slice of all rows and discarded for the others, which
@@ -30,6 +31,7 @@ from hf_common.model_config import identity_mismatches, warn_if_other_name
 
 from .features import N_PHI, candidate_features, detector_features_from_top, full_vocab_stats
 from .fused_features import WindowConstants, fused_runtime_features, split_row
+from .kernel_step import KernelStep, kernel_serves
 from .models import DGAPMismatchError, DGAPModel
 from .precision import normalize_precision
 
@@ -50,13 +52,17 @@ class DGAPLogitsProcessor(LogitsProcessor):
     config) to check the artifact against the model up front (`check_model`); the vocabulary size is checked on every
     call anyway. `stats()` reports how many rows were corrected (kept as device counters, read on demand).
 
-    On CUDA, each call replays a CUDA graph of the whole step, captured on the first call of each scores shape
-    (`cuda_graph=False` runs the kernels one by one); inside a step that is itself being captured or compiled the
-    step runs as plain tensor code, which is capturable and compiles with `fullgraph=True`.
+    On CUDA the step is six Triton kernels (`kernel_step.py`; linear / MLP models; `triton=False`, or a kernel that
+    fails to build, with a warning, gives the torch step), and each call replays a CUDA graph of the whole step,
+    captured on the first call of each scores shape (`cuda_graph=False` runs the kernels one by one); inside a step
+    that is itself being captured or compiled the step runs without its own graph (the Triton step as one custom
+    operator), which is capturable and compiles with `fullgraph=True`. The Triton step agrees with the torch step
+    within float32 rounding (the torch step on the CPU is bit-identical to `reference_restore`); graph and eager
+    calls of either give the same bits.
     """
 
     def __init__(self, model: DGAPModel, precision: str = "K2V2", *, tau: float | None = None,
-                 k_b: int | None = None, model_config=None, cuda_graph: bool = True):
+                 k_b: int | None = None, model_config=None, cuda_graph: bool = True, triton: bool = True):
         spec = model.spec(precision)
         self.model = model.eval()
         self.precision = normalize_precision(precision)
@@ -71,8 +77,10 @@ class DGAPLogitsProcessor(LogitsProcessor):
             raise ValueError(f"the {self.precision} corrector works on a window of {self.corrector.window} "
                              f"candidates; K_b = {self.k_b} does not fit")
         self.cuda_graph = bool(cuda_graph)
+        self.triton = bool(triton)
         self._graphs = {}  # (shape, dtype, device) -> (CUDAGraph, static input, static output)
         self._prepared = None  # (WindowConstants, the corrector's flat normalization or None), on the device
+        self._kernel = None  # the Triton step (`kernel_step.KernelStep`) on CUDA, where it serves these models
         self._corrected = None  # device counter of corrected rows
         self._rows = 0
         if model_config is not None:
@@ -81,10 +89,12 @@ class DGAPLogitsProcessor(LogitsProcessor):
     # --- construction / Hub ------------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, repo_or_path, precision: str = "K2V2", *, model_config=None, tau: float | None = None,
-                        k_b: int | None = None, cuda_graph: bool = True, **hub_kwargs) -> "DGAPLogitsProcessor":
+                        k_b: int | None = None, cuda_graph: bool = True, triton: bool = True,
+                        **hub_kwargs) -> "DGAPLogitsProcessor":
         """Load a DGAP artifact (Hub repo id or local folder) and pick one precision's models."""
         model = DGAPModel.from_pretrained(repo_or_path, **hub_kwargs)
-        return cls(model, precision, tau=tau, k_b=k_b, model_config=model_config, cuda_graph=cuda_graph)
+        return cls(model, precision, tau=tau, k_b=k_b, model_config=model_config, cuda_graph=cuda_graph,
+                   triton=triton)
 
     def save_pretrained(self, save_directory, **kwargs):
         """Save the whole artifact (all precisions): `config.json`, `model.safetensors`, `README.md`."""
@@ -127,8 +137,8 @@ class DGAPLogitsProcessor(LogitsProcessor):
 
     # --- runtime -----------------------------------------------------------------------------------------------
     def _prepare(self, device: torch.device) -> None:
-        """Move the models to `device` and build the window constants, the shared normalization and the device
-        counter there (host side, once per device)."""
+        """Move the models to `device` and build the window constants, the shared normalization, the device
+        counter and, on CUDA, the Triton step there (host side, once per device)."""
         if self.detector.phi_mean.device != device:
             self.model.to(device)
             self._graphs.clear()
@@ -140,19 +150,36 @@ class DGAPLogitsProcessor(LogitsProcessor):
             norm = (torch.cat([c.xi_mean.repeat(self.k_b), c.phi_mean]),
                     torch.cat([c.xi_std.repeat(self.k_b), c.phi_std]))
         self._prepared = (WindowConstants(self.k_b, device), norm)
+        self._kernel = self._kernel_step(norm) if device.type == "cuda" and self.triton else None
         old = self._corrected
         self._corrected = torch.zeros((), dtype=torch.long, device=device) if old is None else old.to(device)
+
+    def _kernel_step(self, norm) -> KernelStep | None:
+        """The Triton step for these models, or None (transformer models, a window past `MAX_K`, no Triton)."""
+        if not kernel_serves(self.detector, self.corrector, self.k_b):
+            return None
+        try:
+            import triton_ops.dgap_merge  # noqa: F401 - Triton present and importable
+        except ImportError:
+            return None
+        return KernelStep(self.detector, self.corrector, self.k_b, norm)
 
     @torch.no_grad()
     def restore(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`(new_scores, risk [N], corrected [N] bool)` for scores `[N, V]` (see the module docstring); the
-        features come from `fused_features` (bit-identical to `features.py`)."""
+        features come from `fused_features` (bit-identical to `features.py`) or, on CUDA, the Triton step."""
         self._check_scores(scores)
         self._prepare(scores.device)
         return self._restore(scores)
 
     def _restore(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`restore` for scores already checked, on the prepared device (the per-step path: no host checks)."""
+        if self._kernel is not None:
+            if torch.compiler.is_compiling():
+                return self._kernel(scores, self.tau, NORMALIZED_ATOL)  # one custom operator
+            result = self._kernel_or_none(scores)
+            if result is not None:
+                return result
         consts, norm = self._prepared
         row, vals, idx, lse_in = fused_runtime_features(scores, consts)
         phi, xi = split_row(row, self.k_b)
@@ -184,7 +211,24 @@ class DGAPLogitsProcessor(LogitsProcessor):
         out = torch.where(renorm, (out_f - torch.logsumexp(out_f, -1, keepdim=True)).to(scores.dtype), out)
         return out, risk, corrected
 
+    def _kernel_or_none(self, scores: torch.Tensor, counter: torch.Tensor | None = None):
+        """The Triton step's result, or None when it failed to build or launch here (a Triton version that cannot
+        compile a kernel, say): warned once, and the torch step serves from then on."""
+        try:
+            return self._kernel(scores, self.tau, NORMALIZED_ATOL, counter)
+        except Exception as e:  # noqa: BLE001 - the torch step computes the same thing
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise
+            warnings.warn(f"DGAPLogitsProcessor: the Triton step failed ({type(e).__name__}: {e}); running the "
+                          "torch step instead")
+            self._kernel = None
+            return None
+
     def _step(self, scores: torch.Tensor) -> torch.Tensor:
+        if self._kernel is not None and not torch.compiler.is_compiling():
+            result = self._kernel_or_none(scores, self._corrected)  # counted by the merge kernel
+            if result is not None:
+                return result[0]
         out, _, corrected = self._restore(scores)
         self._corrected.add_(corrected.sum())  # stays on the device: no synchronization per step
         return out

@@ -1,6 +1,7 @@
 """The processor's fused step: bit-identical to `features.py` and to the feature-by-feature reference step on awkward
 rows, fewer aten operators per call, free of graph breaks (`torch.compile(fullgraph=True)`), and on CUDA the
-processor's own graph replays the eager bits."""
+processor's own graph replays the eager bits (the torch step here; the Triton step CUDA runs by default:
+test_dgap_triton_step.py)."""
 
 import sys
 from pathlib import Path
@@ -114,8 +115,9 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graph_replays_the_eager_bits(dtype):
-    graphed = DGAPLogitsProcessor(artifact(tau=0.65), "K2V2").to("cuda")  # some rows above tau, some below
-    plain = DGAPLogitsProcessor(artifact(tau=0.65), "K2V2", cuda_graph=False).to("cuda")
+    # the torch step (triton=False; the Triton step's graph: test_dgap_triton_step.py); rows above and below tau
+    graphed = DGAPLogitsProcessor(artifact(tau=0.65), "K2V2", triton=False).to("cuda")
+    plain = DGAPLogitsProcessor(artifact(tau=0.65), "K2V2", cuda_graph=False, triton=False).to("cuda")
     for seed in range(4):
         scores = awkward_scores(seed=seed, device="cuda").to(dtype)
         a, b = graphed(None, scores), plain(None, scores)
