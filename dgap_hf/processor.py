@@ -139,6 +139,9 @@ class DGAPLogitsProcessor(LogitsProcessor):
     def _prepare(self, device: torch.device) -> None:
         """Move the models to `device` and build the window constants, the shared normalization, the device
         counter and, on CUDA, the Triton step there (host side, once per device)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one device: prepare once
+            device = torch.device("cuda", torch.cuda.current_device())
         if self.detector.phi_mean.device != device:
             self.model.to(device)
             self._graphs.clear()
