@@ -133,6 +133,13 @@ def kernel():
     return fn
 
 
+@functools.lru_cache(maxsize=None)
+def _slot_offsets(channels: int, slot_bytes: int) -> tuple[int, int]:
+    """`(slot_bytes, escape_offset)` of a pool's slots (checked against the format), once per shape."""
+    layout = TileLayout.of_slot_bytes(channels, slot_bytes)
+    return layout.slot_bytes, layout.escape_offset
+
+
 def _expand_torch(table, slot_pool, raw_pool, base3, base4, out) -> None:
     """`expand_into` through `decode_slots`: every entry decoded as a slot (raw entries, a small share, read slot 0
     and are overwritten after)."""
@@ -175,12 +182,15 @@ def expand_into(table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Te
                  if size > 1)
     if table.dtype != torch.int32 or not packed:
         table = table.to(torch.int32).contiguous()
-    slot_pool, raw_pool = slot_pool.contiguous(), raw_pool.contiguous()
-    base3, base4 = base3.to(torch.uint8).contiguous(), base4.to(torch.uint8).contiguous()
-    layout = TileLayout.of_slot_bytes(c, slot_pool.shape[-1])
+    slot_pool, raw_pool, base3, base4 = (x.contiguous() for x in (slot_pool, raw_pool, base3, base4))
+    if slot_pool.dtype != torch.uint8 or base3.dtype != torch.uint8 or base4.dtype != torch.uint8 \
+            or raw_pool.dtype != torch.bfloat16:
+        raise TypeError(f"slots and bases must be uint8 and raw tiles BF16; got {slot_pool.dtype}, {base3.dtype}, "
+                        f"{base4.dtype}, {raw_pool.dtype}")
+    slot_bytes, escape_offset = _slot_offsets(c, slot_pool.shape[-1])
     s = out.stride()
     status = fn(table.data_ptr(), b, n, a, h, t, table.stride(0), slot_pool.data_ptr(), slot_pool.shape[0],
-                layout.slot_bytes, layout.escape_offset, raw_pool.data_ptr(), raw_pool.shape[0], base3.data_ptr(),
+                slot_bytes, escape_offset, raw_pool.data_ptr(), raw_pool.shape[0], base3.data_ptr(),
                 base4.data_ptr(), c, out.data_ptr(), s[0], s[1], s[2], s[3], s[4], s[5], torch.get_num_threads())
     if status:
         raise ValueError(_ERRORS.get(status, f"the CPU decoder failed ({status})"))
