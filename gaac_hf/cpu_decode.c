@@ -5,9 +5,9 @@
  * bytes and bases, then every output row is rebuilt from its sign+mantissa bytes and the bit planes of its
  * channels' groups; the inner loop runs over channels, contiguous in every input and in the output, and works
  * on bytes (uint8 addition wraps mod 256 like the exponent code; a BF16 is written as its two bytes), so the compiler
- * vectorizes it 32 lanes wide on AVX2. Bit-identical to gaac_hf/codec.py `decode_tiles` (tests/test_gaac_cpu_decode.py). Memory-safe on
- * any input: a corrupt slot (a raw tag without its wide tag, escapes past the capacity) or an entry outside its
- * pool returns an error code instead of reading out of bounds.
+ * vectorizes it 32 lanes wide on AVX2. Bit-identical to gaac_hf/codec.py `decode_tiles`
+ * (tests/test_gaac_cpu_decode.py). Memory-safe on any input: a corrupt slot (a raw tag without its wide tag, escapes
+ * past the capacity) or an entry outside its pool returns an error code instead of reading out of bounds.
  */
 #include <stdint.h>
 #include <string.h>

@@ -1,7 +1,8 @@
 """The kernels behind the GAAC caches, one entry point per job, the backend chosen per device in `_backend`.
 
-* `encode` / `expand_tiles` / `expand_kv`: tiles -> slots, block-table entries -> tiles or K/V (the Triton
-  kernels on CUDA, `cpu_decode` on the CPU; bit-identical). The slot layout (`format.TileLayout`) is passed down to every kernel.
+* `encode` / `expand_tiles` / `expand_kv`: tiles -> slots, block-table entries -> tiles or K/V (the Triton kernels
+  on CUDA, the torch codec / `cpu_decode` elsewhere; bit-identical). The slot layout (`format.TileLayout`) is passed
+  down to every kernel.
 * `decode_attention` / `plain_decode_attention`: single-query attention over a compressed `DecodeRecord` or over
   plain BF16 KV, the same math either way (so their outputs are bit-identical), registered as `torch.library` custom
   ops (`gaac::decode_attention`, `gaac::plain_decode_attention`) with fake implementations, so Dynamo traces through
