@@ -2,8 +2,8 @@
 
 SmolLM2-135M-Instruct (BF16), batch 1. For each context the prompt's KV comes from one eager prefill with
 DynamicCache; GAACCache gets the same KV through its own `update` (encoded once), then both run the same decode
-steps (median per step). The GAAC steps' outputs are checked bit for bit against the same attention on the
-DynamicCache. The JSON records the CPU decoder that ran (`gaac_hf.cpu_decode`: the C kernel, or the torch fallback
+steps, interleaved step by step (median per step). The GAAC steps' outputs are checked bit for bit against the same
+attention on the DynamicCache. The JSON records the CPU decoder that ran (`gaac_hf.cpu_decode`: the C kernel, or the torch fallback
 under `GAAC_HF_CPU_KERNEL=0`) and the load average before and after (the numbers are only comparable within a run).
 
     python benchmarks/cpu_step.py --contexts 360 4096 --steps 8 --threads 1 --out benchmarks/results/cpu_step_s5.json
@@ -31,17 +31,21 @@ from gaac_hf.default_model import load_default_model  # noqa: E402
 from gaac_hf.model_layers import cache_kwarg  # noqa: E402
 
 
-def steps(model, cache, context, n):
+def steps(model, caches: dict, context: int, n: int):
+    """`n` decode steps of each cache, interleaved (step i of every cache, then step i + 1), so that a change of the
+    machine's load hits them alike. Returns `{label: (times, logits [n, V])}`."""
     name = cache_kwarg(model)
-    tok = torch.tensor([[42]])
-    times, logits = [], []
+    toks = {label: torch.tensor([[42]]) for label in caches}
+    out = {label: ([], []) for label in caches}
     for i in range(n):
-        t = time.perf_counter()
-        out = model(input_ids=tok, position_ids=torch.tensor([[context + i]]), use_cache=True, **{name: cache})
-        times.append(time.perf_counter() - t)
-        logits.append(out.logits[:, -1])
-        tok = out.logits[:, -1:].argmax(-1)
-    return times, torch.stack(logits)
+        for label, cache in caches.items():
+            t = time.perf_counter()
+            o = model(input_ids=toks[label], position_ids=torch.tensor([[context + i]]), use_cache=True,
+                      **{name: cache})
+            out[label][0].append(time.perf_counter() - t)
+            out[label][1].append(o.logits[:, -1])
+            toks[label] = o.logits[:, -1:].argmax(-1)
+    return {label: (times, torch.stack(logits)) for label, (times, logits) in out.items()}
 
 
 @torch.no_grad()
@@ -71,14 +75,14 @@ def main(argv=None):
         row = {}
         for attn in ("sdpa", "gaac"):
             model.set_attn_implementation(attn)
-            outs = {}
-            for label, make in (("DynamicCache", lambda: DynamicCache(config=model.config)),
-                                ("GAACCache", lambda: GAACCache.from_pretrained(calibration, config=model.config))):
-                cache = make()
+            caches = {"DynamicCache": DynamicCache(config=model.config),
+                      "GAACCache": GAACCache.from_pretrained(calibration, config=model.config)}
+            for cache in caches.values():
                 for i, (k, v) in enumerate(kv):
                     cache.update(k, v, i)
-                steps(model, cache, context, 1)  # warm up
-                times, logits = steps(model, cache, context + 1, args.steps)
+            steps(model, caches, context, 1)  # warm up
+            outs = {}
+            for label, (times, logits) in steps(model, caches, context + 1, args.steps).items():
                 outs[label] = logits
                 row[f"{label} + {attn}"] = round(1e3 * statistics.median(times), 2)
                 print(f"context {context}: {label} + {attn}: {row[f'{label} + {attn}']:.1f} ms/step", flush=True)

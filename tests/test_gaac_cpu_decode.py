@@ -182,3 +182,26 @@ def test_expand_into_rejects_bad_shapes():
     with pytest.raises(ValueError, match="bases must be"):
         cpu_decode.expand_into(table, slot_pool, raw_pool, b3[:1], b4[:1],
                                torch.empty(1, 2, 2, 1, 1, 16, 64).bfloat16())
+
+
+def test_cpu_step_benchmark_runs(tmp_path):
+    """`benchmarks/cpu_step.py` on a short context: both caches timed, bit-identical under both attentions."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import cpu_step
+
+    out = tmp_path / "cpu_step.json"
+    threads = torch.get_num_threads()
+    try:
+        cpu_step.main(["--contexts", "40", "--steps", "2", "--threads", "1", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    res = json.loads(out.read_text())
+    row = res["contexts"]["40"]
+    assert res["cpu_decoder"] in ("C kernel", "torch") and len(res["load_average_after"]) == 3
+    for attn in ("sdpa", "gaac"):
+        assert row[f"bit_identical ({attn})"] is True
+        assert row[f"DynamicCache + {attn}"] > 0 and row[f"GAACCache + {attn}"] > 0
