@@ -113,8 +113,7 @@ class CompressedKV:
 
     def blocks(self, b0: int, b1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoded finalized blocks `[b0, b1)`: K, V each `[B, H, (b1 - b0) * 16, D]`."""
-        kv = self.layer._decode_table(self.table[:, b0:b1], self.slot_pool, self.raw_pool)
-        return kv[:, 0], kv[:, 1]
+        return self.layer._decode_table(self.table[:, b0:b1], self.slot_pool, self.raw_pool)
 
     def _windowed(self, b0: int, b1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks `[b0, b1)`, served from one decode of up to `DECODE_WINDOW_BLOCKS` blocks (fewer codec calls
@@ -347,20 +346,20 @@ class GAACLayer(RowSelectionMixin, CacheLayerMixin):
                 self.batch, b1 - b0, 2, self.num_kv_heads, self.tiles)
         self.n_blocks += nb
 
-    def _decode_table(self, table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor) -> torch.Tensor:
-        """Table entries `[B, n, 2, H, tiles]` -> BF16 KV `[B, 2, H, n * 16, D]`, bit-exact."""
-        b, n, _, h, t = table.shape
+    def _decode_table(self, table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor,
+                      tails: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Table entries `[B, n, 2, H, tiles]` (then `tails` K, V `[B, H, s, D]`) -> BF16 K, V `[B, H, n * 16 + s,
+        D]`, bit-exact."""
         b3, b4 = self._flat_bases()
-        tiles = ops.expand_tiles(table.reshape(b, n, 2 * h * t), slot_pool, raw_pool, b3, b4)
-        return ops.blocks_of(tiles, h)
+        return ops.expand_kv(table, slot_pool, raw_pool, b3, b4, *(tails or ()))
 
-    def _decode_blocks(self, b0: int, b1: int) -> torch.Tensor:
-        return self._decode_table(self._table[:, b0:b1], self.pool.slot_pool, self.pool.raw_pool)
+    def _decode_blocks(self, b0: int, b1: int,
+                       tails: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._decode_table(self._table[:, b0:b1], self.pool.slot_pool, self.pool.raw_pool, tails)
 
     def _expand(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The full K, V `[B, H, S, D]` (finalized blocks decoded, then the tail)."""
-        kv = self._decode_blocks(0, self.n_blocks)
-        return torch.cat([kv[:, 0], self._tail_k], -2), torch.cat([kv[:, 1], self._tail_v], -2)
+        return self._decode_blocks(0, self.n_blocks, (self._tail_k, self._tail_v))
 
     def compressed(self) -> CompressedKV:
         """A `CompressedKV` snapshot of the current state."""
@@ -391,10 +390,7 @@ class GAACLayer(RowSelectionMixin, CacheLayerMixin):
             view = self.compressed()
             return GAACLazyKV(view, 0), GAACLazyKV(view, 1)
         # Expanded K/V: earlier blocks decoded; this update's blocks are still at hand (encoding is lossless).
-        kv = self._decode_blocks(0, old_blocks)
-        keys = torch.cat([kv[:, 0], tail_k], -2)
-        values = torch.cat([kv[:, 1], tail_v], -2)
-        return keys.to(key_states.dtype), values.to(value_states.dtype)
+        return self._decode_blocks(0, old_blocks, (tail_k, tail_v))
 
     def get_seq_length(self) -> int:
         if not self.is_initialized:
@@ -423,9 +419,9 @@ class GAACLayer(RowSelectionMixin, CacheLayerMixin):
             return
         keep, rest = divmod(new_len, BLOCK_TOKENS)
         if rest:
-            kv = self._decode_blocks(keep, keep + 1)
-            self._tail_k = kv[:, 0, :, :rest].clone()
-            self._tail_v = kv[:, 1, :, :rest].clone()
+            k, v = self._decode_blocks(keep, keep + 1)
+            self._tail_k = k[:, :, :rest].clone()
+            self._tail_v = v[:, :, :rest].clone()
         else:
             self._tail_k = self._tail_k[:, :, :0].clone()
             self._tail_v = self._tail_v[:, :, :0].clone()

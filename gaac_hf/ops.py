@@ -1,7 +1,8 @@
 """The kernels behind the GAAC caches, one entry point per job, the backend chosen per device in `_backend`.
 
-* `encode` / `expand_tiles`: tiles -> slots, block-table entries -> tiles (the Triton kernels on CUDA, the torch
-  codec elsewhere; bit-identical). The slot layout (`format.TileLayout`) is passed down to every kernel.
+* `encode` / `expand_tiles` / `expand_kv`: tiles -> slots, block-table entries -> tiles or K/V (the Triton kernels
+  on CUDA, the torch codec / `cpu_decode` elsewhere; bit-identical). The slot layout (`format.TileLayout`) is passed
+  down to every kernel.
 * `decode_attention` / `plain_decode_attention`: single-query attention over a compressed `DecodeRecord` or over
   plain BF16 KV, the same math either way (so their outputs are bit-identical), registered as `torch.library` custom
   ops (`gaac::decode_attention`, `gaac::plain_decode_attention`) with fake implementations, so Dynamo traces through
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .codec import encode_tiles
-from .cpu_decode import decode_slots
+from .cpu_decode import expand_into
 from .format import BLOCK_TOKENS, TileLayout, tile_split
 
 try:  # the CUDA C++ kernels (a separate package); absent: Triton on CUDA
@@ -143,20 +144,39 @@ def expand_tiles(table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.T
 
         return triton_expand_tiles(table, slot_pool, raw_pool, base3, base4,
                                    _slot_layout(channels, slot_pool.shape[-1]))
-    # the CPU: decode every entry as a slot (raw entries, a small share, read slot 0 and are overwritten after)
     lead, p = table.shape[:-1], table.shape[-1]
-    flat = table.reshape(-1)
-    idx = flat.clamp(min=0).long()
-    n = flat.numel() // max(p, 1)
-    b3 = base3.unsqueeze(0).expand(n, p, channels).reshape(-1, channels)
-    b4 = base4.unsqueeze(0).expand(n, p, channels).reshape(-1, channels)
-    slots = slot_pool.index_select(0, idx) if slot_pool.shape[0] else \
-        torch.zeros(idx.numel(), slot_pool.shape[1], dtype=torch.uint8)
-    out = decode_slots(slots, b3, b4, channels)
-    raw = (flat < 0).nonzero().reshape(-1)
-    if raw.numel():
-        out.index_copy_(0, raw, raw_pool.index_select(0, -1 - flat[raw].long()))
-    return out.reshape(*lead, p, BLOCK_TOKENS, channels)
+    n = table.numel() // max(p, 1)
+    out = torch.empty(*lead, p, BLOCK_TOKENS, channels, dtype=raw_pool.dtype)
+    expand_into(table.reshape(1, n, 1, 1, p), slot_pool, raw_pool, base3, base4,
+                out.view(1, n, 1, 1, p, BLOCK_TOKENS, channels))
+    return out
+
+
+def expand_kv(table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor, base3: torch.Tensor,
+              base4: torch.Tensor, tail_k: torch.Tensor | None = None,
+              tail_v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entries `[B, n, 2, H, tiles]` with bases uint8 `[2 * H * tiles, C]` (then the BF16 tails `[B, H, s, D]`, if
+    given) -> contiguous K, V `[B, H, n * 16 + s, D]`.
+
+    On the CPU the decoder writes every tile straight to its place in one `[2, B, H, S, D]` buffer, whose halves are
+    K and V (no `blocks_of` permute, no concatenation with the tail)."""
+    b, n, _, h, t = table.shape
+    c = raw_pool.shape[-1]
+    if table.is_cuda:
+        kv = blocks_of(expand_tiles(table.reshape(b, n, 2 * h * t), slot_pool, raw_pool, base3, base4), h)
+        if tail_k is None:
+            return kv[:, 0], kv[:, 1]
+        return torch.cat([kv[:, 0], tail_k], -2), torch.cat([kv[:, 1], tail_v], -2)
+    s = 0 if tail_k is None else tail_k.shape[2]
+    length, d = n * BLOCK_TOKENS + s, t * c
+    buf = torch.empty(2, b, h, length, d, dtype=raw_pool.dtype)
+    out = buf.as_strided((b, n, 2, h, t, BLOCK_TOKENS, c),
+                         (h * length * d, BLOCK_TOKENS * d, b * h * length * d, length * d, c, d, 1))
+    expand_into(table, slot_pool, raw_pool, base3, base4, out)
+    if s:
+        buf[0, :, :, n * BLOCK_TOKENS:] = tail_k
+        buf[1, :, :, n * BLOCK_TOKENS:] = tail_v
+    return buf[0], buf[1]
 
 
 def tiles_of(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
