@@ -48,6 +48,19 @@ def real_kv(pool: torch.Tensor, batch: int, heads: int, length: int, head_dim: i
     return out
 
 
+def lay_out(slots: torch.Tensor, fits: torch.Tensor, tiles: torch.Tensor) -> tuple:
+    """Slot pool, raw pool and block table (>= 0 a slot, -1 - i raw tile i) as GAACCache lays them out, from every
+    tile's encoded slot, whether it fits its slot, and the BF16 tiles."""
+    dev = tiles.device
+    raw_pool = tiles[~fits].contiguous()
+    if raw_pool.shape[0] == 0:
+        raw_pool = torch.zeros(1, 16, tiles.shape[-1], dtype=torch.bfloat16, device=dev)
+    table = torch.empty(fits.shape, dtype=torch.int32, device=dev)
+    table[fits] = torch.arange(int(fits.sum()), dtype=torch.int32, device=dev)
+    table[~fits] = -1 - torch.arange(int((~fits).sum()), dtype=torch.int32, device=dev)
+    return slots[fits].contiguous(), raw_pool, table
+
+
 def compress(k, v, capacity=None):
     """Calibrate windows and capacity on this KV, encode, and lay out pools + table as GAACCache does."""
     b, h, s, d = k.shape
@@ -72,13 +85,7 @@ def compress(k, v, capacity=None):
         fits.append(enc.fits)
         modes += torch.bincount(enc.modes.reshape(-1).long(), minlength=3)
     slots, fits = torch.cat(slots, 1), torch.cat(fits, 1)
-    slot_pool = slots[fits].contiguous()
-    raw_pool = tiles[~fits].contiguous()
-    if raw_pool.shape[0] == 0:
-        raw_pool = torch.zeros(1, 16, c, dtype=torch.bfloat16, device=k.device)
-    table = torch.empty(fits.shape, dtype=torch.int32, device=k.device)
-    table[fits] = torch.arange(int(fits.sum()), dtype=torch.int32, device=k.device)
-    table[~fits] = -1 - torch.arange(int((~fits).sum()), dtype=torch.int32, device=k.device)
+    slot_pool, raw_pool, table = lay_out(slots, fits, tiles)
     layout = TileLayout(c, capacity)
     info = {"escape_capacity": capacity, "slot_tiles": int(fits.sum()), "raw_tiles": int((~fits).sum()),
             "mode_shares": (modes.double() / modes.sum()).tolist(),

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import gaac_cuda  # noqa: E402
-from benchmarks.attention import bench_graph, compress, real_kv  # noqa: E402
+from benchmarks.attention import bench_graph, compress, lay_out, real_kv  # noqa: E402
 from gaac_hf.calibrate import choose_escape_capacity, exponent_histogram, window_sums  # noqa: E402
 from gaac_hf.codec import escape_bytes, group_modes, split_head, to_groups  # noqa: E402
 from gaac_hf.format import ESCAPE_BYTES_PER_GROUP, MODE_3BIT, MODE_4BIT, MODE_RAW, TileLayout, tile_split  # noqa: E402
@@ -105,19 +105,14 @@ def compress_v2(k: torch.Tensor, v: torch.Tensor):
         slots.append(sl)
         fits.append(ft)
         modes += torch.bincount(md.reshape(-1).long(), minlength=3)
-    slots, fits = torch.cat(slots, 1), torch.cat(fits, 1)
-    raw_pool = tiles[~fits].contiguous()
-    if raw_pool.shape[0] == 0:
-        raw_pool = torch.zeros(1, 16, c, dtype=torch.bfloat16, device=k.device)
-    table = torch.empty(fits.shape, dtype=torch.int32, device=k.device)
-    table[fits] = torch.arange(int(fits.sum()), dtype=torch.int32, device=k.device)
-    table[~fits] = -1 - torch.arange(int((~fits).sum()), dtype=torch.int32, device=k.device)
+    slot_pool, raw_pool, table = lay_out(torch.cat(slots, 1), torch.cat(fits, 1), tiles)
+    fits = table >= 0
     layout = TileLayout(c, capacity)
     info = {"escape_capacity": capacity, "raw_tiles": int((~fits).sum()),
             "mode_shares": (modes.double() / modes.sum()).tolist(),
             "bytes": int(fits.sum()) * layout.slot_bytes + int((~fits).sum()) * layout.raw_bytes + table.numel() * 4
             + 2 * k[:, :, n * 16:].numel() * 2}
-    packed = (slots[fits].contiguous(), raw_pool, table, k[:, :, n * 16:].contiguous(), v[:, :, n * 16:].contiguous(),
+    packed = (slot_pool, raw_pool, table, k[:, :, n * 16:].contiguous(), v[:, :, n * 16:].contiguous(),
               (base3 >> 1).contiguous(), (base4 >> 1).contiguous())
     return packed, layout, info
 
