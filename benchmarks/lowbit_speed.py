@@ -69,15 +69,16 @@ def time_cache(model, ids, make, steps: int, device) -> dict:
             "steps": steps}
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--threads", type=int, default=0, help="intra-op threads on the CPU (0: torch's default)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--caches", nargs="*", help="labels to time (default: all; DynamicCache always runs)")
     p.add_argument("--out", default="benchmarks/results/lowbit_speed_cpu.json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -86,7 +87,13 @@ def main():
     text = read_text_files(DEBIAN_REFERENCE)
     ids = token_prompts(tok, text.text, args.context, 1)[0][None].to(device)
     rows = {}
-    for label, make in caches(model.config).items():
+    todo = caches(model.config)
+    if args.caches:
+        unknown = set(args.caches) - set(todo)
+        if unknown:
+            raise SystemExit(f"unknown caches {sorted(unknown)}; known: {sorted(todo)}")
+        todo = {k: f for k, f in todo.items() if k == "DynamicCache" or k in args.caches}
+    for label, make in todo.items():
         try:
             rows[label] = time_cache(model, ids, make, args.steps, device)
         except (ValueError, ImportError) as e:  # a QuantizedCache backend that is not installed
@@ -100,7 +107,7 @@ def main():
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": args.dtype,
            "context": args.context, "rows": rows,
-           "command": " ".join(["python", "benchmarks/lowbit_speed.py", *sys.argv[1:]])}
+           "command": " ".join(["python", "benchmarks/lowbit_speed.py", *(sys.argv[1:] if argv is None else argv)])}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
 
