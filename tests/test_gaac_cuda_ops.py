@@ -33,9 +33,15 @@ def test_plan_rejects_shapes_the_kernel_does_not_cover():
         plan(1, 8, 4, 80, 1024, "cpu", nsplit=4)
     with pytest.raises(ValueError, match="query heads per kv-head"):
         plan(1, 2, 9, 128, 1024, "cpu", nsplit=4)
+    with pytest.raises(ValueError, match="slot format 3"):
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, format_version=3)
     p = plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, slot_bytes=2928)
     assert (p.items, p.grid, p.buf_bytes) == (2 * 8 * 33, -(-2 * 8 * 33 // p.warps), 4096)
     assert p.smem <= 227 * 1024
+    # the split layout and the slot format are compile-time options: they key the kernel cache
+    options = {plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, interleave=i, format_version=f).options
+               for i in (False, True) for f in (1, 2)}
+    assert len(options) == 4
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or CUOBJDUMP is None or not os.path.isfile(CUOBJDUMP or ""),
