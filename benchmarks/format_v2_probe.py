@@ -32,19 +32,13 @@ sys.path.insert(0, str(ROOT))
 
 import gaac_cuda  # noqa: E402
 from benchmarks.attention import bench_graph, compress, lay_out, real_kv  # noqa: E402
-from gaac_hf.calibrate import choose_escape_capacity, exponent_histogram, window_sums  # noqa: E402
+from benchmarks.tied_windows import aligned_window  # noqa: E402
+from gaac_hf.calibrate import choose_escape_capacity, exponent_histogram  # noqa: E402
 from gaac_hf.codec import escape_bytes, group_modes, split_head, to_groups  # noqa: E402
 from gaac_hf.format import ESCAPE_BYTES_PER_GROUP, MODE_3BIT, MODE_4BIT, MODE_RAW, TileLayout, tile_split  # noqa: E402
 
 SHAPES = [("llama8b", 32, 8, 128, 1, 16384), ("llama8b", 32, 8, 128, 1, 65536), ("llama8b", 32, 8, 128, 4, 65536),
           ("smollm2", 9, 3, 64, 1, 65536)]
-
-
-def even_window(hist: torch.Tensor, width: int) -> torch.Tensor:
-    """Base of the best window of `width` exponents among those starting at even exponents (uint8)."""
-    sums = window_sums(hist, width)
-    starts = torch.arange(sums.shape[-1], device=hist.device)
-    return torch.where(starts % 2 == 0, sums, -1).argmax(-1).to(torch.uint8)
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -90,7 +84,7 @@ def compress_v2(k: torch.Tensor, v: torch.Tensor):
     c = tile_split(d)[1]
     n = s // 16
     hist = exponent_histogram(torch.stack([k, v]).transpose(1, 2).reshape(1, 2, h, b * s, d))[0]
-    base3, base4 = even_window(hist, 8), even_window(hist, 16)  # [2, H, D]
+    base3, base4 = aligned_window(hist, 8, 2), aligned_window(hist, 16, 2)  # [2, H, D], even starts
     shape = (2, h, d // c, c)
     b3, b4 = base3.reshape(shape), base4.reshape(shape)
     kv = torch.stack([k, v], 2)[:, :, :, : n * 16]

@@ -36,7 +36,7 @@ from gaac_hf.report import evaluate  # noqa: E402
 def aligned_window(hist: torch.Tensor, width: int, align: int) -> torch.Tensor:
     """Base of the best window of `width` exponents among those starting at multiples of `align`."""
     sums = window_sums(hist, width)
-    starts = torch.arange(sums.shape[-1])
+    starts = torch.arange(sums.shape[-1], device=hist.device)
     sums = torch.where(starts % align == 0, sums, -1)
     return sums.argmax(-1).to(torch.uint8)
 
