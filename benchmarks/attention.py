@@ -141,6 +141,8 @@ def main():
     p.add_argument("--cuda-sweep", action="store_true", help="sweep the CUDA kernel's ring depth, warps and splits")
     p.add_argument("--interleave-sweep", action="store_true", help="time contiguous and interleaved split layouts")
     p.add_argument("--twin-sweep", action="store_true", help="sweep the CUDA twin's ring depth and warps per CTA")
+    p.add_argument("--swizzle-sweep", action="store_true",
+                   help="time the CUDA twin with plain and swizzled BF16 rows in shared memory")
     p.add_argument("--no-triton", action="store_true", help="skip the Triton kernel (fused, twin, breakdown)")
     p.add_argument("--graphs", action="store_true", help="also time the CUDA kernel and the baselines replayed from "
                    "CUDA graphs (GPU time without host launch cost)")
@@ -285,6 +287,21 @@ def main():
                                 combine=False), args.buffers)
                 cuda_info["interleave_us"] = il
                 print("interleave", il, flush=True)
+            if args.swizzle_sweep:
+                # the twin's BF16 rows staged densely (4-way bank conflicts in the fragment loads) or swizzled
+                sz = {}
+                timer = bench_graph if args.graphs else bench
+                for swz in (False, True):
+                    pps = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, swizzle=swz, nsplit=pc.nsplit)
+                    ts = gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, pps)
+                    us = timer(lambda i, pps=pps: gaac_cuda.plain_decode_attention(
+                        q, bufs[i][1], bufs[i][2], kv_len, None, scale, pps), args.buffers)
+                    sz[f"swizzle_{int(swz)}"] = {"twin_us": us, "TBps": bf16_bytes / us / 1e6,
+                                                 "bits_equal_gaac": torch.equal(ts.view(torch.int16),
+                                                                                got_c.view(torch.int16)),
+                                                 "registers": pps.kernels(dev)[0].registers}
+                cuda_info["swizzle_us"] = sz
+                print("swizzle", sz, flush=True)
             if args.twin_sweep and s == 65536 and b == 1 and hq == 32:
                 # the twin's ring depth and CTA shape (its bits depend on the split count alone, kept)
                 twin_sweep = {}

@@ -27,6 +27,7 @@ MIN_UNITS_PER_SPLIT = 4
 SPLITS_PER_SM = 12  # warps (= splits) resident per SM at head_dim 64/128 (3 CTAs of 4 warps); 256: 4 (1 CTA)
 COMBINE_THREADS = 512  # COMBINE_WARPS * 32 in the kernel source
 INTERLEAVE = False  # default split layout: contiguous block ranges (see `plan`)
+SWIZZLE = False  # plain KV: BF16 rows staged with an XOR swizzle against bank conflicts (see `plan`)
 
 
 class _Params(ctypes.Structure):  # mirrors `struct Params` in the kernel source
@@ -102,14 +103,16 @@ class DecodePlan:
 def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, device, *, slot_bytes: int = 0,
          plain: bool = False, nsplit: int | None = None, warps: int = 4, stages: int = 2,
          min_ctas: int | None = None, skip: int = 0, trace: bool = False,
-         interleave: bool = INTERLEAVE, format_version: int = 1) -> DecodePlan:
+         interleave: bool = INTERLEAVE, format_version: int = 1, swizzle: bool = SWIZZLE) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
     `trace` (benchmarks): the kernels write globaltimer stamps into a `trace` tensor (see `trace_size`).
     `interleave`: split s reads blocks s, s + nsplit, ... instead of a contiguous range (the bits depend on it:
     compressed KV and its twin must be planned alike, as the default does). `format_version` 2: the byte-split
-    slot prototype of `benchmarks/format_v2_probe.py` (bases passed halved), not a format the caches write."""
+    slot prototype of `benchmarks/format_v2_probe.py` (bases passed halved), not a format the caches write.
+    `swizzle` (plain KV): stage BF16 rows with an XOR swizzle of their 16-byte chunks, so the fragment loads are free
+    of shared-memory bank conflicts (the bits do not change)."""
     if format_version not in (1, 2):
         raise ValueError(f"slot format {format_version}: the kernel reads format 1 (and the version-2 prototype)")
     if head_dim not in (64, 128, 256):
@@ -128,7 +131,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     options = (f"-DGAAC_C={channels}", f"-DGAAC_TILES={tiles}",
                f"-DGAAC_PLAIN={int(plain)}", f"-DGAAC_STAGES={stages}", f"-DGAAC_WARPS={warps}",
                f"-DGAAC_MIN_CTAS={min_ctas}", f"-DGAAC_INTERLEAVE={int(interleave)}",
-               f"-DGAAC_FORMAT={format_version}")
+               f"-DGAAC_FORMAT={format_version}", f"-DGAAC_SWIZZLE={int(swizzle and plain)}")
     if trace:
         options += ("-DGAAC_TRACE=1",)
     if skip:  # benchmark-only variants of the leave-one-stage-out breakdown (wrong results by design)

@@ -42,17 +42,22 @@ def test_plan_rejects_shapes_the_kernel_does_not_cover():
     options = {plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, interleave=i, format_version=f).options
                for i in (False, True) for f in (1, 2)}
     assert len(options) == 4
+    # the swizzled staging is a plain-KV option: it keys the twin's kernel, not the compressed one
+    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, swizzle=True).options != \
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True).options
+    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, swizzle=True).options == plan(1, 8, 4, 128, 1024, "cpu",
+                                                                                   nsplit=4).options
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or CUOBJDUMP is None or not os.path.isfile(CUOBJDUMP or ""),
                     reason="needs nvcc (CUDA 12.8+) and triton's cuobjdump")
-@pytest.mark.parametrize("config", [(128, 1, 0), (128, 1, 1), (64, 1, 0), (64, 1, 1)])
+@pytest.mark.parametrize("config", [(128, 1, 0), (128, 1, 1), (64, 1, 0), (64, 1, 1), (128, 1, 2), (64, 1, 2)])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     """The sm_90a build of every head_dim-64/128 variant, at the plan's default register cap (3 CTAs of 4 warps per
     SM), keeps its state in registers: no stack, no local memory."""
-    c, tiles, plain = config
+    c, tiles, plain = config  # plain 2: the plain twin with swizzled rows
     out = tmp_path / "k.cubin"
-    defs = [f"-DGAAC_C={c}", f"-DGAAC_TILES={tiles}", f"-DGAAC_PLAIN={plain}",
+    defs = [f"-DGAAC_C={c}", f"-DGAAC_TILES={tiles}", f"-DGAAC_PLAIN={int(plain > 0)}", f"-DGAAC_SWIZZLE={int(plain == 2)}",
             "-DGAAC_STAGES=2", "-DGAAC_WARPS=4", "-DGAAC_MIN_CTAS=3"]
     subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", *defs, "-x", "cu",
                     _SOURCE_FILE, "-o", str(out)], check=True, capture_output=True)
@@ -136,6 +141,11 @@ def test_cuda_compressed_equals_plain_twin(case):
             got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
             twin = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
             assert torch.equal(bits(got), bits(twin)), f"compressed != twin (nsplit {pc.nsplit}, {interleave=})"
+            # the twin with its BF16 rows staged swizzled (bank-conflict-free loads): the same bits
+            pps = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, interleave=interleave,
+                       swizzle=True)
+            twin_s = plain_decode_attention(q, k, v, kv_len, mask, scale, pps)
+            assert torch.equal(bits(twin_s), bits(twin)), f"swizzled twin differs (nsplit {pc.nsplit}, {interleave=})"
             err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
             assert err < 1e-2, (err, pc.nsplit, interleave)
 

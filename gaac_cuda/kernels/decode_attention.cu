@@ -26,7 +26,7 @@
 //
 // Compile-time configuration (NVRTC -D): GAAC_C (64|128 channels per tile), GAAC_TILES (tiles per head: 1|2),
 // GAAC_PLAIN (0|1), GAAC_STAGES (ring depth), GAAC_WARPS, GAAC_MIN_CTAS (register budget), GAAC_INTERLEAVE (split
-// layout), and for the benchmarks GAAC_SKIP (leave-one-stage-out breakdown; bit 0: no tensor-core math, bit 1: no
+// layout), GAAC_SWIZZLE (plain KV: swizzled BF16 rows), and for the benchmarks GAAC_SKIP (leave-one-stage-out breakdown; bit 0: no tensor-core math, bit 1: no
 // reconstruction), GAAC_TRACE (globaltimer stamps, benchmarks/cuda_stream_probe.py) and GAAC_FORMAT (2: the
 // byte-split slot prototype of benchmarks/format_v2_probe.py).
 #ifndef GAAC_SKIP
@@ -44,6 +44,10 @@
 #ifndef GAAC_MIN_CTAS  // register budget: CTAs of GAAC_WARPS warps that must fit on one SM
 #define GAAC_MIN_CTAS 1
 #endif
+#ifndef GAAC_SWIZZLE  // plain KV (the twin): BF16 rows staged with an XOR swizzle of their 16-byte chunks (1)
+#define GAAC_SWIZZLE 0
+#endif
+#define SWZ (GAAC_PLAIN && GAAC_SWIZZLE)
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -197,6 +201,19 @@ __device__ __forceinline__ void kpairs(u32 w01, u32 w23, u32& lo, u32& hi) {
   lo = prmt(w01, w23, 0x5410u);
   hi = prmt(w01, w23, 0x7632u);
 }
+
+// Swizzled 16-byte chunk of BF16 row `row` (0..15) of a staged plain tile (SWZ): the fragment loads of k_tile and
+// v_tile then hit 8 different bank quads in every quarter-warp (dense rows of 2C bytes map every row to the same
+// banks: 4-way conflicts). C = 128 (16 chunks per row): K reads chunks 4t + 0..3 of rows g, V chunks 2g, 2g + 1 of
+// rows 2t, 2t + 1; C = 64 (8 chunks): the plain XOR with the row.
+__device__ __forceinline__ int swz(int row, int chunk) {
+  if (C == 128) return chunk ^ (((row ^ (row >> 1)) & 1) | ((chunk >> 2) & 2) | (row & 4));
+  return chunk ^ (row & 7);
+}
+struct RowSwizzle {  // per-thread byte offsets of its swizzled fragment chunks (SWZ), fixed for the whole split
+  u32 k[2][2];       // k_tile: [k-slice group s4][chunk of the pair], rows g (+ 8 h as an immediate)
+  u32 v[2][2];       // v_tile: [row 2t + r][chunk of the pair], (+ 8 h rows as an immediate)
+};
 
 // Byte mask (0xFF per set bit) of the 4 low bits of n, one bit per byte lane.
 __device__ __forceinline__ u32 spread4(u32 n) { return (n * 0x00204081u) & 0x01010101u; }
@@ -368,7 +385,8 @@ struct GroupWords {
 // tail); 4: slot (raw groups, if any, patched per word).
 template <int KIND>
 __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
-                                       const u32 (&qb)[NKS][2], float (&sc)[2][4], bool any_raw) {
+                                       const u32 (&qb)[NKS][2], float (&sc)[2][4], bool any_raw,
+                                       const RowSwizzle& sw) {
   constexpr int NV = 4;  // words per vector load
 #pragma unroll
   for (int s4 = 0; s4 < NKS / NV; ++s4) {
@@ -379,7 +397,15 @@ __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scr
       const int tok = 8 * h + g;
       if (KIND == 0) {
         u32 r[2 * NV];
-        ldv<2 * NV>(buf + tok * 2 * C + 8 * w0, r);
+        if (SWZ) {
+          u32 a[4], c[4];
+          ldv<4>(buf + h * 8 * 2 * C + sw.k[s4 % 2][0], a);
+          ldv<4>(buf + h * 8 * 2 * C + sw.k[s4 % 2][1], c);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) r[i] = a[i], r[4 + i] = c[i];
+        } else {
+          ldv<2 * NV>(buf + tok * 2 * C + 8 * w0, r);
+        }
 #pragma unroll
         for (int i = 0; i < NV; ++i) kpairs(r[2 * i], r[2 * i + 1], lo[h][i], hi[h][i]);
       } else {
@@ -414,7 +440,7 @@ __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scr
 // 8h+2t, 8h+2t+1 of both halves, two tokens of one channel per register.
 template <int KIND>
 __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
-                                       const u32 (&pb)[2], float (&o)[NVM][4], bool any_raw) {
+                                       const u32 (&pb)[2], float (&o)[NVM][4], bool any_raw, const RowSwizzle& sw) {
   constexpr int NV = NVW;  // words per vector load
 #pragma unroll
   for (int j0 = 0; j0 < NVW; j0 += NV) {
@@ -425,8 +451,22 @@ __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scr
       const int ta = 8 * h + 2 * t;
       if (KIND == 0) {
         u32 ra[2 * NV], rc[2 * NV];
-        ldv<2 * NV>(buf + ta * 2 * C + 8 * w0, ra);
-        ldv<2 * NV>(buf + (ta + 1) * 2 * C + 8 * w0, rc);
+        if (SWZ) {  // 2 NV words = one chunk (C = 64) or two (C = 128) per row
+          u32 a[4], c[4];
+          ldv<4>(buf + h * 8 * 2 * C + sw.v[0][0], a);
+          ldv<4>(buf + h * 8 * 2 * C + sw.v[1][0], c);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) ra[i % (2 * NV)] = a[i], rc[i % (2 * NV)] = c[i];
+          if (2 * NV == 8) {
+            ldv<4>(buf + h * 8 * 2 * C + sw.v[0][1], a);
+            ldv<4>(buf + h * 8 * 2 * C + sw.v[1][1], c);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) ra[(4 + i) % (2 * NV)] = a[i], rc[(4 + i) % (2 * NV)] = c[i];
+          }
+        } else {
+          ldv<2 * NV>(buf + ta * 2 * C + 8 * w0, ra);
+          ldv<2 * NV>(buf + (ta + 1) * 2 * C + 8 * w0, rc);
+        }
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
           vb[h][j][0] = prmt(ra[2 * j], rc[2 * j], 0x5410u);
@@ -577,6 +617,26 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   constexpr int BF_ROWS = 32 / (C / 8);              // BF16 rows between a lane's chunks
   const u32 sm_lane = (lane / (C / 16)) * SM_ROW + 16 * (lane % (C / 16));
   const int bf_row = lane / (C / 8), bf_col = 16 * (lane % (C / 8));
+  // SWZ: the lane's chunk of BF16 row bf_row + BF_ROWS i lands at swo[i % 4] + i BF_ROWS 2C (the swizzle depends on
+  // the row's 3 low bits, which repeat with i % 4); the fragment loads' offsets likewise
+  RowSwizzle sw;
+  u32 swo[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int row = bf_row + BF_ROWS * i;
+    swo[i] = SWZ ? (u32)(row * 2 * C + 16 * swz(row, lane % (C / 8)) - i * BF_ROWS * 2 * C)
+                 : (u32)(bf_row * 2 * C + bf_col);
+  }
+#pragma unroll
+  for (int s4 = 0; s4 < 2; ++s4)
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int ck = (t * NKS + 4 * s4) / 2 + k;  // k_tile's words t NKS + 4 s4 .. + 7 of row g
+      sw.k[s4][k] = SWZ ? (u32)(g * 2 * C + 16 * swz(g, ck % (C / 8))) : 0u;
+      const int row = 2 * t + s4;                 // v_tile's rows 2t, 2t + 1, chunks (8 g NVW) / 16 + k
+      const int cv = (g * NVW) / 2 + k;
+      sw.v[s4][k] = SWZ ? (u32)(row * 2 * C + 16 * swz(row, cv % (C / 8))) : 0u;
+    }
   auto issue = [&](int u, int st, const int (&e)[2][TILES]) {
     const bool tail = u >= nb;
     const int valid = tail ? tl : 16;
@@ -606,6 +666,8 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         const int ent = e[kv][T];
         if (!GAAC_PLAIN && !tail && ent >= 0) {
           const u8* src = p.slots + (i64)ent * p.slot_bytes;
+          // (one bulk copy per sign+mantissa row, 16 lanes, was tried: a bulk copy takes uniform operands, so the
+          // compiler issues the 16 copies one lane at a time, ~8 instructions each)
           const u8* sl = src + 16 * lane;
           const u32 dl = smem_u32(dst) + sm_lane;
 #pragma unroll
@@ -619,11 +681,11 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         } else {
           const i64 row_bytes = 2 * p.kv_ss;
           const u8* sl = reinterpret_cast<const u8*>(rows_src(kv, u, T)) + bf_row * row_bytes + bf_col;
-          u8* dl = dst + bf_row * 2 * C + bf_col;
 #pragma unroll
           for (int i = 0; i < C / 16; ++i) {
-            if (bf_row + BF_ROWS * i < valid) cp_async16(smem_u32(dl + i * BF_ROWS * 2 * C), sl + i * BF_ROWS * row_bytes);
-            else *reinterpret_cast<uint4*>(dl + i * BF_ROWS * 2 * C) = make_uint4(0, 0, 0, 0);
+            u8* dl = dst + swo[i % 4] + i * BF_ROWS * 2 * C;
+            if (bf_row + BF_ROWS * i < valid) cp_async16(smem_u32(dl), sl + i * BF_ROWS * row_bytes);
+            else *reinterpret_cast<uint4*>(dl) = make_uint4(0, 0, 0, 0);
           }
         }
       }
@@ -692,10 +754,10 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       if (DECODE && ((slots_here >> T) & 1)) {
         prepass(p, buf, scr, b3[0][T], b4[0][T], lane, tk[T]);
         __syncwarp();
-        k_tile<4>(p, buf, scr, g, t, qb[T], sc2, tk[T].any_raw);
+        k_tile<4>(p, buf, scr, g, t, qb[T], sc2, tk[T].any_raw, sw);
         __syncwarp();
       } else {
-        k_tile<0>(p, buf, scr, g, t, qb[T], sc2, false);
+        k_tile<0>(p, buf, scr, g, t, qb[T], sc2, false, sw);
       }
     }
     // online softmax (base 2) of heads 2t, 2t+1 over the 16 tokens (thread: tokens g, g + 8; reduced over g)
@@ -749,10 +811,10 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       if (DECODE && ((slots_here >> (TILES + T)) & 1)) {
         prepass(p, buf, scr, b3[1][T], b4[1][T], lane, tv[T]);
         __syncwarp();
-        v_tile<4>(p, buf, scr, g, t, pb, o[T], tv[T].any_raw);
+        v_tile<4>(p, buf, scr, g, t, pb, o[T], tv[T].any_raw, sw);
         __syncwarp();
       } else {
-        v_tile<0>(p, buf, scr, g, t, pb, o[T], false);
+        v_tile<0>(p, buf, scr, g, t, pb, o[T], false, sw);
       }
     }
     __syncwarp();
