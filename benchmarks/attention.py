@@ -141,6 +141,8 @@ def main():
     p.add_argument("--cuda-sweep", action="store_true", help="sweep the CUDA kernel's ring depth, warps and splits")
     p.add_argument("--interleave-sweep", action="store_true", help="time contiguous and interleaved split layouts")
     p.add_argument("--twin-sweep", action="store_true", help="sweep the CUDA twin's ring depth and warps per CTA")
+    p.add_argument("--dynamic-sweep", action="store_true",
+                   help="time the CUDA kernel and its twin with static splits and with warps claiming splits")
     p.add_argument("--swizzle-sweep", action="store_true",
                    help="time the CUDA twin with plain and swizzled BF16 rows in shared memory")
     p.add_argument("--no-triton", action="store_true", help="skip the Triton kernel (fused, twin, breakdown)")
@@ -287,6 +289,33 @@ def main():
                                 combine=False), args.buffers)
                 cuda_info["interleave_us"] = il
                 print("interleave", il, flush=True)
+            if args.dynamic_sweep:
+                # one split per warp, or one wave of warps claiming DYNAMIC_SPLITS x as many splits from a counter
+                dy = {}
+                timer = bench_graph if args.graphs else bench
+                for dyn in (False, True):
+                    pcd = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, dynamic=dyn)
+                    ppd = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, dynamic=dyn, nsplit=pcd.nsplit)
+                    gd = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout, pcd)
+                    td = gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, ppd)
+                    row = {"nsplit": pcd.nsplit,
+                           "bit_identical_to_twin": torch.equal(gd.view(torch.int16), td.view(torch.int16)),
+                           "rel_err_vs_fp32": ((gd.float() - ref).norm() / ref.norm()).item(),
+                           "registers": pcd.kernels(dev)[0].registers,
+                           "gaac_us": timer(lambda i, pcd=pcd: gaac_cuda.decode_attention(
+                               q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout, pcd),
+                               args.buffers),
+                           "twin_us": timer(lambda i, ppd=ppd: gaac_cuda.plain_decode_attention(
+                               q, bufs[i][1], bufs[i][2], kv_len, None, scale, ppd), args.buffers)}
+                    if SHAPES.index((name, hq, hkv, d, b, s)) == args.breakdown_shape:
+                        pvd = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, skip=3,
+                                             dynamic=dyn)
+                        row["loads_only_us"] = timer(lambda i, pvd=pvd: gaac_cuda.decode_attention(
+                            q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout, pvd,
+                            combine=False), args.buffers)
+                    dy[f"dynamic_{int(dyn)}"] = row
+                cuda_info["dynamic_us"] = dy
+                print("dynamic", dy, flush=True)
             if args.swizzle_sweep:
                 # the twin's BF16 rows staged densely (4-way bank conflicts in the fragment loads) or swizzled
                 sz = {}

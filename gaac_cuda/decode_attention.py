@@ -28,13 +28,15 @@ SPLITS_PER_SM = 12  # warps (= splits) resident per SM at head_dim 64/128 (3 CTA
 COMBINE_THREADS = 512  # COMBINE_WARPS * 32 in the kernel source
 INTERLEAVE = False  # default split layout: contiguous block ranges (see `plan`)
 SWIZZLE = False  # plain KV: BF16 rows staged with an XOR swizzle against bank conflicts (see `plan`)
+DYNAMIC = False  # one wave of warps claiming splits from a counter (see `plan`)
+DYNAMIC_SPLITS = 2  # splits per resident warp when dynamic
 
 
 class _Params(ctypes.Structure):  # mirrors `struct Params` in the kernel source
     _fields_ = ([(n, ctypes.c_void_p) for n in ("q", "slots", "raw", "table", "kv_k", "kv_v", "base3", "base4",
-                                                 "kv_len", "mask", "part_o", "part_ml", "out", "trace")]
+                                                 "kv_len", "mask", "part_o", "part_ml", "out", "trace", "work")]
                 + [(n, ctypes.c_longlong) for n in ("slot_bytes", "table_sb", "kv_sb", "kv_sh", "kv_ss", "mask_sb")]
-                + [(n, ctypes.c_int) for n in ("batch", "heads", "rep", "nsplit", "buf_bytes", "warp_bytes",
+                + [(n, ctypes.c_int) for n in ("batch", "heads", "rep", "nsplit", "nwarps", "buf_bytes", "warp_bytes",
                                                "planes_off", "tags_off", "esc_off")]
                 + [("qk_scale", ctypes.c_float)])
 
@@ -46,6 +48,8 @@ def _source() -> str:
 
 
 _kernels: dict = {}
+_waves: dict = {}  # (plan, device) -> CTAs of one wave (dynamic plans)
+_work: dict = {}  # (device, stream) -> the dynamic plans' counters (int32 [2], zero between launches)
 
 
 def available(device: torch.device | str | int | None = None) -> bool:
@@ -103,7 +107,8 @@ class DecodePlan:
 def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, device, *, slot_bytes: int = 0,
          plain: bool = False, nsplit: int | None = None, warps: int = 4, stages: int = 2,
          min_ctas: int | None = None, skip: int = 0, trace: bool = False,
-         interleave: bool = INTERLEAVE, format_version: int = 1, swizzle: bool = SWIZZLE) -> DecodePlan:
+         interleave: bool = INTERLEAVE, format_version: int = 1, swizzle: bool = SWIZZLE,
+         dynamic: bool = DYNAMIC) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
@@ -112,7 +117,9 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     compressed KV and its twin must be planned alike, as the default does). `format_version` 2: the byte-split
     slot prototype of `benchmarks/format_v2_probe.py` (bases passed halved), not a format the caches write.
     `swizzle` (plain KV): stage BF16 rows with an XOR swizzle of their 16-byte chunks, so the fragment loads are free
-    of shared-memory bank conflicts (the bits do not change)."""
+    of shared-memory bank conflicts (the bits do not change). `dynamic`: launch one wave of warps that claim
+    splits from a global counter (DYNAMIC_SPLITS splits per resident warp), so heads and SMs that run faster take
+    more splits; the bits depend on the split count only (compressed KV and its twin: plan both alike)."""
     if format_version not in (1, 2):
         raise ValueError(f"slot format {format_version}: the kernel reads format 1 (and the version-2 prototype)")
     if head_dim not in (64, 128, 256):
@@ -131,7 +138,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     options = (f"-DGAAC_C={channels}", f"-DGAAC_TILES={tiles}",
                f"-DGAAC_PLAIN={int(plain)}", f"-DGAAC_STAGES={stages}", f"-DGAAC_WARPS={warps}",
                f"-DGAAC_MIN_CTAS={min_ctas}", f"-DGAAC_INTERLEAVE={int(interleave)}",
-               f"-DGAAC_FORMAT={format_version}", f"-DGAAC_SWIZZLE={int(swizzle and plain)}")
+               f"-DGAAC_FORMAT={format_version}", f"-DGAAC_SWIZZLE={int(swizzle and plain)}",
+               f"-DGAAC_DYNAMIC={int(dynamic)}")
     if trace:
         options += ("-DGAAC_TRACE=1",)
     if skip:  # benchmark-only variants of the leave-one-stage-out breakdown (wrong results by design)
@@ -143,7 +151,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
         # splits that fit in one wave of warps (a few more would run as a second wave: twice the time)
         per_sm = SPLITS_PER_SM if tiles == 1 else SPLITS_PER_SM // 3  # two tiles per stage: one CTA fits
-        want = max(1, sms * per_sm // (batch * kv_heads))
+        want = max(1, sms * per_sm * (DYNAMIC_SPLITS if dynamic else 1) // (batch * kv_heads))
         nsplit = max(1, min(want, math.ceil(units / MIN_UNITS_PER_SPLIT)))
     return DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes, options)
 
@@ -160,6 +168,26 @@ def trace_size(p: DecodePlan) -> int:
     """Length of the int64 `trace` tensor a `plan(..., trace=True)` launch writes: per split 3 globaltimer stamps (ns:
     entry, first unit in shared memory, partial written) and its SM, then one stamp per combine block (entry)."""
     return 4 * p.items + p.batch * p.kv_heads * p.rep * (p.head_dim // 32)
+
+
+def _wave(p: DecodePlan, kernel, dev) -> int:
+    """CTAs of a dynamic plan's grid: one wave (every CTA resident at once), at most one CTA per 4 items."""
+    key = (p, dev)
+    if key not in _waves:
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        _waves[key] = max(1, min(p.grid, sms * max(1, kernel.blocks_per_sm(p.warps * 32, p.smem))))
+    return _waves[key]
+
+
+def _counters(dev) -> torch.Tensor:
+    """The dynamic kernel's two counters for the current stream. The kernel leaves them at zero; launches on one
+    stream never overlap, so a stream needs one pair. Made once per stream (under graph capture: in the graph's pool,
+    zeroed by a node of that graph)."""
+    key = (dev, torch.cuda.current_stream(dev).cuda_stream)
+    t = _work.get(key)
+    if t is None:
+        t = _work[key] = torch.zeros(2, dtype=torch.int32, device=dev)
+    return t
 
 
 def _run(p: DecodePlan, query, kv_len, mask, scale, fill, combine_too: bool = True,
@@ -193,8 +221,12 @@ def _run(p: DecodePlan, query, kv_len, mask, scale, fill, combine_too: bool = Tr
         prm.trace = trace.data_ptr()
     keep = fill(prm)  # tensors the launch reads must outlive it
     split_kernel, combine = p.kernels(dev)
+    grid = p.grid
+    if "-DGAAC_DYNAMIC=1" in p.options:
+        grid = _wave(p, split_kernel, dev)
+        prm.nwarps, prm.work = grid * p.warps, _counters(dev).data_ptr()
     with torch.cuda.device(dev):
-        split_kernel.launch(p.grid, p.warps * 32, p.smem, prm)
+        split_kernel.launch(grid, p.warps * 32, p.smem, prm)
         if combine_too:
             combine.launch(b * hq * (d // 32), COMBINE_THREADS, 0, prm)  # a block per (row, query head, 32 channels)
     del keep

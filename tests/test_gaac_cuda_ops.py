@@ -51,13 +51,15 @@ def test_plan_rejects_shapes_the_kernel_does_not_cover():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or CUOBJDUMP is None or not os.path.isfile(CUOBJDUMP or ""),
                     reason="needs nvcc (CUDA 12.8+) and triton's cuobjdump")
-@pytest.mark.parametrize("config", [(128, 1, 0), (128, 1, 1), (64, 1, 0), (64, 1, 1), (128, 1, 2), (64, 1, 2)])
+@pytest.mark.parametrize("config", [(128, 1, 0), (128, 1, 1), (64, 1, 0), (64, 1, 1), (128, 1, 2), (64, 1, 2),
+                                    (128, 1, 3), (128, 1, 4)])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     """The sm_90a build of every head_dim-64/128 variant, at the plan's default register cap (3 CTAs of 4 warps per
     SM), keeps its state in registers: no stack, no local memory."""
-    c, tiles, plain = config  # plain 2: the plain twin with swizzled rows
+    c, tiles, kind = config  # kind 0 compressed, 1 plain, 2 plain with swizzled rows, 3/4 compressed/plain dynamic
     out = tmp_path / "k.cubin"
-    defs = [f"-DGAAC_C={c}", f"-DGAAC_TILES={tiles}", f"-DGAAC_PLAIN={int(plain > 0)}", f"-DGAAC_SWIZZLE={int(plain == 2)}",
+    defs = [f"-DGAAC_C={c}", f"-DGAAC_TILES={tiles}", f"-DGAAC_PLAIN={int(kind in (1, 2, 4))}",
+            f"-DGAAC_SWIZZLE={int(kind == 2)}", f"-DGAAC_DYNAMIC={int(kind >= 3)}",
             "-DGAAC_STAGES=2", "-DGAAC_WARPS=4", "-DGAAC_MIN_CTAS=3"]
     subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", *defs, "-x", "cu",
                     _SOURCE_FILE, "-o", str(out)], check=True, capture_output=True)
@@ -146,6 +148,18 @@ def test_cuda_compressed_equals_plain_twin(case):
                        swizzle=True)
             twin_s = plain_decode_attention(q, k, v, kv_len, mask, scale, pps)
             assert torch.equal(bits(twin_s), bits(twin)), f"swizzled twin differs (nsplit {pc.nsplit}, {interleave=})"
+            # warps claiming splits from a counter: the same bits as the static schedule at the same split count,
+            # and again on a second launch (the kernel puts its counters back to zero)
+            pcd = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit,
+                       interleave=interleave, dynamic=True)
+            ppd = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pcd.nsplit, interleave=interleave,
+                       dynamic=True)
+            for _ in range(2):
+                got_d = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pcd)
+                twin_d = plain_decode_attention(q, k, v, kv_len, mask, scale, ppd)
+                assert torch.equal(bits(got_d), bits(twin_d)), f"dynamic: compressed != twin (nsplit {pcd.nsplit})"
+            if pcd.nsplit == pc.nsplit:
+                assert torch.equal(bits(got_d), bits(got)), f"dynamic schedule changed the bits (nsplit {pc.nsplit})"
             err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
             assert err < 1e-2, (err, pc.nsplit, interleave)
 

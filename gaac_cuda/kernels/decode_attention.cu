@@ -48,6 +48,9 @@
 #define GAAC_SWIZZLE 0
 #endif
 #define SWZ (GAAC_PLAIN && GAAC_SWIZZLE)
+#ifndef GAAC_DYNAMIC  // warps claim splits from a global counter (1) or run one split each (0)
+#define GAAC_DYNAMIC 0
+#endif
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -83,11 +86,13 @@ struct Params {
   float* part_ml;      // [items, rep, 2]
   u16* out;            // [B, Hq, D]
   unsigned long long* trace;  // GAAC_TRACE: [items, 4] split stamps (entry, first unit ready, done, SM), combine starts
+  int* work;           // GAAC_DYNAMIC: [2] zeroed counters (items claimed, warps done), zero again after the launch
   i64 slot_bytes;
   i64 table_sb;        // table stride per batch row, in int32
   i64 kv_sb, kv_sh, kv_ss;  // strides of kv_k / kv_v in elements
   i64 mask_sb;
   int batch, heads, rep, nsplit;
+  int nwarps;          // GAAC_DYNAMIC: warps in the grid
   int buf_bytes;       // bytes of one tile buffer in the ring
   int warp_bytes;      // shared memory per warp
   int planes_off, tags_off, esc_off;  // slot layout (format.py)
@@ -529,15 +534,13 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   extern __shared__ __align__(128) u8 smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int item = blockIdx.x * GAAC_WARPS + warp;
-  if (item >= p.batch * p.heads * p.nsplit) return;
-  const int b = item / (p.heads * p.nsplit), hk = (item / p.nsplit) % p.heads, split = item % p.nsplit;
-  if (GAAC_TRACE && lane == 0) {
-    u32 sm;
-    asm volatile("mov.u32 %0, %smid;" : "=r"(sm));
-    p.trace[4 * item] = gtimer();
-    p.trace[4 * item + 3] = sm;
-  }
+  const int total = p.batch * p.heads * p.nsplit;
+  // GAAC_DYNAMIC: the grid holds one wave of warps (p.nwarps); warp w takes item w, then claims the next free item
+  // (p.nwarps + a global counter) as it issues the last copies of the current one, so warps whose items decode
+  // faster take more of them. An item is always the same split (same units, same partial): the bits do not depend
+  // on which warp ran it. The last warp to finish puts the counters back to zero for the next launch.
+  int item = blockIdx.x * GAAC_WARPS + warp;
+  if (!GAAC_DYNAMIC && item >= total) return;
 
   u8* ws = smem + warp * p.warp_bytes;
   const u32 bars = smem_u32(ws);
@@ -546,6 +549,23 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   scr.base = ring + GAAC_STAGES * 2 * TILES * p.buf_bytes;
   scr.planes = scr.base + G;
   scr.raw = scr.planes + 5 * G;
+  if (lane == 0) {
+#pragma unroll
+    for (int st = 0; st < GAAC_STAGES; ++st) mbar_init(bars + 8 * st, 33);  // lane 0's expect_tx + 32 cp.async arrivals
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncwarp();
+  u32 phases = 0;  // parity of each stage's barrier, carried across the warp's items
+
+  while (item < total) {
+  int claimed = total;  // GAAC_DYNAMIC: the warp's next item (lane 0)
+  const int b = item / (p.heads * p.nsplit), hk = (item / p.nsplit) % p.heads, split = item % p.nsplit;
+  if (GAAC_TRACE && lane == 0) {
+    u32 sm;
+    asm volatile("mov.u32 %0, %smid;" : "=r"(sm));
+    p.trace[4 * item] = gtimer();
+    p.trace[4 * item + 3] = sm;
+  }
 
   const int len = p.kv_len[b];
   const int nb = len >> 4, tl = len & 15;
@@ -558,13 +578,6 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   const int per = (units + p.nsplit - 1) / p.nsplit;
   const int u0 = min(units, split * per), ustep = 1, n = min(units, u0 + per) - u0;
 #endif
-
-  if (lane == 0) {
-#pragma unroll
-    for (int st = 0; st < GAAC_STAGES; ++st) mbar_init(bars + 8 * st, 33);  // lane 0's expect_tx + 32 cp.async arrivals
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncwarp();
 
   // query fragments (operand B of the score mma): column g = query head g; k pairs (c0, c2), (c1, c3) of word
   // w = t*NKS + s (channels 4w..4w+3), as the K fragments pair them
@@ -710,7 +723,6 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   };
   int ent[2][TILES];
   load_entries(0, ent);
-  u32 phases = 0;
   const u8* mrow = p.mask ? p.mask + (i64)b * p.mask_sb : nullptr;
   constexpr bool DECODE = !GAAC_PLAIN && !(GAAC_SKIP & 2);
 
@@ -721,6 +733,8 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     if (next < n) {
       issue(u0 + next * ustep, next % GAAC_STAGES, ent);
       load_entries(next + 1, ent);
+    } else if (GAAC_DYNAMIC && next == n && lane == 0) {
+      claimed = p.nwarps + atomicAdd(p.work, 1);  // its latency hides behind the item's last units
     }
     if (j < 0) continue;
     const int u = u0 + j * ustep;
@@ -847,6 +861,16 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       }
   }
   if (GAAC_TRACE && lane == 0) p.trace[4 * item + 2] = gtimer();
+  item = GAAC_DYNAMIC ? __shfl_sync(0xffffffffu, claimed, 0) : total;
+  }  // items
+  if (GAAC_DYNAMIC && lane == 0) {
+    __threadfence();  // this warp's last claim happens before its count
+    if (atomicAdd(p.work + 1, 1) == p.nwarps - 1) {  // every warp has claimed its last item
+      p.work[0] = 0;
+      p.work[1] = 0;
+      __threadfence();
+    }
+  }
 }
 
 // out[b, hq, 32c .. 32c + 31] = merge of the nsplit partials of (b, hq) for one chunk c of 32 channels. One block of
