@@ -1,6 +1,8 @@
 """Launch the CUDA decode kernel at 1 x 64K (Llama-3.1-8B heads, real-statistics KV) a few times, for ncu:
 
-    ncu --clock-control none -k regex:gaac_decode_split -c 1 --section ... python benchmarks/device/profile_cuda_kernel.py
+    ncu --clock-control none -k regex:gaac_decode_split -c 1 --section ... python benchmarks/device/profile_cuda_kernel.py [skip|plain]
+
+The argument: a GAAC_SKIP breakdown variant (0: the full kernel) or `plain` (the bit-exact twin over the BF16 KV).
 """
 
 import sys
@@ -14,7 +16,9 @@ from attention import compress, real_kv  # noqa: E402
 import gaac_cuda  # noqa: E402
 from gaac_hf.format import TileLayout  # noqa: E402
 
-skip = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+arg = sys.argv[1] if len(sys.argv) > 1 else "0"
+plain = arg == "plain"
+skip = 0 if plain else int(arg)
 dev = torch.device("cuda")
 pool = load_file(".bench/real_kv_2k.safetensors")["kv"]
 k, v = real_kv(pool, 1, 8, 65536, 128, torch.Generator().manual_seed(0))
@@ -23,8 +27,11 @@ packed, info = compress(k, v)
 layout = TileLayout(128, info["escape_capacity"])
 q = torch.randn(1, 32, 128, device=dev).to(torch.bfloat16)
 kv_len = torch.full((1,), 65536, dtype=torch.int32, device=dev)
-p = gaac_cuda.plan(1, 8, 4, 128, 65536, dev, slot_bytes=layout.slot_bytes, skip=skip)
+p = gaac_cuda.plan(1, 8, 4, 128, 65536, dev, slot_bytes=layout.slot_bytes, skip=skip, plain=plain)
 for _ in range(3):
-    gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, 128 ** -0.5, layout, p)
+    if plain:
+        gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, 128 ** -0.5, p)
+    else:
+        gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, 128 ** -0.5, layout, p)
 torch.cuda.synchronize()
 print("ok", info)
