@@ -217,12 +217,12 @@ def main():
             pp = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True)
             got_c = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout, pc)
             twin = gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, pp)
-            kc = pc.kernels(dev, dense_rows=True)[0]
+            kc = pc.kernels(dev)[0]
             cuda_info = {"bit_identical_to_twin": torch.equal(got_c.view(torch.int16), twin.view(torch.int16)),
                          "rel_err_vs_fp32": ((got_c.float() - ref).norm() / ref.norm()).item(),
                          "nsplit": pc.nsplit, "registers": kc.registers, "smem_per_cta": pc.smem,
                          "ctas_per_sm": kc.blocks_per_sm(pc.warps * 32, pc.smem), "stages": pc.stages,
-                         "warps": pc.warps, "twin_registers": pp.kernels(dev, dense_rows=True)[0].registers}
+                         "warps": pc.warps, "twin_registers": pp.kernels(dev)[0].registers}
 
             def run_cuda(i, pc=pc, layout=layout, kv_len=kv_len):
                 pk = bufs[i][0]

@@ -91,18 +91,15 @@ class DecodePlan:
     def smem(self) -> int:
         return self.warps * self.warp_bytes
 
-    def kernels(self, device, dense_rows: bool = False):
-        """(split kernel, combine kernel) of this plan on `device`, compiled once (host cost per call: a dict lookup).
-        `dense_rows`: the variant for BF16 rows (plain KV, the tail) exactly head_dim elements apart, whose copy
-        offsets are compile-time constants."""
+    def kernels(self, device):
+        """(split kernel, combine kernel) of this plan on `device`, compiled once (host cost per call: a dict lookup)."""
         index = torch.device(device).index
-        key = (self.options, dense_rows, torch.cuda.current_device() if index is None else index)
+        key = (self.options, torch.cuda.current_device() if index is None else index)
         pair = _kernels.get(key)
         if pair is None:
             src = _source()
-            opts = list(self.options) + ["-DGAAC_DENSE_ROWS=1"] * dense_rows
-            pair = (nvrtc.get_kernel(src, opts, "gaac_decode_split", device),
-                    nvrtc.get_kernel(src, opts, "gaac_combine", device))
+            pair = (nvrtc.get_kernel(src, list(self.options), "gaac_decode_split", device),
+                    nvrtc.get_kernel(src, list(self.options), "gaac_combine", device))
             _kernels[key] = pair
         return pair
 
@@ -223,7 +220,7 @@ def _run(p: DecodePlan, query, kv_len, mask, scale, fill, combine_too: bool = Tr
             raise ValueError(f"a traced plan needs an int64 trace tensor of {trace_size(p)} elements on {dev}")
         prm.trace = trace.data_ptr()
     keep = fill(prm)  # tensors the launch reads must outlive it
-    split_kernel, combine = p.kernels(dev, dense_rows=prm.kv_ss == d)
+    split_kernel, combine = p.kernels(dev)
     grid = p.grid
     if "-DGAAC_DYNAMIC=1" in p.options:
         grid = _wave(p, split_kernel, dev)

@@ -48,10 +48,6 @@
 #define GAAC_SWIZZLE 0
 #endif
 #define SWZ (GAAC_PLAIN && GAAC_SWIZZLE)
-#ifndef GAAC_DENSE_ROWS  // plain KV and the tail: rows D elements apart (1: a compile-time stride) or p.kv_ss (0)
-#define GAAC_DENSE_ROWS 0
-#endif
-#define KV_SS (GAAC_DENSE_ROWS ? (i64)(GAAC_C * GAAC_TILES) : p.kv_ss)
 #ifndef GAAC_DYNAMIC  // warps claim splits from a global counter (1) or run one split each (0)
 #define GAAC_DYNAMIC 0
 #endif
@@ -614,11 +610,10 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   const int* trow = p.table + (i64)b * p.table_sb;
   const int tstride = 2 * p.heads * TILES;
   // rows of a BF16 tile: plain blocks at row 16u of the plain KV; the compressed tail at row 0 of the tail
-  const i64 head_off = (i64)b * p.kv_sb + (i64)hk * p.kv_sh;  // of the item's rows in kv_k / kv_v
   auto rows_src = [&](int kv, int u, int T) -> const u16* {
-    const u16* base = (kv ? p.kv_v : p.kv_k) + head_off;
+    const u16* base = kv ? p.kv_v : p.kv_k;
     const i64 row0 = GAAC_PLAIN ? (i64)16 * u : 0;
-    return base + row0 * KV_SS + T * C;
+    return base + (i64)b * p.kv_sb + (i64)hk * p.kv_sh + row0 * p.kv_ss + T * C;
   };
   volatile u32* kinds = reinterpret_cast<volatile u32*>(ws + 8 * GAAC_STAGES);  // slot bits of each stage
   auto entry = [&](int u, int kv, int T) -> int {
@@ -673,10 +668,8 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
           bytes += 32 * C;
         }
       }
-    if (!GAAC_PLAIN) {  // (plain KV: no slots, and no bulk copy whose writes must follow the reads of the stage)
-      if (lane == 0) kinds[st] = slots;  // read by the consumer after the stage's barrier (and a __syncwarp)
-      fence_async();
-    }
+    if (lane == 0) kinds[st] = slots;  // read by the consumer after the stage's barrier (and a __syncwarp)
+    fence_async();
     if (lane == 0) mbar_expect(bar, bytes);
 #pragma unroll
     for (int kv = 0; kv < 2; ++kv)
@@ -699,20 +692,13 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
                                      : reinterpret_cast<const u8*>(p.raw + (i64)(-1 - ent) * 16 * C);
           if (lane == kv * TILES + T) bulk_copy(smem_u32(dst), src, 32 * C, bar);
         } else {
-          const i64 row_bytes = 2 * KV_SS;
+          const i64 row_bytes = 2 * p.kv_ss;
           const u8* sl = reinterpret_cast<const u8*>(rows_src(kv, u, T)) + bf_row * row_bytes + bf_col;
-          if (!tail) {  // a full block: no zero fill (a zero-fill store beside each copy costs a store and three
-                        // hazard-padding instructions per copy even when it never runs)
 #pragma unroll
-            for (int i = 0; i < C / 16; ++i)
-              cp_async16(smem_u32(dst + swo[i % 4] + i * BF_ROWS * 2 * C), sl + i * BF_ROWS * row_bytes);
-          } else {
-#pragma unroll
-            for (int i = 0; i < C / 16; ++i) {
-              u8* dl = dst + swo[i % 4] + i * BF_ROWS * 2 * C;
-              if (bf_row + BF_ROWS * i < valid) cp_async16(smem_u32(dl), sl + i * BF_ROWS * row_bytes);
-              else *reinterpret_cast<uint4*>(dl) = make_uint4(0, 0, 0, 0);
-            }
+          for (int i = 0; i < C / 16; ++i) {
+            u8* dl = dst + swo[i % 4] + i * BF_ROWS * 2 * C;
+            if (bf_row + BF_ROWS * i < valid) cp_async16(smem_u32(dl), sl + i * BF_ROWS * row_bytes);
+            else *reinterpret_cast<uint4*>(dl) = make_uint4(0, 0, 0, 0);
           }
         }
       }
@@ -758,7 +744,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     mbar_wait(bars + 8 * st, (phases >> st) & 1);
     phases ^= 1u << st;
     if (GAAC_TRACE && lane == 0 && j == 0) p.trace[4 * item + 1] = gtimer();
-    const u32 slots_here = GAAC_PLAIN ? 0u : kinds[st];
+    const u32 slots_here = kinds[st];
     const bool tail = u >= nb;
     const int valid = tail ? tl : 16;
 
