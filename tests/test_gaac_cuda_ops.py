@@ -162,6 +162,12 @@ def test_cuda_compressed_equals_plain_twin(case):
                 assert torch.equal(bits(got_d), bits(got)), f"dynamic schedule changed the bits (nsplit {pc.nsplit})"
             err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
             assert err < 1e-2, (err, pc.nsplit, interleave)
+    # rows further apart than head_dim (a view into wider rows): the same bits as contiguous rows
+    kw, vw = (torch.zeros(*x.shape[:3], d + 64, dtype=x.dtype, device=x.device) for x in (k, v))
+    kw[..., :d], vw[..., :d] = k, v
+    pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True)
+    strided = plain_decode_attention(q, kw[..., :d], vw[..., :d], kv_len, mask, scale, pp)
+    assert torch.equal(bits(strided), bits(plain_decode_attention(q, k, v, kv_len, mask, scale, pp)))
 
 
 
