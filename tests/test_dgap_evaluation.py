@@ -99,13 +99,13 @@ def test_shipped_artifact_loads_and_fits_smollm2_only(smollm2):
 
 def test_shipped_artifact_on_real_low_bit_logits(smollm2):
     """K2V2 on real SmolLM2 logits: rows at or below tau are bit-identical, corrected rows change only the window."""
-    from dgap_hf import LowBitCache
+    from dgap_hf import LowBitCache, LowBitConfig
     from gaac_hf.corpus import sample_text
     from gaac_hf.model_layers import cache_kwarg
 
     model, tok = smollm2
     ids = tok(sample_text().text, return_tensors="pt").input_ids[:, :192]
-    cache = LowBitCache(model.config, "K2V2", group_size=32, residual_length=32)
+    cache = LowBitCache(model.config, LowBitConfig.from_artifact(DGAPModel.from_pretrained(SHIPPED), "K2V2"))
     with torch.no_grad():
         model(input_ids=ids[:, :160], use_cache=True, **{cache_kwarg(model): cache})
         logits = model(input_ids=ids[:, 160:], use_cache=True, **{cache_kwarg(model): cache}).logits[0].float()

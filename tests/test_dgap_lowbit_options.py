@@ -196,12 +196,23 @@ def test_spec_round_trips_through_the_artifact(tmp_path):
     assert [LowBitConfig.from_spec(back.quantizer[f"config{i}"]) for i in range(len(CONFIGS))] == CONFIGS
 
 
-def test_shipped_artifact_spec_is_plain_kivi():
+def test_shipped_artifact_records_each_precisions_default_quantizer():
+    """The shipped artifact was trained on the cache `LowBitCache(config, precision)` builds for SmolLM2 (the model
+    card's snippet): its spec rebuilds each precision's default, the measured per-head key bits of K2V2 included."""
+    from transformers import AutoConfig
+
+    from dgap_hf.lowbit_config import SPEC_VERSION
+    from gaac_hf.default_model import default_model_path
+
+    config = AutoConfig.from_pretrained(default_model_path())
     art = DGAPModel.from_pretrained(SHIPPED)
-    for p in ("K1V1", "K2V2", "K4V4", "K8V8"):
+    assert set(art.quantizer) == set(art.precisions) == {"K1V1", "K2V2", "K4V4", "K8V8"}
+    for p in art.precisions:
+        assert art.quantizer[p]["spec_version"] == SPEC_VERSION
         cfg = LowBitConfig.from_artifact(art, p)
-        assert cfg == LowBitConfig(p, key_group_size=32, value_group_size=32, residual_length=128, sink_length=0)
-        assert cfg.rotation == "none" and cfg.levels == "uniform" and cfg.key_outliers == cfg.value_outliers == 0
+        assert cfg == LowBitConfig.default(p, model_config=config), p
+        assert LowBitCache(config, cfg).quant_config == LowBitCache(config, p).quant_config, p
+    assert LowBitConfig.from_artifact(art, "K2V2").layer_key_bits  # the SmolLM2 head table, not the generic default
     with pytest.raises(UnknownPrecisionError, match="K2V4"):
         LowBitConfig.from_artifact(art, "K2V4")
 
