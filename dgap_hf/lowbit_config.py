@@ -1,9 +1,10 @@
 """`LowBitConfig`: the validated options of a `LowBitCache` quantizer, and their JSON spec (recorded in artifacts).
 
 The dataclass defaults are plain KIVI grouping (keys per channel, values per token, groups of 32, a 128-token
-full-precision residual, no sinks, no rotation, uniform levels, no outliers): the quantizer the shipped DGAP artifact
-was trained on, and what a spec without the newer fields means. `LowBitConfig.default(precision)` gives the measured
-best options per precision (`benchmarks/results/lowbit_quality.md`); `LowBitCache(config, "K2V2")` uses it.
+full-precision residual, no sinks, no rotation, uniform levels, no outliers): what a spec without the newer fields
+means (artifacts before spec version 2). `LowBitConfig.default(precision)` gives the measured best options per
+precision (`benchmarks/results/lowbit_quality.md`); `LowBitCache(config, "K2V2")` uses it, and the shipped DGAP
+artifact was trained on it (since session 6).
 """
 
 from __future__ import annotations
