@@ -263,59 +263,41 @@ def main():
                         sweep[key] = f"{type(e).__name__}: {e}"[:120]
                 cuda_info["sweep_us"] = sweep
                 print("cuda sweep", sweep, flush=True)
+            def option_sweep(option):
+                """GAAC and its twin planned with `option` off and on (the twin with the same split count): same
+                bits, error, registers, both times, and the loads-only variant at the breakdown shape."""
+                rows = {}
+                timer = bench_graph if args.graphs else bench
+                for on in (False, True):
+                    po = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, **{option: on})
+                    ppo = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, nsplit=po.nsplit, **{option: on})
+                    go = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout, po)
+                    to = gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, ppo)
+                    row = {"nsplit": po.nsplit,
+                           "bit_identical_to_twin": torch.equal(go.view(torch.int16), to.view(torch.int16)),
+                           "rel_err_vs_fp32": ((go.float() - ref).norm() / ref.norm()).item(),
+                           "registers": po.kernels(dev)[0].registers,
+                           "gaac_us": timer(lambda i, po=po: gaac_cuda.decode_attention(
+                               q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout, po),
+                               args.buffers),
+                           "twin_us": timer(lambda i, ppo=ppo: gaac_cuda.plain_decode_attention(
+                               q, bufs[i][1], bufs[i][2], kv_len, None, scale, ppo), args.buffers)}
+                    if SHAPES.index((name, hq, hkv, d, b, s)) == args.breakdown_shape:
+                        pv = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, skip=3,
+                                            **{option: on})
+                        row["loads_only_us"] = timer(lambda i, pv=pv: gaac_cuda.decode_attention(
+                            q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout, pv,
+                            combine=False), args.buffers)
+                    rows[f"{option}_{int(on)}"] = row
+                cuda_info[f"{option}_us"] = rows
+                print(option, rows, flush=True)
+
             if args.interleave_sweep:
                 # split s reads blocks s, s + nsplit, ... (neighbouring blocks streamed together) vs a contiguous range
-                il = {}
-                for inter in (False, True):
-                    pci = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, interleave=inter)
-                    ppi = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, interleave=inter)
-                    gi = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout, pci)
-                    ti = gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, ppi)
-                    timer = bench_graph if args.graphs else bench
-                    il[f"interleave_{int(inter)}"] = {
-                        "bit_identical_to_twin": torch.equal(gi.view(torch.int16), ti.view(torch.int16)),
-                        "rel_err_vs_fp32": ((gi.float() - ref).norm() / ref.norm()).item(),
-                        "gaac_us": timer(lambda i, pci=pci: gaac_cuda.decode_attention(
-                            q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout, pci),
-                            args.buffers),
-                        "twin_us": timer(lambda i, ppi=ppi: gaac_cuda.plain_decode_attention(
-                            q, bufs[i][1], bufs[i][2], kv_len, None, scale, ppi), args.buffers)}
-                    if SHAPES.index((name, hq, hkv, d, b, s)) == args.breakdown_shape:
-                        pvi = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, skip=3,
-                                             interleave=inter)
-                        il[f"interleave_{int(inter)}"]["loads_only_us"] = timer(
-                            lambda i, pvi=pvi: gaac_cuda.decode_attention(
-                                q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout, pvi,
-                                combine=False), args.buffers)
-                cuda_info["interleave_us"] = il
-                print("interleave", il, flush=True)
+                option_sweep("interleave")
             if args.dynamic_sweep:
                 # one split per warp, or one wave of warps claiming DYNAMIC_SPLITS x as many splits from a counter
-                dy = {}
-                timer = bench_graph if args.graphs else bench
-                for dyn in (False, True):
-                    pcd = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, dynamic=dyn)
-                    ppd = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, dynamic=dyn, nsplit=pcd.nsplit)
-                    gd = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout, pcd)
-                    td = gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, ppd)
-                    row = {"nsplit": pcd.nsplit,
-                           "bit_identical_to_twin": torch.equal(gd.view(torch.int16), td.view(torch.int16)),
-                           "rel_err_vs_fp32": ((gd.float() - ref).norm() / ref.norm()).item(),
-                           "registers": pcd.kernels(dev)[0].registers,
-                           "gaac_us": timer(lambda i, pcd=pcd: gaac_cuda.decode_attention(
-                               q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout, pcd),
-                               args.buffers),
-                           "twin_us": timer(lambda i, ppd=ppd: gaac_cuda.plain_decode_attention(
-                               q, bufs[i][1], bufs[i][2], kv_len, None, scale, ppd), args.buffers)}
-                    if SHAPES.index((name, hq, hkv, d, b, s)) == args.breakdown_shape:
-                        pvd = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, skip=3,
-                                             dynamic=dyn)
-                        row["loads_only_us"] = timer(lambda i, pvd=pvd: gaac_cuda.decode_attention(
-                            q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout, pvd,
-                            combine=False), args.buffers)
-                    dy[f"dynamic_{int(dyn)}"] = row
-                cuda_info["dynamic_us"] = dy
-                print("dynamic", dy, flush=True)
+                option_sweep("dynamic")
             if args.swizzle_sweep:
                 # the twin's BF16 rows staged densely (4-way bank conflicts in the fragment loads) or swizzled
                 sz = {}
