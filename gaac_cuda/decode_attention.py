@@ -171,7 +171,7 @@ def trace_size(p: DecodePlan) -> int:
 
 
 def _wave(p: DecodePlan, kernel, dev) -> int:
-    """CTAs of a dynamic plan's grid: one wave (every CTA resident at once), at most one CTA per 4 items."""
+    """CTAs of a dynamic plan's grid: one wave (every CTA resident at once), at most the static grid."""
     key = (p, dev)
     if key not in _waves:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
