@@ -271,7 +271,8 @@ def main():
                 for on in (False, True):
                     po = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, **{option: on})
                     ppo = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, nsplit=po.nsplit, **{option: on})
-                    go = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout, po)
+                    go = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout,
+                                                    po)
                     to = gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, ppo)
                     row = {"nsplit": po.nsplit,
                            "bit_identical_to_twin": torch.equal(go.view(torch.int16), to.view(torch.int16)),
