@@ -1,4 +1,4 @@
-"""benchmarks/ncu_source_summary.py on a small source-page CSV in ncu's layout."""
+"""(GAAC kernel profiling) benchmarks/ncu_source_summary.py on a small source-page CSV in ncu's layout."""
 
 import csv
 import sys
