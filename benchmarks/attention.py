@@ -300,20 +300,9 @@ def main():
                 # one split per warp, or one wave of warps claiming DYNAMIC_SPLITS x as many splits from a counter
                 option_sweep("dynamic")
             if args.swizzle_sweep:
-                # the twin's BF16 rows staged densely (4-way bank conflicts in the fragment loads) or swizzled
-                sz = {}
-                timer = bench_graph if args.graphs else bench
-                for swz in (False, True):
-                    pps = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, swizzle=swz, nsplit=pc.nsplit)
-                    ts = gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, pps)
-                    us = timer(lambda i, pps=pps: gaac_cuda.plain_decode_attention(
-                        q, bufs[i][1], bufs[i][2], kv_len, None, scale, pps), args.buffers)
-                    sz[f"swizzle_{int(swz)}"] = {"twin_us": us, "TBps": bf16_bytes / us / 1e6,
-                                                 "bits_equal_gaac": torch.equal(ts.view(torch.int16),
-                                                                                got_c.view(torch.int16)),
-                                                 "registers": pps.kernels(dev)[0].registers}
-                cuda_info["swizzle_us"] = sz
-                print("swizzle", sz, flush=True)
+                # the twin's BF16 rows staged densely (4-way bank conflicts in the fragment loads) or swizzled (a
+                # plain-KV option: the compressed plans are the same in both rows)
+                option_sweep("swizzle")
             if args.twin_sweep and s == 65536 and b == 1 and hq == 32:
                 # the twin's ring depth and CTA shape (its bits depend on the split count alone, kept)
                 twin_sweep = {}

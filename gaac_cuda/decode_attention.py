@@ -78,6 +78,7 @@ class DecodePlan:
     buf_bytes: int
     warp_bytes: int
     options: tuple
+    dynamic: bool = False  # warps claim splits from a counter (`plan(dynamic=True)`)
 
     @property
     def items(self) -> int:
@@ -153,7 +154,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         per_sm = SPLITS_PER_SM if tiles == 1 else SPLITS_PER_SM // 3  # two tiles per stage: one CTA fits
         want = max(1, sms * per_sm * (DYNAMIC_SPLITS if dynamic else 1) // (batch * kv_heads))
         nsplit = max(1, min(want, math.ceil(units / MIN_UNITS_PER_SPLIT)))
-    return DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes, options)
+    return DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes, options,
+                      dynamic)
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -222,7 +224,7 @@ def _run(p: DecodePlan, query, kv_len, mask, scale, fill, combine_too: bool = Tr
     keep = fill(prm)  # tensors the launch reads must outlive it
     split_kernel, combine = p.kernels(dev)
     grid = p.grid
-    if "-DGAAC_DYNAMIC=1" in p.options:
+    if p.dynamic:
         grid = _wave(p, split_kernel, dev)
         prm.nwarps, prm.work = grid * p.warps, _counters(dev).data_ptr()
     with torch.cuda.device(dev):

@@ -560,310 +560,311 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   u32 phases = 0;  // parity of each stage's barrier, carried across the warp's items
 
   while (item < total) {
-  int claimed = total;  // GAAC_DYNAMIC: the warp's next item (lane 0)
-  const int b = item / (p.heads * p.nsplit), hk = (item / p.nsplit) % p.heads, split = item % p.nsplit;
-  if (GAAC_TRACE && lane == 0) {
-    u32 sm;
-    asm volatile("mov.u32 %0, %smid;" : "=r"(sm));
-    p.trace[4 * item] = gtimer();
-    p.trace[4 * item + 3] = sm;
-  }
+    int claimed = total;  // GAAC_DYNAMIC: the warp's next item (lane 0)
+    const int b = item / (p.heads * p.nsplit), hk = (item / p.nsplit) % p.heads, split = item % p.nsplit;
+    if (GAAC_TRACE && lane == 0) {
+      u32 sm;
+      asm volatile("mov.u32 %0, %smid;" : "=r"(sm));
+      p.trace[4 * item] = gtimer();
+      p.trace[4 * item + 3] = sm;
+    }
 
-  const int len = p.kv_len[b];
-  const int nb = len >> 4, tl = len & 15;
-  const int units = nb + (tl > 0 ? 1 : 0);
-  // the split's units: u0, u0 + ustep, ... (n of them). GAAC_INTERLEAVE: split s takes units s, s + nsplit, ..., so
-  // the warps of a row stream neighbouring blocks at the same time; else a contiguous range of ceil(units / nsplit)
+    const int len = p.kv_len[b];
+    const int nb = len >> 4, tl = len & 15;
+    const int units = nb + (tl > 0 ? 1 : 0);
+    // the split's units: u0, u0 + ustep, ... (n of them). GAAC_INTERLEAVE: split s takes units s, s + nsplit, ..., so
+    // the warps of a row stream neighbouring blocks at the same time; else a contiguous range of ceil(units / nsplit)
 #if GAAC_INTERLEAVE
-  const int u0 = split, ustep = p.nsplit, n = split < units ? (units - split + p.nsplit - 1) / p.nsplit : 0;
+    const int u0 = split, ustep = p.nsplit, n = split < units ? (units - split + p.nsplit - 1) / p.nsplit : 0;
 #else
-  const int per = (units + p.nsplit - 1) / p.nsplit;
-  const int u0 = min(units, split * per), ustep = 1, n = min(units, u0 + per) - u0;
+    const int per = (units + p.nsplit - 1) / p.nsplit;
+    const int u0 = min(units, split * per), ustep = 1, n = min(units, u0 + per) - u0;
 #endif
 
-  // query fragments (operand B of the score mma): column g = query head g; k pairs (c0, c2), (c1, c3) of word
-  // w = t*NKS + s (channels 4w..4w+3), as the K fragments pair them
-  u32 qb[TILES][NKS][2];
-  {
-    const u16* q0 = p.q + ((i64)b * p.heads * p.rep + (i64)hk * p.rep + g) * D;
-#pragma unroll
-    for (int T = 0; T < TILES; ++T)
-#pragma unroll
-      for (int sl = 0; sl < NKS; ++sl) {
-        const int ch = T * C + 4 * (t * NKS + sl);
-        const u32 q01 = g < p.rep ? *reinterpret_cast<const u32*>(q0 + ch) : 0u;
-        const u32 q23 = g < p.rep ? *reinterpret_cast<const u32*>(q0 + ch + 2) : 0u;
-        kpairs(q01, q23, qb[T][sl][0], qb[T][sl][1]);
-      }
-  }
-  // bases of the prepass lane's groups (channels (lane*GPL) % C ..), per K|V and tile
-  u32 b3[2][TILES][GPL / 4], b4[2][TILES][GPL / 4];
-#pragma unroll
-  for (int kv = 0; kv < 2; ++kv)
-#pragma unroll
-    for (int T = 0; T < TILES; ++T)
-#pragma unroll
-      for (int w = 0; w < GPL / 4; ++w) {
-        const i64 at = ((i64)kv * p.heads + hk) * D + T * C + (lane * GPL + 4 * w) % C;
-        b3[kv][T][w] = GAAC_PLAIN ? 0u : *reinterpret_cast<const u32*>(p.base3 + at);
-        b4[kv][T][w] = GAAC_PLAIN ? 0u : *reinterpret_cast<const u32*>(p.base4 + at);
-      }
-
-  const int* trow = p.table + (i64)b * p.table_sb;
-  const int tstride = 2 * p.heads * TILES;
-  // rows of a BF16 tile: plain blocks at row 16u of the plain KV; the compressed tail at row 0 of the tail
-  auto rows_src = [&](int kv, int u, int T) -> const u16* {
-    const u16* base = kv ? p.kv_v : p.kv_k;
-    const i64 row0 = GAAC_PLAIN ? (i64)16 * u : 0;
-    return base + (i64)b * p.kv_sb + (i64)hk * p.kv_sh + row0 * p.kv_ss + T * C;
-  };
-  volatile u32* kinds = reinterpret_cast<volatile u32*>(ws + 8 * GAAC_STAGES);  // slot bits of each stage
-  auto entry = [&](int u, int kv, int T) -> int {
-    return (GAAC_PLAIN || u >= nb) ? 0 : trow[(i64)u * tstride + (kv * p.heads + hk) * TILES + T];
-  };
-  // kind of a tile: 1 = slot, 0 = BF16 rows (raw tile, plain block, tail)
-  // Stage copies of unit u into ring stage st. A slot: its sign+mantissa rows by 16-byte cp.async into rows padded
-  // to C + 16 bytes (conflict-free fragment loads), its group section (planes, tags, escapes) by one bulk copy. A
-  // raw tile: one 16 x 2C-byte bulk copy. Plain blocks and the tail: 16-byte cp.async per lane, rows past the valid
-  // ones zero-filled. The stage's mbarrier completes on lane 0's expect_tx (bulk bytes) plus all 32 lanes' cp.async
-  // arrivals. Per-lane offsets are fixed: chunk c = lane + 32 i of a tile is sign+mantissa row c / (C/16), column
-  // c % (C/16), or BF16 row c / (C/8), column c % (C/8); the loops step by immediates.
-  constexpr int SM_STEP = (32 / (C / 16)) * SM_ROW;  // buffer bytes between a lane's sign+mantissa chunks
-  constexpr int BF_ROWS = 32 / (C / 8);              // BF16 rows between a lane's chunks
-  const u32 sm_lane = (lane / (C / 16)) * SM_ROW + 16 * (lane % (C / 16));
-  const int bf_row = lane / (C / 8), bf_col = 16 * (lane % (C / 8));
-  // SWZ: the lane's chunk of BF16 row bf_row + BF_ROWS i lands at swo[i % 4] + i BF_ROWS 2C (the swizzle depends on
-  // the row's 3 low bits, which repeat with i % 4); the fragment loads' offsets likewise
-  RowSwizzle sw;
-  u32 swo[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int row = bf_row + BF_ROWS * i;
-    swo[i] = SWZ ? (u32)(row * 2 * C + 16 * swz(row, lane % (C / 8)) - i * BF_ROWS * 2 * C)
-                 : (u32)(bf_row * 2 * C + bf_col);
-  }
-#pragma unroll
-  for (int s4 = 0; s4 < 2; ++s4)
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      const int ck = (t * NKS + 4 * s4) / 2 + k;  // k_tile's words t NKS + 4 s4 .. + 7 of row g
-      sw.k[s4][k] = SWZ ? (u32)(g * 2 * C + 16 * swz(g, ck % (C / 8))) : 0u;
-      const int row = 2 * t + s4;                 // v_tile's rows 2t, 2t + 1, chunks (8 g NVW) / 16 + k
-      const int cv = (g * NVW) / 2 + k;
-      sw.v[s4][k] = SWZ ? (u32)(row * 2 * C + 16 * swz(row, cv % (C / 8))) : 0u;
-    }
-  auto issue = [&](int u, int st, const int (&e)[2][TILES]) {
-    const bool tail = u >= nb;
-    const int valid = tail ? tl : 16;
-    // (plain blocks by bulk copy were measured slower than 16-byte cp.async per lane: 89.9 vs 87.0 us at 1x64K)
-    const bool bulk_rows = !GAAC_PLAIN && !tail;
-    const u32 bar = bars + 8 * st;
-    u32 bytes = 0, slots = 0;
-#pragma unroll
-    for (int kv = 0; kv < 2; ++kv)
-#pragma unroll
-      for (int T = 0; T < TILES; ++T) {
-        if (!GAAC_PLAIN && !tail && e[kv][T] >= 0) {
-          bytes += (u32)(p.slot_bytes - 16 * C);
-          slots |= 1u << (kv * TILES + T);
-        } else if (bulk_rows) {
-          bytes += 32 * C;
-        }
-      }
-    if (lane == 0) kinds[st] = slots;  // read by the consumer after the stage's barrier (and a __syncwarp)
-    fence_async();
-    if (lane == 0) mbar_expect(bar, bytes);
-#pragma unroll
-    for (int kv = 0; kv < 2; ++kv)
-#pragma unroll
-      for (int T = 0; T < TILES; ++T) {
-        u8* dst = ring + (st * 2 * TILES + kv * TILES + T) * p.buf_bytes;
-        const int ent = e[kv][T];
-        if (!GAAC_PLAIN && !tail && ent >= 0) {
-          const u8* src = p.slots + (i64)ent * p.slot_bytes;
-          // (one bulk copy per sign+mantissa row, 16 lanes, was tried: a bulk copy takes uniform operands, so the
-          // compiler issues the 16 copies one lane at a time, ~8 instructions each)
-          const u8* sl = src + 16 * lane;
-          const u32 dl = smem_u32(dst) + sm_lane;
-#pragma unroll
-          for (int i = 0; i < C / 32; ++i) cp_async16(dl + i * SM_STEP, sl + 512 * i);
-          if (lane == kv * TILES + T)
-            bulk_copy(smem_u32(dst + SM_SECTION), src + 16 * C, (u32)(p.slot_bytes - 16 * C), bar);
-        } else if (bulk_rows) {
-          const u8* src = GAAC_PLAIN ? reinterpret_cast<const u8*>(rows_src(kv, u, T))
-                                     : reinterpret_cast<const u8*>(p.raw + (i64)(-1 - ent) * 16 * C);
-          if (lane == kv * TILES + T) bulk_copy(smem_u32(dst), src, 32 * C, bar);
-        } else {
-          const i64 row_bytes = 2 * p.kv_ss;
-          const u8* sl = reinterpret_cast<const u8*>(rows_src(kv, u, T)) + bf_row * row_bytes + bf_col;
-#pragma unroll
-          for (int i = 0; i < C / 16; ++i) {
-            u8* dl = dst + swo[i % 4] + i * BF_ROWS * 2 * C;
-            if (bf_row + BF_ROWS * i < valid) cp_async16(smem_u32(dl), sl + i * BF_ROWS * row_bytes);
-            else *reinterpret_cast<uint4*>(dl) = make_uint4(0, 0, 0, 0);
-          }
-        }
-      }
-    cp_async_arrive(bar);
-  };
-
-  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // of heads 2t, 2t+1 (l: this thread's tokens only)
-  float o[TILES][NVM][4];  // O^T: rows = channels, columns = heads 2t, 2t+1
-#pragma unroll
-  for (int T = 0; T < TILES; ++T)
-#pragma unroll
-    for (int n = 0; n < NVM; ++n)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) o[T][n][c] = 0.f;
-
-  // table entries are loaded one issue ahead, so no issue waits on a global load
-  auto load_entries = [&](int j, int (&e)[2][TILES]) {  // of the split's j-th unit
-#pragma unroll
-    for (int kv = 0; kv < 2; ++kv)
-#pragma unroll
-      for (int T = 0; T < TILES; ++T) e[kv][T] = j < n ? entry(u0 + j * ustep, kv, T) : 0;
-  };
-  int ent[2][TILES];
-  load_entries(0, ent);
-  const u8* mrow = p.mask ? p.mask + (i64)b * p.mask_sb : nullptr;
-  constexpr bool DECODE = !GAAC_PLAIN && !(GAAC_SKIP & 2);
-
-  // one loop for the prologue and the steady state: iteration j issues the split's unit j + STAGES - 1, then
-  // consumes its unit j
-  for (int j = -(GAAC_STAGES - 1); j < n; ++j) {
-    const int next = j + GAAC_STAGES - 1;
-    if (next < n) {
-      issue(u0 + next * ustep, next % GAAC_STAGES, ent);
-      load_entries(next + 1, ent);
-    } else if (GAAC_DYNAMIC && next == n && lane == 0) {
-      claimed = p.nwarps + atomicAdd(p.work, 1);  // its latency hides behind the item's last units
-    }
-    if (j < 0) continue;
-    const int u = u0 + j * ustep;
-    const int st = j % GAAC_STAGES;
-    if (!GAAC_PLAIN && lane == 0 && u + 8 * ustep < nb)
-      asm volatile("prefetch.global.L1 [%0];" ::"l"(trow + (i64)(u + 8 * ustep) * tstride));
-    mbar_wait(bars + 8 * st, (phases >> st) & 1);
-    phases ^= 1u << st;
-    if (GAAC_TRACE && lane == 0 && j == 0) p.trace[4 * item + 1] = gtimer();
-    const u32 slots_here = kinds[st];
-    const bool tail = u >= nb;
-    const int valid = tail ? tl : 16;
-
-    // mode tags and escape offsets of the unit's slots: one scan for the K and V tile of each T
-    LaneTags tk[TILES], tv[TILES];
-#pragma unroll
-    for (int T = 0; T < TILES; ++T) {
-      tk[T].wb = tk[T].rb = tv[T].wb = tv[T].rb = 0;
-      if (DECODE && (slots_here & ((1u << T) | (1u << (TILES + T))))) {
-        if ((slots_here >> T) & 1) load_tags(p, ring + (st * 2 * TILES + T) * p.buf_bytes, lane, tk[T]);
-        if ((slots_here >> (TILES + T)) & 1)
-          load_tags(p, ring + (st * 2 * TILES + TILES + T) * p.buf_bytes, lane, tv[T]);
-        scan_tags(tk[T], tv[T], lane);
-      }
-    }
-
-    float sc2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // S^T (even, odd k-slices): tokens g, g + 8 x heads 2t, 2t + 1
-#pragma unroll
-    for (int T = 0; T < TILES; ++T) {
-      const u8* buf = ring + (st * 2 * TILES + T) * p.buf_bytes;
-      if (DECODE && ((slots_here >> T) & 1)) {
-        prepass(p, buf, scr, b3[0][T], b4[0][T], lane, tk[T]);
-        __syncwarp();
-        k_tile<4>(p, buf, scr, g, t, qb[T], sc2, tk[T].any_raw, sw);
-        __syncwarp();
-      } else {
-        k_tile<0>(p, buf, scr, g, t, qb[T], sc2, false, sw);
-      }
-    }
-    // online softmax (base 2) of heads 2t, 2t+1 over the 16 tokens (thread: tokens g, g + 8; reduced over g)
-    u32 pb[2];
+    // query fragments (operand B of the score mma): column g = query head g; k pairs (c0, c2), (c1, c3) of word
+    // w = t*NKS + s (channels 4w..4w+3), as the K fragments pair them
+    u32 qb[TILES][NKS][2];
     {
-      float x[4];
+      const u16* q0 = p.q + ((i64)b * p.heads * p.rep + (i64)hk * p.rep + g) * D;
 #pragma unroll
-      for (int c = 0; c < 4; ++c) x[c] = (sc2[0][c] + sc2[1][c]) * p.qk_scale;
-      if (valid < 16 || mrow) {  // the tail or a padding mask (warp-uniform): mask the scores
+      for (int T = 0; T < TILES; ++T)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int tok = g + 8 * (c >> 1);
-          bool ok = tok < valid;
-          if (mrow) ok = ok && mrow[16 * u + tok] != 0;
-          if (!ok) x[c] = NEG_INF;
+        for (int sl = 0; sl < NKS; ++sl) {
+          const int ch = T * C + 4 * (t * NKS + sl);
+          const u32 q01 = g < p.rep ? *reinterpret_cast<const u32*>(q0 + ch) : 0u;
+          const u32 q23 = g < p.rep ? *reinterpret_cast<const u32*>(q0 + ch + 2) : 0u;
+          kpairs(q01, q23, qb[T][sl][0], qb[T][sl][1]);
         }
-      }
-      float pr[4], alpha[2];
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        float mx = fmaxf(x[j], x[2 + j]);
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-        const float mn = fmaxf(m[j], mx);
-        const float ms = mn == NEG_INF ? 0.f : mn;
-        alpha[j] = exp2_(m[j] - ms);
-        pr[j] = exp2_(x[j] - ms);
-        pr[2 + j] = exp2_(x[2 + j] - ms);
-        l[j] = l[j] * alpha[j] + (pr[j] + pr[2 + j]);
-        m[j] = mn;
-      }
-      if (alpha[0] != 1.f || alpha[1] != 1.f) {  // the running max moved (rare late in a split): rescale
-#pragma unroll
-        for (int T = 0; T < TILES; ++T)
-#pragma unroll
-          for (int n = 0; n < NVM; ++n) {
-            o[T][n][0] *= alpha[0];
-            o[T][n][1] *= alpha[1];
-            o[T][n][2] *= alpha[0];
-            o[T][n][3] *= alpha[1];
-          }
-      }
-      // P^T fragments (k = tokens, n = head g) from the S^T layout (row = token g, columns = heads 2t, 2t+1)
-      pb[0] = transpose8x8(pack_bf16(pr[0], pr[1]));
-      pb[1] = transpose8x8(pack_bf16(pr[2], pr[3]));
     }
+    // bases of the prepass lane's groups (channels (lane*GPL) % C ..), per K|V and tile
+    u32 b3[2][TILES][GPL / 4], b4[2][TILES][GPL / 4];
 #pragma unroll
-    for (int T = 0; T < TILES; ++T) {
-      const u8* buf = ring + (st * 2 * TILES + TILES + T) * p.buf_bytes;
-      if (DECODE && ((slots_here >> (TILES + T)) & 1)) {
-        prepass(p, buf, scr, b3[1][T], b4[1][T], lane, tv[T]);
-        __syncwarp();
-        v_tile<4>(p, buf, scr, g, t, pb, o[T], tv[T].any_raw, sw);
-        __syncwarp();
-      } else {
-        v_tile<0>(p, buf, scr, g, t, pb, o[T], false, sw);
-      }
-    }
-    __syncwarp();
-  }
+    for (int kv = 0; kv < 2; ++kv)
+#pragma unroll
+      for (int T = 0; T < TILES; ++T)
+#pragma unroll
+        for (int w = 0; w < GPL / 4; ++w) {
+          const i64 at = ((i64)kv * p.heads + hk) * D + T * C + (lane * GPL + 4 * w) % C;
+          b3[kv][T][w] = GAAC_PLAIN ? 0u : *reinterpret_cast<const u32*>(p.base3 + at);
+          b4[kv][T][w] = GAAC_PLAIN ? 0u : *reinterpret_cast<const u32*>(p.base4 + at);
+        }
 
-  // partial results of this split
+    const int* trow = p.table + (i64)b * p.table_sb;
+    const int tstride = 2 * p.heads * TILES;
+    // rows of a BF16 tile: plain blocks at row 16u of the plain KV; the compressed tail at row 0 of the tail
+    auto rows_src = [&](int kv, int u, int T) -> const u16* {
+      const u16* base = kv ? p.kv_v : p.kv_k;
+      const i64 row0 = GAAC_PLAIN ? (i64)16 * u : 0;
+      return base + (i64)b * p.kv_sb + (i64)hk * p.kv_sh + row0 * p.kv_ss + T * C;
+    };
+    volatile u32* kinds = reinterpret_cast<volatile u32*>(ws + 8 * GAAC_STAGES);  // slot bits of each stage
+    auto entry = [&](int u, int kv, int T) -> int {
+      return (GAAC_PLAIN || u >= nb) ? 0 : trow[(i64)u * tstride + (kv * p.heads + hk) * TILES + T];
+    };
+    // kind of a tile: 1 = slot, 0 = BF16 rows (raw tile, plain block, tail)
+    // Stage copies of unit u into ring stage st. A slot: its sign+mantissa rows by 16-byte cp.async into rows padded
+    // to C + 16 bytes (conflict-free fragment loads), its group section (planes, tags, escapes) by one bulk copy. A
+    // raw tile: one 16 x 2C-byte bulk copy. Plain blocks and the tail: 16-byte cp.async per lane, rows past the valid
+    // ones zero-filled. The stage's mbarrier completes on lane 0's expect_tx (bulk bytes) plus all 32 lanes' cp.async
+    // arrivals. Per-lane offsets are fixed: chunk c = lane + 32 i of a tile is sign+mantissa row c / (C/16), column
+    // c % (C/16), or BF16 row c / (C/8), column c % (C/8); the loops step by immediates.
+    constexpr int SM_STEP = (32 / (C / 16)) * SM_ROW;  // buffer bytes between a lane's sign+mantissa chunks
+    constexpr int BF_ROWS = 32 / (C / 8);              // BF16 rows between a lane's chunks
+    const u32 sm_lane = (lane / (C / 16)) * SM_ROW + 16 * (lane % (C / 16));
+    const int bf_row = lane / (C / 8), bf_col = 16 * (lane % (C / 8));
+    // SWZ: the lane's chunk of BF16 row bf_row + BF_ROWS i lands at swo[i % 4] + i BF_ROWS 2C (the swizzle depends on
+    // the row's 3 low bits, which repeat with i % 4); the fragment loads' offsets likewise
+    RowSwizzle sw;
+    u32 swo[4];
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    l[j] += __shfl_xor_sync(0xffffffffu, l[j], 4);
-    l[j] += __shfl_xor_sync(0xffffffffu, l[j], 8);
-    l[j] += __shfl_xor_sync(0xffffffffu, l[j], 16);
-  }
-#pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    const int head = 2 * t + c;
-    if (head >= p.rep) continue;
-    const i64 row = (i64)item * p.rep + head;
-    if (g == 0) {
-      p.part_ml[2 * row] = m[c];
-      p.part_ml[2 * row + 1] = l[c];
+    for (int i = 0; i < 4; ++i) {
+      const int row = bf_row + BF_ROWS * i;
+      swo[i] = SWZ ? (u32)(row * 2 * C + 16 * swz(row, lane % (C / 8)) - i * BF_ROWS * 2 * C)
+                   : (u32)(bf_row * 2 * C + bf_col);
     }
-    float* po = p.part_o + row * D;
+#pragma unroll
+    for (int s4 = 0; s4 < 2; ++s4)
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int ck = (t * NKS + 4 * s4) / 2 + k;  // k_tile's words t NKS + 4 s4 .. + 7 of row g
+        sw.k[s4][k] = SWZ ? (u32)(g * 2 * C + 16 * swz(g, ck % (C / 8))) : 0u;
+        const int row = 2 * t + s4;                 // v_tile's rows 2t, 2t + 1, chunks (8 g NVW) / 16 + k
+        const int cv = (g * NVW) / 2 + k;
+        sw.v[s4][k] = SWZ ? (u32)(row * 2 * C + 16 * swz(row, cv % (C / 8))) : 0u;
+      }
+    auto issue = [&](int u, int st, const int (&e)[2][TILES]) {
+      const bool tail = u >= nb;
+      const int valid = tail ? tl : 16;
+      // (plain blocks by bulk copy were measured slower than 16-byte cp.async per lane: 89.9 vs 87.0 us at 1x64K)
+      const bool bulk_rows = !GAAC_PLAIN && !tail;
+      const u32 bar = bars + 8 * st;
+      u32 bytes = 0, slots = 0;
+#pragma unroll
+      for (int kv = 0; kv < 2; ++kv)
+#pragma unroll
+        for (int T = 0; T < TILES; ++T) {
+          if (!GAAC_PLAIN && !tail && e[kv][T] >= 0) {
+            bytes += (u32)(p.slot_bytes - 16 * C);
+            slots |= 1u << (kv * TILES + T);
+          } else if (bulk_rows) {
+            bytes += 32 * C;
+          }
+        }
+      if (lane == 0) kinds[st] = slots;  // read by the consumer after the stage's barrier (and a __syncwarp)
+      fence_async();
+      if (lane == 0) mbar_expect(bar, bytes);
+#pragma unroll
+      for (int kv = 0; kv < 2; ++kv)
+#pragma unroll
+        for (int T = 0; T < TILES; ++T) {
+          u8* dst = ring + (st * 2 * TILES + kv * TILES + T) * p.buf_bytes;
+          const int ent = e[kv][T];
+          if (!GAAC_PLAIN && !tail && ent >= 0) {
+            const u8* src = p.slots + (i64)ent * p.slot_bytes;
+            // (one bulk copy per sign+mantissa row, 16 lanes, was tried: a bulk copy takes uniform operands, so the
+            // compiler issues the 16 copies one lane at a time, ~8 instructions each)
+            const u8* sl = src + 16 * lane;
+            const u32 dl = smem_u32(dst) + sm_lane;
+#pragma unroll
+            for (int i = 0; i < C / 32; ++i) cp_async16(dl + i * SM_STEP, sl + 512 * i);
+            if (lane == kv * TILES + T)
+              bulk_copy(smem_u32(dst + SM_SECTION), src + 16 * C, (u32)(p.slot_bytes - 16 * C), bar);
+          } else if (bulk_rows) {
+            const u8* src = GAAC_PLAIN ? reinterpret_cast<const u8*>(rows_src(kv, u, T))
+                                       : reinterpret_cast<const u8*>(p.raw + (i64)(-1 - ent) * 16 * C);
+            if (lane == kv * TILES + T) bulk_copy(smem_u32(dst), src, 32 * C, bar);
+          } else {
+            const i64 row_bytes = 2 * p.kv_ss;
+            const u8* sl = reinterpret_cast<const u8*>(rows_src(kv, u, T)) + bf_row * row_bytes + bf_col;
+#pragma unroll
+            for (int i = 0; i < C / 16; ++i) {
+              u8* dl = dst + swo[i % 4] + i * BF_ROWS * 2 * C;
+              if (bf_row + BF_ROWS * i < valid) cp_async16(smem_u32(dl), sl + i * BF_ROWS * row_bytes);
+              else *reinterpret_cast<uint4*>(dl) = make_uint4(0, 0, 0, 0);
+            }
+          }
+        }
+      cp_async_arrive(bar);
+    };
+
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // of heads 2t, 2t+1 (l: this thread's tokens only)
+    float o[TILES][NVM][4];  // O^T: rows = channels, columns = heads 2t, 2t+1
 #pragma unroll
     for (int T = 0; T < TILES; ++T)
 #pragma unroll
-      for (int n = 0; n < NVM; ++n) {
-        const int ch = T * C + 4 * (g * NVW + n / 2) + 2 * (n % 2);  // rows g and g + 8 of m-tile n
-        po[ch] = o[T][n][c];
-        po[ch + 1] = o[T][n][2 + c];
+      for (int n = 0; n < NVM; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) o[T][n][c] = 0.f;
+
+    // table entries are loaded one issue ahead, so no issue waits on a global load
+    auto load_entries = [&](int j, int (&e)[2][TILES]) {  // of the split's j-th unit
+#pragma unroll
+      for (int kv = 0; kv < 2; ++kv)
+#pragma unroll
+        for (int T = 0; T < TILES; ++T) e[kv][T] = j < n ? entry(u0 + j * ustep, kv, T) : 0;
+    };
+    int ent[2][TILES];
+    load_entries(0, ent);
+    const u8* mrow = p.mask ? p.mask + (i64)b * p.mask_sb : nullptr;
+    constexpr bool DECODE = !GAAC_PLAIN && !(GAAC_SKIP & 2);
+
+    // one loop for the prologue and the steady state: iteration j issues the split's unit j + STAGES - 1, then
+    // consumes its unit j
+    for (int j = -(GAAC_STAGES - 1); j < n; ++j) {
+      const int next = j + GAAC_STAGES - 1;
+      if (next < n) {
+        issue(u0 + next * ustep, next % GAAC_STAGES, ent);
+        load_entries(next + 1, ent);
+      } else if (GAAC_DYNAMIC && next == n && lane == 0) {
+        claimed = p.nwarps + atomicAdd(p.work, 1);  // its latency hides behind the item's last units
       }
-  }
-  if (GAAC_TRACE && lane == 0) p.trace[4 * item + 2] = gtimer();
-  item = GAAC_DYNAMIC ? __shfl_sync(0xffffffffu, claimed, 0) : total;
+      if (j < 0) continue;
+      const int u = u0 + j * ustep;
+      const int st = j % GAAC_STAGES;
+      if (!GAAC_PLAIN && lane == 0 && u + 8 * ustep < nb)
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(trow + (i64)(u + 8 * ustep) * tstride));
+      mbar_wait(bars + 8 * st, (phases >> st) & 1);
+      phases ^= 1u << st;
+      if (GAAC_TRACE && lane == 0 && j == 0) p.trace[4 * item + 1] = gtimer();
+      const u32 slots_here = kinds[st];
+      const bool tail = u >= nb;
+      const int valid = tail ? tl : 16;
+
+      // mode tags and escape offsets of the unit's slots: one scan for the K and V tile of each T
+      LaneTags tk[TILES], tv[TILES];
+#pragma unroll
+      for (int T = 0; T < TILES; ++T) {
+        tk[T].wb = tk[T].rb = tv[T].wb = tv[T].rb = 0;
+        if (DECODE && (slots_here & ((1u << T) | (1u << (TILES + T))))) {
+          if ((slots_here >> T) & 1) load_tags(p, ring + (st * 2 * TILES + T) * p.buf_bytes, lane, tk[T]);
+          if ((slots_here >> (TILES + T)) & 1)
+            load_tags(p, ring + (st * 2 * TILES + TILES + T) * p.buf_bytes, lane, tv[T]);
+          scan_tags(tk[T], tv[T], lane);
+        }
+      }
+
+      // S^T (even, odd k-slices): tokens g, g + 8 x heads 2t, 2t + 1
+      float sc2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int T = 0; T < TILES; ++T) {
+        const u8* buf = ring + (st * 2 * TILES + T) * p.buf_bytes;
+        if (DECODE && ((slots_here >> T) & 1)) {
+          prepass(p, buf, scr, b3[0][T], b4[0][T], lane, tk[T]);
+          __syncwarp();
+          k_tile<4>(p, buf, scr, g, t, qb[T], sc2, tk[T].any_raw, sw);
+          __syncwarp();
+        } else {
+          k_tile<0>(p, buf, scr, g, t, qb[T], sc2, false, sw);
+        }
+      }
+      // online softmax (base 2) of heads 2t, 2t+1 over the 16 tokens (thread: tokens g, g + 8; reduced over g)
+      u32 pb[2];
+      {
+        float x[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) x[c] = (sc2[0][c] + sc2[1][c]) * p.qk_scale;
+        if (valid < 16 || mrow) {  // the tail or a padding mask (warp-uniform): mask the scores
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int tok = g + 8 * (c >> 1);
+            bool ok = tok < valid;
+            if (mrow) ok = ok && mrow[16 * u + tok] != 0;
+            if (!ok) x[c] = NEG_INF;
+          }
+        }
+        float pr[4], alpha[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          float mx = fmaxf(x[j], x[2 + j]);
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+          const float mn = fmaxf(m[j], mx);
+          const float ms = mn == NEG_INF ? 0.f : mn;
+          alpha[j] = exp2_(m[j] - ms);
+          pr[j] = exp2_(x[j] - ms);
+          pr[2 + j] = exp2_(x[2 + j] - ms);
+          l[j] = l[j] * alpha[j] + (pr[j] + pr[2 + j]);
+          m[j] = mn;
+        }
+        if (alpha[0] != 1.f || alpha[1] != 1.f) {  // the running max moved (rare late in a split): rescale
+#pragma unroll
+          for (int T = 0; T < TILES; ++T)
+#pragma unroll
+            for (int n = 0; n < NVM; ++n) {
+              o[T][n][0] *= alpha[0];
+              o[T][n][1] *= alpha[1];
+              o[T][n][2] *= alpha[0];
+              o[T][n][3] *= alpha[1];
+            }
+        }
+        // P^T fragments (k = tokens, n = head g) from the S^T layout (row = token g, columns = heads 2t, 2t+1)
+        pb[0] = transpose8x8(pack_bf16(pr[0], pr[1]));
+        pb[1] = transpose8x8(pack_bf16(pr[2], pr[3]));
+      }
+#pragma unroll
+      for (int T = 0; T < TILES; ++T) {
+        const u8* buf = ring + (st * 2 * TILES + TILES + T) * p.buf_bytes;
+        if (DECODE && ((slots_here >> (TILES + T)) & 1)) {
+          prepass(p, buf, scr, b3[1][T], b4[1][T], lane, tv[T]);
+          __syncwarp();
+          v_tile<4>(p, buf, scr, g, t, pb, o[T], tv[T].any_raw, sw);
+          __syncwarp();
+        } else {
+          v_tile<0>(p, buf, scr, g, t, pb, o[T], false, sw);
+        }
+      }
+      __syncwarp();
+    }
+
+    // partial results of this split
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      l[j] += __shfl_xor_sync(0xffffffffu, l[j], 4);
+      l[j] += __shfl_xor_sync(0xffffffffu, l[j], 8);
+      l[j] += __shfl_xor_sync(0xffffffffu, l[j], 16);
+    }
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int head = 2 * t + c;
+      if (head >= p.rep) continue;
+      const i64 row = (i64)item * p.rep + head;
+      if (g == 0) {
+        p.part_ml[2 * row] = m[c];
+        p.part_ml[2 * row + 1] = l[c];
+      }
+      float* po = p.part_o + row * D;
+#pragma unroll
+      for (int T = 0; T < TILES; ++T)
+#pragma unroll
+        for (int n = 0; n < NVM; ++n) {
+          const int ch = T * C + 4 * (g * NVW + n / 2) + 2 * (n % 2);  // rows g and g + 8 of m-tile n
+          po[ch] = o[T][n][c];
+          po[ch + 1] = o[T][n][2 + c];
+        }
+    }
+    if (GAAC_TRACE && lane == 0) p.trace[4 * item + 2] = gtimer();
+    item = GAAC_DYNAMIC ? __shfl_sync(0xffffffffu, claimed, 0) : total;
   }  // items
   if (GAAC_DYNAMIC && lane == 0) {
     __threadfence();  // this warp's last claim happens before its count
