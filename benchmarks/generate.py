@@ -67,6 +67,7 @@ from gaac_hf import GAACCache  # noqa: E402
 from gaac_hf.calibrate import calibrate  # noqa: E402
 from gaac_hf import ops  # noqa: E402
 from gaac_hf.format import BLOCK_TOKENS  # noqa: E402
+from gaac_hf.compile_settings import compile_kwargs, describe  # noqa: E402
 from gaac_hf.model_layers import cache_kwarg, text_config  # noqa: E402
 from gaac_hf.static_cache import GAACStaticCache, GAACStaticLayer, PlainStaticCache  # noqa: E402
 from hf_common.testing import same_bits  # noqa: E402
@@ -445,6 +446,9 @@ def main(argv=None):
     p.add_argument("--diag", action="store_true",
                    help="lossless diagnosis: compare the filled KV of GAAC and twin, one eager step of each "
                         "(per-layer attention outputs) and each cache's compiled first step against its eager one")
+    p.add_argument("--skip-module-guards", action="store_true",
+                   help="compile with gaac_hf.compile_kwargs(): the same CUDA-graph step without Dynamo's guards on "
+                        "the model's modules and parameters (torch.compiler.skip_guard_on_all_nn_modules_unsafe)")
     p.add_argument("--out", default="benchmarks/results/generate_h200.json")
     args = p.parse_args(argv)
     from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
@@ -457,9 +461,12 @@ def main(argv=None):
     skip = set(args.skip)
     run = {k for k, label in VARIANTS.items() if k in args.variants and k not in skip and label not in skip}
     backend = args.backend or ("aot_eager" if args.tiny else "inductor")
-    compile_kw = dict(fullgraph=True, backend=backend)
-    if backend == "inductor":
-        compile_kw["mode"] = "reduce-overhead"
+    if args.skip_module_guards:
+        compile_kw = compile_kwargs(backend=backend)
+    else:
+        compile_kw = dict(fullgraph=True, backend=backend)
+        if backend == "inductor":
+            compile_kw["mode"] = "reduce-overhead"
     t_start = time.time()
 
     def log(msg):
@@ -478,7 +485,7 @@ def main(argv=None):
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "transformers": __import__("transformers").__version__,
                "model": "Llama-3.1-8B architecture, random BF16 weights" if not args.tiny else "tiny Llama",
-               "param_bytes": param_bytes, "compile": compile_kw, "steps": steps, "warmup": warmup,
+               "param_bytes": param_bytes, "compile": describe(compile_kw), "steps": steps, "warmup": warmup,
                "eager_steps": args.eager_steps, "command": "python benchmarks/generate.py " + " ".join(
                    sys.argv[1:] if argv is None else argv),
                "calibration": {"escape_capacity": calibration.config.escape_capacity,

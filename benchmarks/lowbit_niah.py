@@ -45,6 +45,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048])
     ap.add_argument("--samples", type=int, default=6)
+    ap.add_argument("--first", type=int, default=0,
+                    help="score cases first .. first + samples - 1 of each cell's seeded sequence (the earlier ones "
+                         "are drawn and left out), so a run can extend an earlier one with new cases")
     ap.add_argument("--tasks", default="multikey")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
@@ -59,12 +62,12 @@ def main():
     hay = tok(read_text_files(args.text).text, add_special_tokens=False).input_ids
     caches = {name: CACHES[name] for name in args.caches}
     scores = {name: {} for name in caches}
-    errors = {}
+    errors, per_case = {}, {}
     t0 = time.time()
     for length in args.lengths:
         for task in args.tasks.split(","):
             rng = random.Random(f"{task}-{length}")
-            cases = [make_case(task, hay, tok, length, rng) for _ in range(args.samples)]
+            cases = [make_case(task, hay, tok, length, rng) for _ in range(args.first + args.samples)][args.first:]
             for name, make in caches.items():
                 got = []
                 try:
@@ -75,17 +78,19 @@ def main():
                     print(f"{name:40s} FAILED: {errors[name]}", flush=True)
                     continue
                 scores[name][f"{task}@{length}"] = sum(got) / len(got)
+                per_case.setdefault(name, {})[f"{task}@{length}"] = [round(float(x), 4) for x in got]
                 print(f"{name:40s} {task:10s} {length:5d}: {scores[name][f'{task}@{length}']:.2f}", flush=True)
     scores = {name: s for name, s in scores.items() if s}
     table = score_table(scores)
     print(table)
     device = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU"
     Path(args.out).write_text(json.dumps({"model": f"HuggingFaceTB/SmolLM2-135M-Instruct (float32, {device})",
-                                          "haystack": args.text[0], "samples": args.samples, "scores": scores,
+                                          "haystack": args.text[0], "samples": args.samples, "first": args.first,
+                                          "scores": scores, "per_case": per_case,
                                           "errors": errors, "seconds": time.time() - t0,
                                           "torch": torch.__version__, "command": " ".join(sys.argv)}, indent=1) + "\n")
     Path(args.out).with_suffix(".md").write_text(
-        f"NIAH ({args.tasks}), {args.samples} seeded cases per cell, {device} (`python {' '.join(sys.argv)}`).\n\n"
+        f"NIAH ({args.tasks}), {args.samples} seeded cases per cell (from case {args.first}), {device} (`python {' '.join(sys.argv)}`).\n\n"
         + table + "\n")
 
 

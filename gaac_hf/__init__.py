@@ -10,6 +10,7 @@ from .cache import GAACCache, GAACLayer
 from .calibration import (
     CalibrationConfig, CalibrationMismatchError, CorruptArtifactError, GAACCalibration, shipped_calibration,
 )
+from .compile_settings import compile_config, compile_kwargs
 from .default_model import load_default_model
 from .format import FORMAT_VERSION
 from .static_cache import GAACCacheFullError, GAACPoolOverflowError, GAACStaticCache, PlainStaticCache
@@ -20,6 +21,8 @@ __all__ = [
     "CalibrationConfig",
     "CalibrationMismatchError",
     "CorruptArtifactError",
+    "compile_config",
+    "compile_kwargs",
     "GAACCache",
     "GAACCalibration",
     "GAACCacheFullError",

@@ -33,7 +33,7 @@ t0=$(date +%s)
 python3 -c "from gaac_hf.default_model import default_model_path; print(default_model_path())"
 echo "GGUF -> BF16 took $(( $(date +%s) - t0 )) s"
 timeout ${NIAH_TIMEOUT:-250} python3 benchmarks/lowbit_niah.py --device cuda --lengths ${LENGTHS:-8000} \
-  --tasks ${TASKS:-multikey,single,multivalue} --samples ${SAMPLES:-6} \
+  --tasks ${TASKS:-multikey,single,multivalue} --samples ${SAMPLES:-6} --first ${FIRST:-0} \
   --caches "${CACHES[@]}" \
   --text .bench/text/eval/debian-reference.en.txt.gz --out "$OUT/lowbit_niah_8k.json" 2>&1 | grep -v -i warn | tail -30
 echo "done at $(( $(date +%s) - t0 )) s"

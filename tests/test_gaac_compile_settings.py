@@ -1,0 +1,86 @@
+"""gaac_hf.compile_settings: the compiled decode step without Dynamo's guards on the model's modules."""
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, CompileConfig
+
+import gaac_hf
+from gaac_hf import compile_settings
+from gaac_hf.calibrate import calibrate
+from gaac_hf.calibration import GAACCalibration
+from gaac_hf.model_layers import cache_kwarg
+from gaac_hf.static_cache import GAACStaticCache, PlainStaticCache
+from hf_common.testing import tiny_llama_config
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_llama_config(), dtype=torch.bfloat16).eval()
+    ids = torch.randint(3, 200, (1, 96), generator=torch.Generator().manual_seed(1))
+    calibration = calibrate(model, [ids[0]], "random ids")
+    calibration = GAACCalibration(dataclasses.replace(calibration.config, escape_capacity=16), calibration.base3,
+                                  calibration.base4)
+    model.set_attn_implementation("gaac")
+    return model, calibration
+
+
+def test_kwargs_spell_reduce_overhead_as_an_option():
+    kw = gaac_hf.compile_kwargs()
+    assert kw["fullgraph"] and kw["backend"] == "inductor" and "mode" not in kw  # torch refuses mode + options
+    assert kw["options"]["triton.cudagraphs"] is True
+    assert torch._inductor.list_mode_options("reduce-overhead") == {"triton.cudagraphs": True}
+    assert kw["options"]["guard_filter_fn"] is torch.compiler.skip_guard_on_all_nn_modules_unsafe
+    assert "options" not in gaac_hf.compile_kwargs(backend="aot_eager", skip_module_guards=False)
+    assert compile_settings.describe(kw)["options"]["guard_filter_fn"] == "skip_guard_on_all_nn_modules_unsafe"
+    cc = gaac_hf.compile_config()
+    assert isinstance(cc, CompileConfig) and cc.mode is None and cc.options == kw["options"]
+
+
+def _counting_filter(monkeypatch):
+    seen = {"kept": 0, "dropped": 0}
+    inner = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+
+    def count(entries):
+        keep = inner(entries)
+        seen["kept"] += sum(keep)
+        seen["dropped"] += len(keep) - sum(keep)
+        return keep
+
+    monkeypatch.setattr(compile_settings, "_guard_filter", lambda: count)
+    return seen
+
+
+def test_generate_with_the_config_drops_module_guards_and_stays_lossless(llama, monkeypatch):
+    """generate(..., compile_config=gaac_hf.compile_config(...)): the step compiles with the model's module guards
+    dropped (the filter saw and dropped some, kept the rest) and GAAC still equals its plain twin bit for bit."""
+    model, calibration = llama
+    seen = _counting_filter(monkeypatch)
+    ids = torch.randint(3, 200, (1, 21), generator=torch.Generator().manual_seed(2))
+    outs = []
+    for make in (lambda: GAACStaticCache(model.config, 64, calibration), lambda: PlainStaticCache(model.config, 64)):
+        torch._dynamo.reset()
+        cc = gaac_hf.compile_config(backend="aot_eager")
+        cc._compile_all_devices = True  # generate compiles on CUDA by itself; on the CPU it has to be asked
+        outs.append(model.generate(ids, max_new_tokens=14, min_new_tokens=14, do_sample=False, output_scores=True,
+                                   return_dict_in_generate=True, compile_config=cc, **{cache_kwarg(model): make()}))
+    assert seen["dropped"] > seen["kept"] > 0  # most guards are the model's; the cache's and the inputs' stay
+    a, b = outs
+    assert torch.equal(a.sequences, b.sequences)
+    assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a.scores, b.scores))
+
+
+def test_a_new_input_shape_still_recompiles(llama):
+    """Skipping module guards keeps the input guards: a batch of another size is not run through the old graph."""
+    model, _ = llama
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(model.forward, **gaac_hf.compile_kwargs(backend="aot_eager"))
+    with torch.no_grad():
+        for batch in (1, 1, 2):
+            step(input_ids=torch.ones(batch, 5, dtype=torch.long))
+    assert counters["stats"]["unique_graphs"] == 2
