@@ -30,6 +30,7 @@ INTERLEAVE = False  # default split layout: contiguous block ranges (see `plan`)
 SWIZZLE = False  # plain KV: BF16 rows staged with an XOR swizzle against bank conflicts (see `plan`)
 DYNAMIC = False  # one wave of warps claiming splits from a counter (see `plan`)
 DYNAMIC_SPLITS = 2  # splits per resident warp when dynamic
+SPLIT_BARRIERS = False  # K and V of a stage on their own barriers, each re-issued once read (see `plan`)
 
 
 class _Params(ctypes.Structure):  # mirrors `struct Params` in the kernel source
@@ -109,7 +110,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
          plain: bool = False, nsplit: int | None = None, warps: int = 4, stages: int = 2,
          min_ctas: int | None = None, skip: int = 0, trace: bool = False,
          interleave: bool = INTERLEAVE, format_version: int = 1, swizzle: bool = SWIZZLE,
-         dynamic: bool = DYNAMIC) -> DecodePlan:
+         dynamic: bool = DYNAMIC, split_barriers: bool = SPLIT_BARRIERS) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
@@ -120,7 +121,11 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     `swizzle` (plain KV): stage BF16 rows with an XOR swizzle of their 16-byte chunks, so the fragment loads are free
     of shared-memory bank conflicts (the bits do not change). `dynamic`: launch one wave of warps that claim
     splits from a global counter (DYNAMIC_SPLITS splits per resident warp), so heads and SMs that run faster take
-    more splits; the bits depend on the split count only (compressed KV and its twin: plan both alike)."""
+    more splits; the bits depend on the split count only (compressed KV and its twin: plan both alike).
+    `split_barriers`: K and V of a ring stage complete on their own barriers and each is re-issued with the unit
+    `stages` ahead as soon as its tile is read, so K copies are in flight while V is consumed (same bits)."""
+    if split_barriers and dynamic:
+        raise ValueError("split_barriers runs the static schedule only (dynamic=False)")
     if format_version not in (1, 2):
         raise ValueError(f"slot format {format_version}: the kernel reads format 1 (and the version-2 prototype)")
     if head_dim not in (64, 128, 256):
@@ -133,14 +138,15 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     # a slot's buffer: sign+mantissa rows padded by 16 bytes each (256 bytes in all), then its group section
     buf = raw_bytes if plain else max(raw_bytes, -(-(slot_bytes + 16 * 16) // 16) * 16)
     scratch = 0 if plain else 14 * channels  # per-group bases, planes 3..7 and raw masks of one slot
-    warp_bytes = -(-(64 + stages * 2 * tiles * buf + scratch) // 128) * 128
+    header = 128 if split_barriers else 64  # stage barriers and slot bits (the kernel's HDR)
+    warp_bytes = -(-(header + stages * 2 * tiles * buf + scratch) // 128) * 128
     if min_ctas is None:  # register cap: 3 CTAs of 4 warps per SM (what shared memory allows at head_dim 128)
         min_ctas = 1 if tiles == 2 else 12 // warps
     options = (f"-DGAAC_C={channels}", f"-DGAAC_TILES={tiles}",
                f"-DGAAC_PLAIN={int(plain)}", f"-DGAAC_STAGES={stages}", f"-DGAAC_WARPS={warps}",
                f"-DGAAC_MIN_CTAS={min_ctas}", f"-DGAAC_INTERLEAVE={int(interleave)}",
                f"-DGAAC_FORMAT={format_version}", f"-DGAAC_SWIZZLE={int(swizzle and plain)}",
-               f"-DGAAC_DYNAMIC={int(dynamic)}")
+               f"-DGAAC_DYNAMIC={int(dynamic)}", f"-DGAAC_SPLITBAR={int(split_barriers)}")
     if trace:
         options += ("-DGAAC_TRACE=1",)
     if skip:  # benchmark-only variants of the leave-one-stage-out breakdown (wrong results by design)

@@ -52,14 +52,17 @@ def test_plan_rejects_shapes_the_kernel_does_not_cover():
 @pytest.mark.skipif(shutil.which("nvcc") is None or CUOBJDUMP is None or not os.path.isfile(CUOBJDUMP or ""),
                     reason="needs nvcc (CUDA 12.8+) and triton's cuobjdump")
 @pytest.mark.parametrize("config", [(128, 1, 0), (128, 1, 1), (64, 1, 0), (64, 1, 1), (128, 1, 2), (64, 1, 2),
-                                    (128, 1, 3), (128, 1, 4)])
+                                    (128, 1, 3), (128, 1, 4), (128, 1, 5), (128, 1, 6), (64, 1, 5)])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     """The sm_90a build of every head_dim-64/128 variant, at the plan's default register cap (3 CTAs of 4 warps per
     SM), keeps its state in registers: no stack, no local memory."""
-    c, tiles, kind = config  # kind 0 compressed, 1 plain, 2 plain with swizzled rows, 3/4 compressed/plain dynamic
+    # kind 0 compressed, 1 plain, 2 plain with swizzled rows, 3/4 compressed/plain dynamic, 5/6 compressed/plain with
+    # split barriers
+    c, tiles, kind = config
     out = tmp_path / "k.cubin"
-    defs = [f"-DGAAC_C={c}", f"-DGAAC_TILES={tiles}", f"-DGAAC_PLAIN={int(kind in (1, 2, 4))}",
-            f"-DGAAC_SWIZZLE={int(kind == 2)}", f"-DGAAC_DYNAMIC={int(kind >= 3)}",
+    defs = [f"-DGAAC_C={c}", f"-DGAAC_TILES={tiles}", f"-DGAAC_PLAIN={int(kind in (1, 2, 4, 6))}",
+            f"-DGAAC_SWIZZLE={int(kind == 2)}", f"-DGAAC_DYNAMIC={int(kind in (3, 4))}",
+            f"-DGAAC_SPLITBAR={int(kind in (5, 6))}",
             "-DGAAC_STAGES=2", "-DGAAC_WARPS=4", "-DGAAC_MIN_CTAS=3"]
     subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", *defs, "-x", "cu",
                     _SOURCE_FILE, "-o", str(out)], check=True, capture_output=True)
@@ -160,6 +163,16 @@ def test_cuda_compressed_equals_plain_twin(case):
                 assert torch.equal(bits(got_d), bits(twin_d)), f"dynamic: compressed != twin (nsplit {pcd.nsplit})"
             if pcd.nsplit == pc.nsplit:
                 assert torch.equal(bits(got_d), bits(got)), f"dynamic schedule changed the bits (nsplit {pc.nsplit})"
+            # K and V of a stage on their own barriers, each re-issued once read: the same bits, 2 and 3 stages
+            for stages in (2, 3):
+                pcb = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=pc.nsplit,
+                           interleave=interleave, split_barriers=True, stages=stages)
+                ppb = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, interleave=interleave,
+                           split_barriers=True, stages=stages)
+                got_b = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pcb)
+                twin_b = plain_decode_attention(q, k, v, kv_len, mask, scale, ppb)
+                assert torch.equal(bits(got_b), bits(got)), f"split barriers changed the bits ({stages=}, {interleave=})"
+                assert torch.equal(bits(twin_b), bits(twin)), f"split-barrier twin differs ({stages=}, {interleave=})"
             err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
             assert err < 1e-2, (err, pc.nsplit, interleave)
     # rows further apart than head_dim (a view into wider rows): the same bits as contiguous rows

@@ -53,6 +53,13 @@
 #ifndef GAAC_DYNAMIC  // warps claim splits from a global counter (1) or run one split each (0)
 #define GAAC_DYNAMIC 0
 #endif
+#ifndef GAAC_SPLITBAR  // K and V of a stage on their own barriers, each re-issued as soon as its tile is read (1)
+#define GAAC_SPLITBAR 0
+#endif
+#if GAAC_SPLITBAR && GAAC_DYNAMIC
+#error "GAAC_SPLITBAR runs the static schedule only"
+#endif
+#define HDR (GAAC_SPLITBAR ? 128 : 64)  // per-warp header: stage barriers and slot bits, then the ring
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -546,14 +553,15 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 
   u8* ws = smem + warp * p.warp_bytes;
   const u32 bars = smem_u32(ws);
-  u8* ring = ws + 64;
+  u8* ring = ws + HDR;
   Scratch scr;
   scr.base = ring + GAAC_STAGES * 2 * TILES * p.buf_bytes;
   scr.planes = scr.base + G;
   scr.raw = scr.planes + 5 * G;
   if (lane == 0) {
 #pragma unroll
-    for (int st = 0; st < GAAC_STAGES; ++st) mbar_init(bars + 8 * st, 33);  // lane 0's expect_tx + 32 cp.async arrivals
+    for (int st = 0; st < (GAAC_SPLITBAR ? 2 : 1) * GAAC_STAGES; ++st)
+      mbar_init(bars + 8 * st, 33);  // lane 0's expect_tx + 32 cp.async arrivals
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncwarp();
@@ -617,7 +625,9 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       const i64 row0 = GAAC_PLAIN ? (i64)16 * u : 0;
       return base + (i64)b * p.kv_sb + (i64)hk * p.kv_sh + row0 * p.kv_ss + T * C;
     };
-    volatile u32* kinds = reinterpret_cast<volatile u32*>(ws + 8 * GAAC_STAGES);  // slot bits of each stage
+    // slot bits of each stage (GAAC_SPLITBAR: K's, then V's); the barriers of stage st: bars + 8 st, and with
+    // GAAC_SPLITBAR K's at bars + 8 st, V's at bars + 8 (STAGES + st)
+    volatile u32* kinds = reinterpret_cast<volatile u32*>(ws + 8 * (GAAC_SPLITBAR ? 2 : 1) * GAAC_STAGES);
     auto entry = [&](int u, int kv, int T) -> int {
       return (GAAC_PLAIN || u >= nb) ? 0 : trow[(i64)u * tstride + (kv * p.heads + hk) * TILES + T];
     };
@@ -652,15 +662,16 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         const int cv = (g * NVW) / 2 + k;
         sw.v[s4][k] = SWZ ? (u32)(row * 2 * C + 16 * swz(row, cv % (C / 8))) : 0u;
       }
-    auto issue = [&](int u, int st, const int (&e)[2][TILES]) {
+    // copies of tensors kv0 .. kv1 - 1 (0 = K, 1 = V) of unit u into stage st, completing on barrier `bar`, slot bits
+    // into kinds[ki]
+    auto issue_kv = [&](int u, int st, const int (&e)[2][TILES], int kv0, int kv1, u32 bar, int ki) {
       const bool tail = u >= nb;
       const int valid = tail ? tl : 16;
       // (plain blocks by bulk copy were measured slower than 16-byte cp.async per lane: 89.9 vs 87.0 us at 1x64K)
       const bool bulk_rows = !GAAC_PLAIN && !tail;
-      const u32 bar = bars + 8 * st;
       u32 bytes = 0, slots = 0;
 #pragma unroll
-      for (int kv = 0; kv < 2; ++kv)
+      for (int kv = kv0; kv < kv1; ++kv)
 #pragma unroll
         for (int T = 0; T < TILES; ++T) {
           if (!GAAC_PLAIN && !tail && e[kv][T] >= 0) {
@@ -670,11 +681,11 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
             bytes += 32 * C;
           }
         }
-      if (lane == 0) kinds[st] = slots;  // read by the consumer after the stage's barrier (and a __syncwarp)
+      if (lane == 0) kinds[ki] = slots;  // read by the consumer after the stage's barrier (and a __syncwarp)
       fence_async();
       if (lane == 0) mbar_expect(bar, bytes);
 #pragma unroll
-      for (int kv = 0; kv < 2; ++kv)
+      for (int kv = kv0; kv < kv1; ++kv)
 #pragma unroll
         for (int T = 0; T < TILES; ++T) {
           u8* dst = ring + (st * 2 * TILES + kv * TILES + T) * p.buf_bytes;
@@ -706,6 +717,9 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         }
       cp_async_arrive(bar);
     };
+#if !GAAC_SPLITBAR
+    auto issue = [&](int u, int st, const int (&e)[2][TILES]) { issue_kv(u, st, e, 0, 2, bars + 8 * st, st); };
+#endif
 
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // of heads 2t, 2t+1 (l: this thread's tokens only)
     float o[TILES][NVM][4];  // O^T: rows = channels, columns = heads 2t, 2t+1
@@ -729,7 +743,17 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     constexpr bool DECODE = !GAAC_PLAIN && !(GAAC_SKIP & 2);
 
     // one loop for the prologue and the steady state: iteration j issues the split's unit j + STAGES - 1, then
-    // consumes its unit j
+    // consumes its unit j. GAAC_SPLITBAR: the prologue issues units 0 .. STAGES - 1 and iteration j re-issues the
+    // K (V) half of its stage with unit j + STAGES as soon as its K (V) tile is read, so a stage's K copies are in
+    // flight while its V tile is still being consumed.
+#if GAAC_SPLITBAR
+    for (int i = 0; i < GAAC_STAGES && i < n; ++i) {
+      issue_kv(u0 + i * ustep, i, ent, 0, 1, bars + 8 * i, i);
+      issue_kv(u0 + i * ustep, i, ent, 1, 2, bars + 8 * (GAAC_STAGES + i), GAAC_STAGES + i);
+      load_entries(i + 1, ent);
+    }
+    for (int j = 0; j < n; ++j) {
+#else
     for (int j = -(GAAC_STAGES - 1); j < n; ++j) {
       const int next = j + GAAC_STAGES - 1;
       if (next < n) {
@@ -739,14 +763,20 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         claimed = p.nwarps + atomicAdd(p.work, 1);  // its latency hides behind the item's last units
       }
       if (j < 0) continue;
+#endif
       const int u = u0 + j * ustep;
       const int st = j % GAAC_STAGES;
       if (!GAAC_PLAIN && lane == 0 && u + 8 * ustep < nb)
         asm volatile("prefetch.global.L1 [%0];" ::"l"(trow + (i64)(u + 8 * ustep) * tstride));
       mbar_wait(bars + 8 * st, (phases >> st) & 1);
+#if GAAC_SPLITBAR
+      mbar_wait(bars + 8 * (GAAC_STAGES + st), (phases >> st) & 1);
+      const u32 slots_here = kinds[st] | kinds[GAAC_STAGES + st];
+#else
+      const u32 slots_here = kinds[st];
+#endif
       phases ^= 1u << st;
       if (GAAC_TRACE && lane == 0 && j == 0) p.trace[4 * item + 1] = gtimer();
-      const u32 slots_here = kinds[st];
       const bool tail = u >= nb;
       const int valid = tail ? tl : 16;
 
@@ -777,6 +807,10 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
           k_tile<0>(p, buf, scr, g, t, qb[T], sc2, false, sw);
         }
       }
+#if GAAC_SPLITBAR
+      __syncwarp();  // every lane has read the stage's K tiles
+      if (j + GAAC_STAGES < n) issue_kv(u0 + (j + GAAC_STAGES) * ustep, st, ent, 0, 1, bars + 8 * st, st);
+#endif
       // online softmax (base 2) of heads 2t, 2t+1 over the 16 tokens (thread: tokens g, g + 8; reduced over g)
       u32 pb[2];
       {
@@ -835,6 +869,12 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         }
       }
       __syncwarp();
+#if GAAC_SPLITBAR
+      if (j + GAAC_STAGES < n) {
+        issue_kv(u0 + (j + GAAC_STAGES) * ustep, st, ent, 1, 2, bars + 8 * (GAAC_STAGES + st), GAAC_STAGES + st);
+        load_entries(j + GAAC_STAGES + 1, ent);
+      }
+#endif
     }
 
     // partial results of this split
