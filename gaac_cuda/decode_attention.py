@@ -30,7 +30,10 @@ INTERLEAVE = False  # default split layout: contiguous block ranges (see `plan`)
 SWIZZLE = False  # plain KV: BF16 rows staged with an XOR swizzle against bank conflicts (see `plan`)
 DYNAMIC = False  # one wave of warps claiming splits from a counter (see `plan`)
 DYNAMIC_SPLITS = 2  # splits per resident warp when dynamic
-SPLIT_BARRIERS = False  # K and V of a stage on their own barriers, each re-issued once read (see `plan`)
+# K and V of a stage on their own barriers, each re-issued once read (see `plan`), by default for plain KV only: the twin
+# 1x64K 86.5 -> 77.7 us, the compressed kernel 94.3 -> 97.9 (issue-bound: the longer stream costs more than the copies
+# in flight gain; benchmarks/results/attention_cuda.md, session 7)
+SPLIT_BARRIERS = {"plain": True, "compressed": False}
 
 
 class _Params(ctypes.Structure):  # mirrors `struct Params` in the kernel source
@@ -110,7 +113,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
          plain: bool = False, nsplit: int | None = None, warps: int = 4, stages: int = 2,
          min_ctas: int | None = None, skip: int = 0, trace: bool = False,
          interleave: bool = INTERLEAVE, format_version: int = 1, swizzle: bool = SWIZZLE,
-         dynamic: bool = DYNAMIC, split_barriers: bool = SPLIT_BARRIERS) -> DecodePlan:
+         dynamic: bool = DYNAMIC, split_barriers: bool | None = None) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
@@ -123,7 +126,10 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     splits from a global counter (DYNAMIC_SPLITS splits per resident warp), so heads and SMs that run faster take
     more splits; the bits depend on the split count only (compressed KV and its twin: plan both alike).
     `split_barriers`: K and V of a ring stage complete on their own barriers and each is re-issued with the unit
-    `stages` ahead as soon as its tile is read, so K copies are in flight while V is consumed (same bits)."""
+    `stages` ahead as soon as its tile is read, so K copies are in flight while V is consumed (same bits; default:
+    `SPLIT_BARRIERS` of the storage, static schedules only)."""
+    if split_barriers is None:
+        split_barriers = SPLIT_BARRIERS["plain" if plain else "compressed"] and not dynamic
     if split_barriers and dynamic:
         raise ValueError("split_barriers runs the static schedule only (dynamic=False)")
     if format_version not in (1, 2):

@@ -47,6 +47,12 @@ def test_plan_rejects_shapes_the_kernel_does_not_cover():
         plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True).options
     assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, swizzle=True).options == plan(1, 8, 4, 128, 1024, "cpu",
                                                                                    nsplit=4).options
+    # split barriers: the plain twin's default (measured faster), not the compressed kernel's; never dynamic
+    assert "-DGAAC_SPLITBAR=1" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True).options
+    assert "-DGAAC_SPLITBAR=0" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4).options
+    assert "-DGAAC_SPLITBAR=0" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, dynamic=True).options
+    with pytest.raises(ValueError, match="static schedule"):
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, split_barriers=True, dynamic=True)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or CUOBJDUMP is None or not os.path.isfile(CUOBJDUMP or ""),
