@@ -51,6 +51,15 @@ def test_gpu_compiled_generate_equals_twin(model_and_calibration, mode):
     assert cache.stats()["slots"] > 0
 
 
+def test_gpu_compile_config_without_module_guards_equals_twin(model_and_calibration):
+    """generate(..., compile_config=gaac_hf.compile_config()): inductor with CUDA graphs and the model's module
+    guards skipped, GAAC equal to its plain twin bit for bit."""
+    model, calibration = model_and_calibration
+    ids = torch.randint(0, 512, (1, 77), generator=torch.Generator().manual_seed(8)).cuda()
+    (out, _), (ref, _) = _both(model, calibration, ids, 160, do_sample=False, compile_config=gaac_hf.compile_config())
+    assert same_generation(out, ref)
+
+
 def test_gpu_compiled_long_generation(model_and_calibration):
     """1,100 compiled decode steps (69 block finalizations inside the CUDA graph)."""
     model, calibration = model_and_calibration
