@@ -148,6 +148,9 @@ def main():
     p.add_argument("--splitbar-sweep", action="store_true",
                    help="time the CUDA kernel and its twin with one barrier per stage and with K and V on their own "
                         "barriers, each re-issued as soon as its tile is read")
+    p.add_argument("--earlyv-sweep", action="store_true",
+                   help="time the CUDA twin with its V words read before the softmax (its stage's V half re-issued "
+                        "then) and without")
     p.add_argument("--no-triton", action="store_true", help="skip the Triton kernel (fused, twin, breakdown)")
     p.add_argument("--graphs", action="store_true", help="also time the CUDA kernel and the baselines replayed from "
                    "CUDA graphs (GPU time without host launch cost)")
@@ -309,6 +312,9 @@ def main():
             if args.splitbar_sweep:
                 # a stage's K copies re-issued once its K tile is read (in flight while V is consumed)
                 option_sweep("split_barriers")
+            if args.earlyv_sweep:
+                # a plain-KV option (the compressed plans are the same in both rows)
+                option_sweep("early_v")
             if args.twin_sweep and s == 65536 and b == 1 and hq == 32:
                 # the twin's ring depth and CTA shape (its bits depend on the split count alone, kept)
                 twin_sweep = {}

@@ -3,6 +3,14 @@
 the stall samples, and the instructions that collect the most stall samples (with their stall reasons).
 
     python benchmarks/ncu_source_summary.py benchmarks/results/ncu_s6_twin_source.csv.gz --units 32768
+
+`--sass` attributes the executed instructions to the kernel's call sites: give the `nvdisasm -g` listing of a local
+`nvcc -cubin -lineinfo` build of the same source and options (ncu's SASS comes from NVRTC on the device, so the two
+listings are aligned by opcode sequence; the share that aligns is reported) and `--source` the .cu file:
+
+    nvcc -cubin -lineinfo -std=c++17 -gencode=arch=compute_90a,code=sm_90a <plan -D options> -x cu \
+      gaac_cuda/kernels/decode_attention.cu -o k.cubin && nvdisasm -g k.cubin > k.sass
+    python benchmarks/ncu_source_summary.py <csv> --units 32768 --sass k.sass --source <the .cu> --function gaac_decode_split
 """
 
 from __future__ import annotations
@@ -10,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
+import difflib
 import gzip
 import json
 import re
@@ -52,14 +61,63 @@ def summarize(rows: list[dict], units: int, top: int) -> dict:
     }
 
 
+def _opcode(sass: str) -> str:
+    t = sass.strip().split()
+    if t and t[0].startswith("@"):
+        t = t[1:]
+    return t[0].split(".")[0] if t else "?"
+
+
+def sass_lines(listing: str, function: str) -> list[tuple[str, int | None]]:
+    """(opcode, source line) of every instruction of `function` in an `nvdisasm -g` listing (the line is the
+    outermost one nvdisasm names: for force-inlined helpers, the call site in the kernel)."""
+    start = listing.index(f".text.{function}:")
+    end = listing.find(".text.", start + len(function) + 7)
+    line, out = None, []
+    for ln in listing[start:end if end > 0 else None].splitlines():
+        m = re.search(r"line (\d+)", ln)
+        if "//## File" in ln and m:
+            line = int(m.group(1))
+            continue
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)", ln)
+        if m:
+            out.append((m.group(2), line))
+    return out
+
+
+def by_call_site(rows: list[dict], lines: list[tuple[str, int | None]], source: list[str], units: int,
+                 top: int = 20) -> dict:
+    """Executed warp instructions per source line of the local listing, matched to the ncu rows by aligning the
+    two opcode sequences (the unaligned share is reported, not guessed)."""
+    ncu_ops = [_opcode(r["Source"]) for r in rows]
+    counts = [num(r["Instructions Executed"]) for r in rows]
+    sm = difflib.SequenceMatcher(None, ncu_ops, [op.split(".")[0] for op, _ in lines], autojunk=False)
+    per_line, matched = collections.Counter(), 0
+    for a, b, n in sm.get_matching_blocks():
+        for i in range(n):
+            line = lines[b + i][1]
+            if line is not None:
+                per_line[line] += counts[a + i]
+                matched += counts[a + i]
+    total = max(1, sum(counts))
+    return {"aligned_share": round(matched / total, 4),
+            "lines": [{"line": ln, "per_unit": round(c / units, 1), "share": round(c / total, 4),
+                       "source": source[ln - 1].strip()[:100] if 0 < ln <= len(source) else ""}
+                      for ln, c in per_line.most_common(top)]}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("csv", help="ncu source-page CSV (.csv or .csv.gz)")
     p.add_argument("--units", type=int, required=True, help="16-token units the kernel read (blocks x kv-heads)")
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--sass", help="nvdisasm -g listing of a local -lineinfo build (call-site attribution)")
+    p.add_argument("--source", help="the kernel source the listing was built from")
+    p.add_argument("--function", default="gaac_decode_split")
     p.add_argument("--out", help="also write the summary as JSON")
     args = p.parse_args(argv)
-    s = summarize(read(args.csv), args.units, args.top)
+    rows = read(args.csv)
+    s = summarize(rows, args.units, args.top)
     print(f"{s['warp_instructions']:,} warp instructions, {s['per_unit']} per unit, "
           f"{s['predicated_off_per_unit']} of them @!PT padding")
     print("| opcode | per unit | share | stall share |\n|---|---|---|---|")
@@ -68,6 +126,14 @@ def main(argv=None) -> None:
     print("\nmost stalled instructions:")
     for h in s["hot"]:
         print(f"  {100 * h['stall_share']:5.1f}%  {h['sass'][:64]:64s} {h['reasons']}")
+    if args.sass:
+        with open(args.sass) as f:
+            listing = f.read()
+        source = open(args.source).read().splitlines() if args.source else []
+        s["call_sites"] = by_call_site(rows, sass_lines(listing, args.function), source, args.units, args.top)
+        print(f"\nper call site ({100 * s['call_sites']['aligned_share']:.1f}% of the executed instructions aligned):")
+        for c in s["call_sites"]["lines"]:
+            print(f"  {c['per_unit']:7.1f} per unit  L{c['line']}: {c['source']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(s, f, indent=1)

@@ -113,7 +113,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
          plain: bool = False, nsplit: int | None = None, warps: int = 4, stages: int = 2,
          min_ctas: int | None = None, skip: int = 0, trace: bool = False,
          interleave: bool = INTERLEAVE, format_version: int = 1, swizzle: bool = SWIZZLE,
-         dynamic: bool = DYNAMIC, split_barriers: bool | None = None) -> DecodePlan:
+         dynamic: bool = DYNAMIC, split_barriers: bool | None = None, early_v: bool = False) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
@@ -127,11 +127,16 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     more splits; the bits depend on the split count only (compressed KV and its twin: plan both alike).
     `split_barriers`: K and V of a ring stage complete on their own barriers and each is re-issued with the unit
     `stages` ahead as soon as its tile is read, so K copies are in flight while V is consumed (same bits; default:
-    `SPLIT_BARRIERS` of the storage, static schedules only)."""
+    `SPLIT_BARRIERS` of the storage, static schedules only). `early_v` (plain KV, head_dim <= 128, with split
+    barriers): read a stage's V words into registers before the softmax and re-issue its V half then (same bits;
+    prepared in session 7, not yet timed)."""
     if split_barriers is None:
         split_barriers = SPLIT_BARRIERS["plain" if plain else "compressed"] and not dynamic
     if split_barriers and dynamic:
         raise ValueError("split_barriers runs the static schedule only (dynamic=False)")
+    early_v = bool(early_v and plain and head_dim <= 128)  # a plain-KV option, like swizzle
+    if early_v and not split_barriers:
+        raise ValueError("early_v re-issues a stage's V half on its own barrier: it needs split_barriers=True")
     if format_version not in (1, 2):
         raise ValueError(f"slot format {format_version}: the kernel reads format 1 (and the version-2 prototype)")
     if head_dim not in (64, 128, 256):
@@ -152,7 +157,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
                f"-DGAAC_PLAIN={int(plain)}", f"-DGAAC_STAGES={stages}", f"-DGAAC_WARPS={warps}",
                f"-DGAAC_MIN_CTAS={min_ctas}", f"-DGAAC_INTERLEAVE={int(interleave)}",
                f"-DGAAC_FORMAT={format_version}", f"-DGAAC_SWIZZLE={int(swizzle and plain)}",
-               f"-DGAAC_DYNAMIC={int(dynamic)}", f"-DGAAC_SPLITBAR={int(split_barriers)}")
+               f"-DGAAC_DYNAMIC={int(dynamic)}", f"-DGAAC_SPLITBAR={int(split_barriers)}",
+               f"-DGAAC_EARLY_V={int(early_v)}")
     if trace:
         options += ("-DGAAC_TRACE=1",)
     if skip:  # benchmark-only variants of the leave-one-stage-out breakdown (wrong results by design)

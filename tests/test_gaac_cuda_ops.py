@@ -53,22 +53,28 @@ def test_plan_rejects_shapes_the_kernel_does_not_cover():
     assert "-DGAAC_SPLITBAR=0" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, dynamic=True).options
     with pytest.raises(ValueError, match="static schedule"):
         plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, split_barriers=True, dynamic=True)
+    # early V: plain KV with split barriers only; ignored for compressed KV (like swizzle)
+    assert "-DGAAC_EARLY_V=1" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, early_v=True).options
+    assert "-DGAAC_EARLY_V=0" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, early_v=True).options
+    with pytest.raises(ValueError, match="split_barriers"):
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, early_v=True, split_barriers=False)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or CUOBJDUMP is None or not os.path.isfile(CUOBJDUMP or ""),
                     reason="needs nvcc (CUDA 12.8+) and triton's cuobjdump")
 @pytest.mark.parametrize("config", [(128, 1, 0), (128, 1, 1), (64, 1, 0), (64, 1, 1), (128, 1, 2), (64, 1, 2),
-                                    (128, 1, 3), (128, 1, 4), (128, 1, 5), (128, 1, 6), (64, 1, 5)])
+                                    (128, 1, 3), (128, 1, 4), (128, 1, 5), (128, 1, 6), (64, 1, 5), (128, 1, 7),
+                                    (64, 1, 7)])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     """The sm_90a build of every head_dim-64/128 variant, at the plan's default register cap (3 CTAs of 4 warps per
     SM), keeps its state in registers: no stack, no local memory."""
     # kind 0 compressed, 1 plain, 2 plain with swizzled rows, 3/4 compressed/plain dynamic, 5/6 compressed/plain with
-    # split barriers
+    # split barriers, 7 plain with split barriers and early V
     c, tiles, kind = config
     out = tmp_path / "k.cubin"
-    defs = [f"-DGAAC_C={c}", f"-DGAAC_TILES={tiles}", f"-DGAAC_PLAIN={int(kind in (1, 2, 4, 6))}",
+    defs = [f"-DGAAC_C={c}", f"-DGAAC_TILES={tiles}", f"-DGAAC_PLAIN={int(kind in (1, 2, 4, 6, 7))}",
             f"-DGAAC_SWIZZLE={int(kind == 2)}", f"-DGAAC_DYNAMIC={int(kind in (3, 4))}",
-            f"-DGAAC_SPLITBAR={int(kind in (5, 6))}",
+            f"-DGAAC_SPLITBAR={int(kind in (5, 6, 7))}", f"-DGAAC_EARLY_V={int(kind == 7)}",
             "-DGAAC_STAGES=2", "-DGAAC_WARPS=4", "-DGAAC_MIN_CTAS=3"]
     subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", *defs, "-x", "cu",
                     _SOURCE_FILE, "-o", str(out)], check=True, capture_output=True)
@@ -179,6 +185,13 @@ def test_cuda_compressed_equals_plain_twin(case):
                 twin_b = plain_decode_attention(q, k, v, kv_len, mask, scale, ppb)
                 assert torch.equal(bits(got_b), bits(got)), f"split barriers changed the bits ({stages=}, {interleave=})"
                 assert torch.equal(bits(twin_b), bits(twin)), f"split-barrier twin differs ({stages=}, {interleave=})"
+            # the twin's V words read before the softmax (its stage's V half re-issued then): the same bits
+            if d <= 128:
+                ppe = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, interleave=interleave,
+                           early_v=True)
+                assert "-DGAAC_EARLY_V=1" in ppe.options
+                twin_e = plain_decode_attention(q, k, v, kv_len, mask, scale, ppe)
+                assert torch.equal(bits(twin_e), bits(twin)), f"early-V twin differs ({interleave=})"
             err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
             assert err < 1e-2, (err, pc.nsplit, interleave)
     # rows further apart than head_dim (a view into wider rows): the same bits as contiguous rows

@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from ncu_source_summary import read, summarize  # noqa: E402
+from ncu_source_summary import by_call_site, read, sass_lines, summarize  # noqa: E402
 
 
 def test_counts_per_opcode_and_unit_and_ranks_stalls(tmp_path):
@@ -29,3 +29,38 @@ def test_counts_per_opcode_and_unit_and_ranks_stalls(tmp_path):
     assert s["predicated_off_per_unit"] == 1.0
     assert s["hot"][0]["address"] == "0x40" and s["hot"][0]["reasons"] == {"long_sb": 14}
     assert abs(s["hot"][0]["stall_share"] - 0.7) < 1e-9
+
+
+LISTING = """
+//--------------------- .text.k   --------------------------
+.text.k:
+	//## File "k.cu", line 3
+        /*0000*/                   LOP3.LUT R1, R2, R3, R4, 0xe4, !PT ;
+        /*0010*/               @!P0 LOP3.LUT R1, R2, R3, R4, 0xe4, !PT ;
+	//## File "k.cu", line 5
+        /*0020*/                   NOP ;
+        /*0030*/                   LDS RZ, [RZ] ;
+	//## File "k.cu", line 7
+        /*0040*/                   BRA 0x10 ;
+//--------------------- .text.other   --------------------------
+.text.other:
+        /*0000*/                   EXIT ;
+"""
+
+
+def test_call_sites_align_the_local_listing_to_ncu_rows():
+    """ncu's SASS (NVRTC) and a local -lineinfo build differ slightly: the rows are aligned by opcode, counts go to
+    the listing's source lines, and what does not align (the NOP here) is left out and reported."""
+    lines = sass_lines(LISTING, "k")
+    assert lines == [("LOP3", 3), ("LOP3", 3), ("NOP", 5), ("LDS", 5), ("BRA", 7)]
+    rows = [{"Source": "      LOP3.LUT R1, R2, R3, R4, 0xe4, !PT", "Instructions Executed": "400"},
+            {"Source": "@!P0  LOP3.LUT R1, R2, R3, R4, 0xe4, !PT", "Instructions Executed": "200"},
+            {"Source": "@!PT  LDS RZ, [RZ]", "Instructions Executed": "100"},
+            {"Source": "      @!P1 BRA 0x10", "Instructions Executed": "100"},
+            {"Source": "      IMAD R1, R2, R3, RZ", "Instructions Executed": "200"}]
+    src = ["", "", "x = a & b;", "", "y = s[0];", "", "goto top;"]
+    got = by_call_site(rows, lines, src, units=100)
+    per = {c["line"]: c["per_unit"] for c in got["lines"]}
+    assert per == {3: 6.0, 5: 1.0, 7: 1.0}
+    assert got["aligned_share"] == round(800 / 1000, 4)
+    assert got["lines"][0]["source"] == "x = a & b;"

@@ -59,6 +59,12 @@
 #if GAAC_SPLITBAR && GAAC_DYNAMIC
 #error "GAAC_SPLITBAR runs the static schedule only"
 #endif
+#ifndef GAAC_EARLY_V  // plain KV, one tile per head, split barriers: V words read into registers before the softmax
+#define GAAC_EARLY_V 0   // and the stage's V half re-issued then (1)
+#endif
+#if GAAC_EARLY_V && !(GAAC_PLAIN && GAAC_SPLITBAR && GAAC_TILES == 1)
+#error "GAAC_EARLY_V needs GAAC_PLAIN, GAAC_SPLITBAR and GAAC_TILES == 1"
+#endif
 #define HDR (GAAC_SPLITBAR ? 128 : 64)  // per-warp header: stage barriers and slot bits, then the ring
 
 typedef unsigned int u32;
@@ -450,11 +456,65 @@ __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scr
   }
 }
 
+// A BF16-row V tile (raw tile, plain block, tail) in two steps: v_load reads thread (g, t)'s words of tokens
+// 8h + 2t, 8h + 2t + 1 (channels 4w..4w+3, w = g*NVW + j) into registers, v_math pairs them into operand A (V^T, two
+// tokens of one channel per register) and runs the output mma. GAAC_EARLY_V (plain KV) calls them apart, so the
+// stage's V half can be re-issued before the softmax.
+__device__ __forceinline__ void v_load(const u8* buf, int g, int t, const RowSwizzle& sw, u32 (&ra)[2][2 * NVW],
+                                       u32 (&rc)[2][2 * NVW]) {
+  const int w0 = g * NVW;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int ta = 8 * h + 2 * t;
+    if (SWZ) {  // 2 NVW words = one chunk (C = 64) or two (C = 128) per row
+      u32 a[4], c[4];
+      ldv<4>(buf + h * 8 * 2 * C + sw.v[0][0], a);
+      ldv<4>(buf + h * 8 * 2 * C + sw.v[1][0], c);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) ra[h][i % (2 * NVW)] = a[i], rc[h][i % (2 * NVW)] = c[i];
+      if (2 * NVW == 8) {
+        ldv<4>(buf + h * 8 * 2 * C + sw.v[0][1], a);
+        ldv<4>(buf + h * 8 * 2 * C + sw.v[1][1], c);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) ra[h][(4 + i) % (2 * NVW)] = a[i], rc[h][(4 + i) % (2 * NVW)] = c[i];
+      }
+    } else {
+      ldv<2 * NVW>(buf + ta * 2 * C + 8 * w0, ra[h]);
+      ldv<2 * NVW>(buf + (ta + 1) * 2 * C + 8 * w0, rc[h]);
+    }
+  }
+}
+__device__ __forceinline__ void v_math(const u32 (&ra)[2][2 * NVW], const u32 (&rc)[2][2 * NVW], const u32 (&pb)[2],
+                                       float (&o)[NVM][4]) {
+  u32 vb[2][NVW][4];  // [half][word][channel c0..c3]: tokens (ta, ta + 1) of one channel
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int j = 0; j < NVW; ++j) {
+      vb[h][j][0] = prmt(ra[h][2 * j], rc[h][2 * j], 0x5410u);
+      vb[h][j][1] = prmt(ra[h][2 * j], rc[h][2 * j], 0x7632u);
+      vb[h][j][2] = prmt(ra[h][2 * j + 1], rc[h][2 * j + 1], 0x5410u);
+      vb[h][j][3] = prmt(ra[h][2 * j + 1], rc[h][2 * j + 1], 0x7632u);
+    }
+  // m-tile 2j + k: row g = channel 4w + 2k, row g + 8 = channel 4w + 2k + 1 of this thread group's word w
+#pragma unroll
+  for (int j = 0; j < NVW; ++j)
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+      mma(o[2 * j + k], vb[0][j][2 * k], vb[0][j][2 * k + 1], vb[1][j][2 * k], vb[1][j][2 * k + 1], pb[0], pb[1]);
+}
+
 // Output of one tile: thread (g, t) builds operand A (V^T) for channels 4w..4w+3 (w = g*NVW + j) and tokens
 // 8h+2t, 8h+2t+1 of both halves, two tokens of one channel per register.
 template <int KIND>
 __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
                                        const u32 (&pb)[2], float (&o)[NVM][4], bool any_raw, const RowSwizzle& sw) {
+  if (KIND == 0) {
+    u32 ra[2][2 * NVW], rc[2][2 * NVW];
+    v_load(buf, g, t, sw, ra, rc);
+    v_math(ra, rc, pb, o);
+    return;
+  }
   constexpr int NV = NVW;  // words per vector load
 #pragma unroll
   for (int j0 = 0; j0 < NVW; j0 += NV) {
@@ -463,32 +523,7 @@ __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scr
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int ta = 8 * h + 2 * t;
-      if (KIND == 0) {
-        u32 ra[2 * NV], rc[2 * NV];
-        if (SWZ) {  // 2 NV words = one chunk (C = 64) or two (C = 128) per row
-          u32 a[4], c[4];
-          ldv<4>(buf + h * 8 * 2 * C + sw.v[0][0], a);
-          ldv<4>(buf + h * 8 * 2 * C + sw.v[1][0], c);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) ra[i % (2 * NV)] = a[i], rc[i % (2 * NV)] = c[i];
-          if (2 * NV == 8) {
-            ldv<4>(buf + h * 8 * 2 * C + sw.v[0][1], a);
-            ldv<4>(buf + h * 8 * 2 * C + sw.v[1][1], c);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) ra[(4 + i) % (2 * NV)] = a[i], rc[(4 + i) % (2 * NV)] = c[i];
-          }
-        } else {
-          ldv<2 * NV>(buf + ta * 2 * C + 8 * w0, ra);
-          ldv<2 * NV>(buf + (ta + 1) * 2 * C + 8 * w0, rc);
-        }
-#pragma unroll
-        for (int j = 0; j < NV; ++j) {
-          vb[h][j][0] = prmt(ra[2 * j], rc[2 * j], 0x5410u);
-          vb[h][j][1] = prmt(ra[2 * j], rc[2 * j], 0x7632u);
-          vb[h][j][2] = prmt(ra[2 * j + 1], rc[2 * j + 1], 0x5410u);
-          vb[h][j][3] = prmt(ra[2 * j + 1], rc[2 * j + 1], 0x7632u);
-        }
-      } else {
+      {
         const int g0 = h * C + 4 * w0;
         const GroupWords<4, NV> gw(p, buf, s, g0);
         u32 sa[NV], sb[NV], ea[NV], eb[NV];
@@ -811,6 +846,15 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       __syncwarp();  // every lane has read the stage's K tiles
       if (j + GAAC_STAGES < n) issue_kv(u0 + (j + GAAC_STAGES) * ustep, st, ent, 0, 1, bars + 8 * st, st);
 #endif
+#if GAAC_EARLY_V
+      u32 va[2][2 * NVW], vc[2][2 * NVW];  // the stage's V words, so its V half is free before the softmax
+      v_load(ring + (st * 2 + 1) * p.buf_bytes, g, t, sw, va, vc);
+      __syncwarp();
+      if (j + GAAC_STAGES < n) {
+        issue_kv(u0 + (j + GAAC_STAGES) * ustep, st, ent, 1, 2, bars + 8 * (GAAC_STAGES + st), GAAC_STAGES + st);
+        load_entries(j + GAAC_STAGES + 1, ent);
+      }
+#endif
       // online softmax (base 2) of heads 2t, 2t+1 over the 16 tokens (thread: tokens g, g + 8; reduced over g)
       u32 pb[2];
       {
@@ -856,6 +900,9 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         pb[0] = transpose8x8(pack_bf16(pr[0], pr[1]));
         pb[1] = transpose8x8(pack_bf16(pr[2], pr[3]));
       }
+#if GAAC_EARLY_V
+      v_math(va, vc, pb, o[0]);
+#else
 #pragma unroll
       for (int T = 0; T < TILES; ++T) {
         const u8* buf = ring + (st * 2 * TILES + TILES + T) * p.buf_bytes;
@@ -868,8 +915,9 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
           v_tile<0>(p, buf, scr, g, t, pb, o[T], false, sw);
         }
       }
+#endif
       __syncwarp();
-#if GAAC_SPLITBAR
+#if GAAC_SPLITBAR && !GAAC_EARLY_V
       if (j + GAAC_STAGES < n) {
         issue_kv(u0 + (j + GAAC_STAGES) * ustep, st, ent, 1, 2, bars + 8 * (GAAC_STAGES + st), GAAC_STAGES + st);
         load_entries(j + GAAC_STAGES + 1, ent);
