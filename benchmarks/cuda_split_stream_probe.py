@@ -137,7 +137,7 @@ def main(argv=None) -> None:
     res = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "bytes": total,
            "command": "python benchmarks/cuda_split_stream_probe.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "variants": {}}
-    whole = [torch.cat([k, v]) for k, v in bufs]
+    whole = [torch.cat([k, v]).view(torch.uint8) for k, v in bufs]  # stream_reader counts bytes
     rd = stream_reader(dev, 4)
     us = bench_graph(lambda i: rd(whole[i]), args.buffers)
     res["grid_stride_read"] = {"us": us, "TBps": total / us / 1e6}
