@@ -90,7 +90,8 @@ def main():
                                           "errors": errors, "seconds": time.time() - t0,
                                           "torch": torch.__version__, "command": " ".join(sys.argv)}, indent=1) + "\n")
     Path(args.out).with_suffix(".md").write_text(
-        f"NIAH ({args.tasks}), {args.samples} seeded cases per cell (from case {args.first}), {device} (`python {' '.join(sys.argv)}`).\n\n"
+        f"NIAH ({args.tasks}), {args.samples} seeded cases per cell (from case {args.first}), {device} "
+        f"(`python {' '.join(sys.argv)}`).\n\n"
         + table + "\n")
 
 

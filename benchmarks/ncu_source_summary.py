@@ -10,7 +10,8 @@ listings are aligned by opcode sequence; the share that aligns is reported) and 
 
     nvcc -cubin -lineinfo -std=c++17 -gencode=arch=compute_90a,code=sm_90a <plan -D options> -x cu \
       gaac_cuda/kernels/decode_attention.cu -o k.cubin && nvdisasm -g k.cubin > k.sass
-    python benchmarks/ncu_source_summary.py <csv> --units 32768 --sass k.sass --source <the .cu> --function gaac_decode_split
+    python benchmarks/ncu_source_summary.py <csv> --units 32768 --sass k.sass --source <the .cu> \\
+      --function gaac_decode_split
 """
 
 from __future__ import annotations

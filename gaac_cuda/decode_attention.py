@@ -30,9 +30,9 @@ INTERLEAVE = False  # default split layout: contiguous block ranges (see `plan`)
 SWIZZLE = False  # plain KV: BF16 rows staged with an XOR swizzle against bank conflicts (see `plan`)
 DYNAMIC = False  # one wave of warps claiming splits from a counter (see `plan`)
 DYNAMIC_SPLITS = 2  # splits per resident warp when dynamic
-# K and V of a stage on their own barriers, each re-issued once read (see `plan`), by default for plain KV only: the twin
-# 1x64K 86.5 -> 77.7 us, the compressed kernel 94.3 -> 97.9 (issue-bound: the longer stream costs more than the copies
-# in flight gain; benchmarks/results/attention_cuda.md, session 7)
+# K and V of a stage on their own barriers, each re-issued once read (see `plan`), by default for plain KV only: the
+# twin 1x64K 86.5 -> 77.7 us, the compressed kernel 94.3 -> 97.9 (issue-bound: the longer stream costs more than the
+# copies in flight gain; benchmarks/results/attention_cuda.md, session 7)
 SPLIT_BARRIERS = {"plain": True, "compressed": False}
 
 

@@ -183,7 +183,7 @@ def test_cuda_compressed_equals_plain_twin(case):
                            split_barriers=True, stages=stages)
                 got_b = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pcb)
                 twin_b = plain_decode_attention(q, k, v, kv_len, mask, scale, ppb)
-                assert torch.equal(bits(got_b), bits(got)), f"split barriers changed the bits ({stages=}, {interleave=})"
+                assert torch.equal(bits(got_b), bits(got)), f"split barriers changed bits ({stages=}, {interleave=})"
                 assert torch.equal(bits(twin_b), bits(twin)), f"split-barrier twin differs ({stages=}, {interleave=})"
             # the twin's V words read before the softmax (its stage's V half re-issued then): the same bits
             if d <= 128:
