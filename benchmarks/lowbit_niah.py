@@ -37,6 +37,11 @@ CACHES = {
     "K1V1 default": lambda cfg: LowBitCache(cfg, "K1V1"),
     "K2V2 kivi32 (former default)": lambda cfg: LowBitCache(cfg, LowBitConfig("K2V2")),
     "QuantizedCache quanto 2 keys per channel": lambda cfg: quantized_cache(cfg, "quanto", 2, axis_key=-1),
+    # diagnostics (over the 2.5-bit budget): the K2V2 default with every key head at 4 bits, or with 4-bit values
+    "K2V2 default, 4-bit keys (diagnostic)": lambda cfg: LowBitCache(cfg, LowBitConfig.default(
+        "K2V2", model_config=cfg, layer_key_bits=tuple((layer, 4) for layer in range(cfg.num_hidden_layers)))),
+    "K2V2 default, 4-bit values (diagnostic)": lambda cfg: LowBitCache(cfg, LowBitConfig.default("K2V4",
+                                                                                                 model_config=cfg)),
 }
 
 
