@@ -523,41 +523,40 @@ __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scr
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int ta = 8 * h + 2 * t;
-      {
-        const int g0 = h * C + 4 * w0;
-        const GroupWords<4, NV> gw(p, buf, s, g0);
-        u32 sa[NV], sb[NV], ea[NV], eb[NV];
-        ldv<NV>(buf + ta * SM_ROW + 4 * w0, sa);
-        ldv<NV>(buf + (ta + 1) * SM_ROW + 4 * w0, sb);
+      const int g0 = h * C + 4 * w0;
+      const GroupWords<4, NV> gw(p, buf, s, g0);
+      u32 sa[NV], sb[NV], ea[NV], eb[NV];
+      ldv<NV>(buf + ta * SM_ROW + 4 * w0, sa);
+      ldv<NV>(buf + (ta + 1) * SM_ROW + 4 * w0, sb);
 #pragma unroll
-        for (int j = 0; j < NV; ++j) ea[j] = gw.exponents(j, 2 * t), eb[j] = gw.exponents(j, 2 * t + 1);
-        if (any_raw) {
-          u32 rm[NV];
-          ldv<NV>(s.raw + g0, rm);
-          u32 any = 0;
+      for (int j = 0; j < NV; ++j) ea[j] = gw.exponents(j, 2 * t), eb[j] = gw.exponents(j, 2 * t + 1);
+      if (any_raw) {
+        u32 rm[NV];
+        ldv<NV>(s.raw + g0, rm);
+        u32 any = 0;
 #pragma unroll
-          for (int j = 0; j < NV; ++j) any |= rm[j];
-          if (any) {
+        for (int j = 0; j < NV; ++j) any |= rm[j];
+        if (any) {
 #pragma unroll
-            for (int j = 0; j < NV; ++j)
-              if (rm[j]) {
-                ea[j] = gw.fix_raw(s, g0, j, 2 * t, ea[j], rm[j]);
-                eb[j] = gw.fix_raw(s, g0, j, 2 * t + 1, eb[j], rm[j]);
-              }
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < NV; ++j) {
-          u32 alo, ahi, blo, bhi;  // (c0, c2) and (c1, c3) of tokens ta, ta + 1
-          merge(ea[j], sa[j], alo, ahi);
-          merge(eb[j], sb[j], blo, bhi);
-          vb[h][j][0] = prmt(alo, blo, 0x5410u);
-          vb[h][j][2] = prmt(alo, blo, 0x7632u);
-          vb[h][j][1] = prmt(ahi, bhi, 0x5410u);
-          vb[h][j][3] = prmt(ahi, bhi, 0x7632u);
+          for (int j = 0; j < NV; ++j)
+            if (rm[j]) {
+              ea[j] = gw.fix_raw(s, g0, j, 2 * t, ea[j], rm[j]);
+              eb[j] = gw.fix_raw(s, g0, j, 2 * t + 1, eb[j], rm[j]);
+            }
         }
       }
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        u32 alo, ahi, blo, bhi;  // (c0, c2) and (c1, c3) of tokens ta, ta + 1
+        merge(ea[j], sa[j], alo, ahi);
+        merge(eb[j], sb[j], blo, bhi);
+        vb[h][j][0] = prmt(alo, blo, 0x5410u);
+        vb[h][j][2] = prmt(alo, blo, 0x7632u);
+        vb[h][j][1] = prmt(ahi, bhi, 0x5410u);
+        vb[h][j][3] = prmt(ahi, bhi, 0x7632u);
+      }
     }
+
     // m-tile 2j + k: row g = channel 4w + 2k, row g + 8 = channel 4w + 2k + 1 of this thread group's word w
 #pragma unroll
     for (int j = 0; j < NV; ++j)
@@ -752,7 +751,12 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         }
       cp_async_arrive(bar);
     };
-#if !GAAC_SPLITBAR
+    // the whole stage on its one barrier, or (GAAC_SPLITBAR) tensor kv's half on that half's barrier and slot bits
+#if GAAC_SPLITBAR
+    auto issue_half = [&](int u, int st, const int (&e)[2][TILES], int kv) {
+      issue_kv(u, st, e, kv, kv + 1, bars + 8 * (kv * GAAC_STAGES + st), kv * GAAC_STAGES + st);
+    };
+#else
     auto issue = [&](int u, int st, const int (&e)[2][TILES]) { issue_kv(u, st, e, 0, 2, bars + 8 * st, st); };
 #endif
 
@@ -774,6 +778,15 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     };
     int ent[2][TILES];
     load_entries(0, ent);
+#if GAAC_SPLITBAR
+    // stage st's V half re-issued with the split's unit j + STAGES (its last reader is done)
+    auto reissue_v = [&](int j, int st) {
+      if (j + GAAC_STAGES < n) {
+        issue_half(u0 + (j + GAAC_STAGES) * ustep, st, ent, 1);
+        load_entries(j + GAAC_STAGES + 1, ent);
+      }
+    };
+#endif
     const u8* mrow = p.mask ? p.mask + (i64)b * p.mask_sb : nullptr;
     constexpr bool DECODE = !GAAC_PLAIN && !(GAAC_SKIP & 2);
 
@@ -783,8 +796,8 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     // flight while its V tile is still being consumed.
 #if GAAC_SPLITBAR
     for (int i = 0; i < GAAC_STAGES && i < n; ++i) {
-      issue_kv(u0 + i * ustep, i, ent, 0, 1, bars + 8 * i, i);
-      issue_kv(u0 + i * ustep, i, ent, 1, 2, bars + 8 * (GAAC_STAGES + i), GAAC_STAGES + i);
+      issue_half(u0 + i * ustep, i, ent, 0);
+      issue_half(u0 + i * ustep, i, ent, 1);
       load_entries(i + 1, ent);
     }
     for (int j = 0; j < n; ++j) {
@@ -844,16 +857,13 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       }
 #if GAAC_SPLITBAR
       __syncwarp();  // every lane has read the stage's K tiles
-      if (j + GAAC_STAGES < n) issue_kv(u0 + (j + GAAC_STAGES) * ustep, st, ent, 0, 1, bars + 8 * st, st);
+      if (j + GAAC_STAGES < n) issue_half(u0 + (j + GAAC_STAGES) * ustep, st, ent, 0);
 #endif
 #if GAAC_EARLY_V
       u32 va[2][2 * NVW], vc[2][2 * NVW];  // the stage's V words, so its V half is free before the softmax
       v_load(ring + (st * 2 + 1) * p.buf_bytes, g, t, sw, va, vc);
       __syncwarp();
-      if (j + GAAC_STAGES < n) {
-        issue_kv(u0 + (j + GAAC_STAGES) * ustep, st, ent, 1, 2, bars + 8 * (GAAC_STAGES + st), GAAC_STAGES + st);
-        load_entries(j + GAAC_STAGES + 1, ent);
-      }
+      reissue_v(j, st);
 #endif
       // online softmax (base 2) of heads 2t, 2t+1 over the 16 tokens (thread: tokens g, g + 8; reduced over g)
       u32 pb[2];
@@ -918,10 +928,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #endif
       __syncwarp();
 #if GAAC_SPLITBAR && !GAAC_EARLY_V
-      if (j + GAAC_STAGES < n) {
-        issue_kv(u0 + (j + GAAC_STAGES) * ustep, st, ent, 1, 2, bars + 8 * (GAAC_STAGES + st), GAAC_STAGES + st);
-        load_entries(j + GAAC_STAGES + 1, ent);
-      }
+      reissue_v(j, st);
 #endif
     }
 
