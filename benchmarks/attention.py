@@ -151,6 +151,8 @@ def main():
     p.add_argument("--earlyv-sweep", action="store_true",
                    help="time the CUDA twin with its V words read before the softmax (its stage's V half re-issued "
                         "then) and without")
+    p.add_argument("--pair-sweep", action="store_true",
+                   help="time the CUDA kernel and its twin with two warps per split (K warp and V warp) against one")
     p.add_argument("--no-triton", action="store_true", help="skip the Triton kernel (fused, twin, breakdown)")
     p.add_argument("--graphs", action="store_true", help="also time the CUDA kernel and the baselines replayed from "
                    "CUDA graphs (GPU time without host launch cost)")
@@ -315,6 +317,57 @@ def main():
             if args.earlyv_sweep:
                 # a plain-KV option (the compressed plans are the same in both rows)
                 option_sweep("early_v")
+            if args.pair_sweep:
+                # two warps per split (K: scores and softmax; V: output), P handed over in shared memory; the same
+                # bits as one warp per split at the same split count, checked against both
+                timer = bench_graph if args.graphs else bench
+                pairs = {}
+                for key, kw in (("pair", {}), ("pair_vwords_full", {"v_words": min(d, 128) // 32}),
+                                ("pair_minctas3", {"min_ctas": 3}), ("pair_splits_1.5x", {"split_mult": 1.5})):
+                    try:
+                        mult = kw.pop("split_mult", None)
+                        po = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, pair=True, **kw)
+                        if mult:
+                            po = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, pair=True,
+                                                nsplit=int(po.nsplit * mult), **kw)
+                        ppo = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, pair=True, nsplit=po.nsplit)
+                        p1 = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes,
+                                            nsplit=po.nsplit)
+                        go = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale,
+                                                        layout, po)
+                        to = gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, ppo)
+                        g1 = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale,
+                                                        layout, p1)
+                        kc, kp = po.kernels(dev)[0], ppo.kernels(dev)[0]
+                        row = {"nsplit": po.nsplit,
+                               "bit_identical_to_twin": torch.equal(go.view(torch.int16), to.view(torch.int16)),
+                               "bit_identical_to_one_warp_per_split": torch.equal(go.view(torch.int16),
+                                                                                 g1.view(torch.int16)),
+                               "rel_err_vs_fp32": ((go.float() - ref).norm() / ref.norm()).item(),
+                               "registers": kc.registers, "twin_registers": kp.registers,
+                               "ctas_per_sm": kc.blocks_per_sm(po.warps * 32, po.smem),
+                               "twin_ctas_per_sm": kp.blocks_per_sm(ppo.warps * 32, ppo.smem),
+                               "smem_per_cta": po.smem,
+                               "gaac_us": timer(lambda i, po=po: gaac_cuda.decode_attention(
+                                   q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout, po),
+                                   args.buffers),
+                               "twin_us": timer(lambda i, ppo=ppo: gaac_cuda.plain_decode_attention(
+                                   q, bufs[i][1], bufs[i][2], kv_len, None, scale, ppo), args.buffers),
+                               "one_warp_same_splits_us": timer(lambda i, p1=p1: gaac_cuda.decode_attention(
+                                   q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout, p1),
+                                   args.buffers)}
+                        if key == "pair" and SHAPES.index((name, hq, hkv, d, b, s)) == args.breakdown_shape:
+                            for label, skip in (("no_math", 1), ("no_reconstruction", 2), ("loads_only", 3)):
+                                pv = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes,
+                                                    pair=True, skip=skip)
+                                row[f"{label}_us"] = timer(lambda i, pv=pv: gaac_cuda.decode_attention(
+                                    q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout, pv,
+                                    combine=False), args.buffers)
+                        pairs[key] = row
+                    except Exception as e:  # noqa: BLE001 - a variant may not fit
+                        pairs[key] = f"{type(e).__name__}: {e}"[:200]
+                cuda_info["pair_us"] = pairs
+                print("pair", pairs, flush=True)
             if args.twin_sweep and s == 65536 and b == 1 and hq == 32:
                 # the twin's ring depth and CTA shape (its bits depend on the split count alone, kept)
                 twin_sweep = {}

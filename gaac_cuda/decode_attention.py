@@ -34,6 +34,7 @@ DYNAMIC_SPLITS = 2  # splits per resident warp when dynamic
 # twin 1x64K 86.5 -> 77.7 us, the compressed kernel 94.3 -> 97.9 (issue-bound: the longer stream costs more than the
 # copies in flight gain; benchmarks/results/attention_cuda.md, session 7)
 SPLIT_BARRIERS = {"plain": True, "compressed": False}
+PAIR_SPLITS_PER_SM = 8  # `plan(pair=True)`: splits (warp pairs) resident per SM, 4 CTAs of 2 pairs under 128 registers
 
 
 class _Params(ctypes.Structure):  # mirrors `struct Params` in the kernel source
@@ -83,18 +84,23 @@ class DecodePlan:
     warp_bytes: int
     options: tuple
     dynamic: bool = False  # warps claim splits from a counter (`plan(dynamic=True)`)
+    pair: bool = False  # two warps per split (`plan(pair=True)`); warp_bytes is then per split
 
     @property
     def items(self) -> int:
         return self.batch * self.kv_heads * self.nsplit
 
     @property
+    def splits_per_cta(self) -> int:
+        return self.warps // 2 if self.pair else self.warps
+
+    @property
     def grid(self) -> int:
-        return -(-self.items // self.warps)
+        return -(-self.items // self.splits_per_cta)
 
     @property
     def smem(self) -> int:
-        return self.warps * self.warp_bytes
+        return self.splits_per_cta * self.warp_bytes
 
     def kernels(self, device):
         """(split kernel, combine kernel) of this plan on `device`, compiled once (host cost per call: a dict lookup)."""
@@ -113,7 +119,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
          plain: bool = False, nsplit: int | None = None, warps: int = 4, stages: int = 2,
          min_ctas: int | None = None, skip: int = 0, trace: bool = False,
          interleave: bool = INTERLEAVE, format_version: int = 1, swizzle: bool = SWIZZLE,
-         dynamic: bool = DYNAMIC, split_barriers: bool | None = None, early_v: bool = False) -> DecodePlan:
+         dynamic: bool = DYNAMIC, split_barriers: bool | None = None, early_v: bool = False,
+         pair: bool = False, v_words: int | None = None) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
@@ -129,7 +136,19 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     `stages` ahead as soon as its tile is read, so K copies are in flight while V is consumed (same bits; default:
     `SPLIT_BARRIERS` of the storage, static schedules only). `early_v` (plain KV, head_dim <= 128, with split
     barriers): read a stage's V words into registers before the softmax and re-issue its V half then (same bits;
-    prepared in session 7, not yet timed)."""
+    measured in session 8: 0.5-2% slower). `pair`: two warps per split, one streaming K (scores, softmax), the other
+    V (output mma), P^T and the rescale factors handed over through shared memory (same bits at the same split
+    count; split barriers implied, static schedule, no early V; its own default split count, PAIR_SPLITS_PER_SM).
+    `v_words` (compressed KV): V words rebuilt per vector load in the output tile, head_dim / 32 (default) or 2
+    (fewer registers: the default with `pair`)."""
+    if pair:
+        if dynamic or early_v or split_barriers is False:
+            raise ValueError("pair runs the static schedule with split barriers and without early_v")
+        if warps % 2:
+            raise ValueError(f"pair needs an even warp count per CTA, not {warps}")
+        if stages > 4:
+            raise ValueError("pair keeps at most 4 ring stages")
+        split_barriers = True
     if split_barriers is None:
         split_barriers = SPLIT_BARRIERS["plain" if plain else "compressed"] and not dynamic
     if split_barriers and dynamic:
@@ -150,15 +169,20 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     buf = raw_bytes if plain else max(raw_bytes, -(-(slot_bytes + 16 * 16) // 16) * 16)
     scratch = 0 if plain else 14 * channels  # per-group bases, planes 3..7 and raw masks of one slot
     header = 128 if split_barriers else 64  # stage barriers and slot bits (the kernel's HDR)
-    warp_bytes = -(-(header + stages * 2 * tiles * buf + scratch) // 128) * 128
+    # per warp, or with `pair` per split: a scratch per role and the P ring (2 entries x 32 lanes x 16 bytes)
+    warp_bytes = -(-(header + stages * 2 * tiles * buf + (2 * scratch + 1024 if pair else scratch)) // 128) * 128
+    if v_words is None:
+        v_words = 2 if pair and not plain else channels // 32
+    if v_words not in (channels // 32, 2):
+        raise ValueError(f"v_words is {channels // 32} or 2 at head_dim {head_dim}, not {v_words}")
     if min_ctas is None:  # register cap: 3 CTAs of 4 warps per SM (what shared memory allows at head_dim 128)
-        min_ctas = 1 if tiles == 2 else 12 // warps
+        min_ctas = 1 if tiles == 2 else (16 // warps if pair else 12 // warps)
     options = (f"-DGAAC_C={channels}", f"-DGAAC_TILES={tiles}",
                f"-DGAAC_PLAIN={int(plain)}", f"-DGAAC_STAGES={stages}", f"-DGAAC_WARPS={warps}",
                f"-DGAAC_MIN_CTAS={min_ctas}", f"-DGAAC_INTERLEAVE={int(interleave)}",
                f"-DGAAC_FORMAT={format_version}", f"-DGAAC_SWIZZLE={int(swizzle and plain)}",
                f"-DGAAC_DYNAMIC={int(dynamic)}", f"-DGAAC_SPLITBAR={int(split_barriers)}",
-               f"-DGAAC_EARLY_V={int(early_v)}")
+               f"-DGAAC_EARLY_V={int(early_v)}", f"-DGAAC_PAIR={int(pair)}", f"-DVT_WORDS={v_words}")
     if trace:
         options += ("-DGAAC_TRACE=1",)
     if skip:  # benchmark-only variants of the leave-one-stage-out breakdown (wrong results by design)
@@ -169,11 +193,12 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         units = max(1, -(-max_tokens // BLOCK))
         sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
         # splits that fit in one wave of warps (a few more would run as a second wave: twice the time)
-        per_sm = SPLITS_PER_SM if tiles == 1 else SPLITS_PER_SM // 3  # two tiles per stage: one CTA fits
+        per_sm = PAIR_SPLITS_PER_SM if pair else SPLITS_PER_SM
+        per_sm = per_sm if tiles == 1 else per_sm // 3  # two tiles per stage: one CTA fits
         want = max(1, sms * per_sm * (DYNAMIC_SPLITS if dynamic else 1) // (batch * kv_heads))
         nsplit = max(1, min(want, math.ceil(units / MIN_UNITS_PER_SPLIT)))
     return DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes, options,
-                      dynamic)
+                      dynamic, pair)
 
 
 def _ptr(t: torch.Tensor | None) -> int:

@@ -58,24 +58,37 @@ def test_plan_rejects_shapes_the_kernel_does_not_cover():
     assert "-DGAAC_EARLY_V=0" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, early_v=True).options
     with pytest.raises(ValueError, match="split_barriers"):
         plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, early_v=True, split_barriers=False)
+    # two warps per split: split barriers implied, two splits per 4-warp CTA, a scratch per role plus the P ring
+    one, two = plan(1, 8, 4, 128, 1024, "cpu", nsplit=4), plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, pair=True)
+    assert "-DGAAC_PAIR=1" in two.options and "-DGAAC_SPLITBAR=1" in two.options and "-DVT_WORDS=2" in two.options
+    assert two.splits_per_cta == 2 and two.grid == 16 and one.grid == 8
+    assert two.warp_bytes >= one.warp_bytes + 14 * 128 + 1024 and two.smem == 2 * two.warp_bytes
+    for bad in ({"dynamic": True}, {"split_barriers": False}, {"warps": 3}, {"stages": 5}):
+        with pytest.raises(ValueError):
+            plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, pair=True, **bad)
+    with pytest.raises(ValueError, match="v_words"):
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, v_words=3)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or CUOBJDUMP is None or not os.path.isfile(CUOBJDUMP or ""),
                     reason="needs nvcc (CUDA 12.8+) and triton's cuobjdump")
 @pytest.mark.parametrize("config", [(128, 1, 0), (128, 1, 1), (64, 1, 0), (64, 1, 1), (128, 1, 2), (64, 1, 2),
                                     (128, 1, 3), (128, 1, 4), (128, 1, 5), (128, 1, 6), (64, 1, 5), (128, 1, 7),
-                                    (64, 1, 7)])
+                                    (64, 1, 7), (128, 1, 8), (64, 1, 8), (128, 1, 9), (64, 1, 9)])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     """The sm_90a build of every head_dim-64/128 variant, at the plan's default register cap (3 CTAs of 4 warps per
     SM), keeps its state in registers: no stack, no local memory."""
     # kind 0 compressed, 1 plain, 2 plain with swizzled rows, 3/4 compressed/plain dynamic, 5/6 compressed/plain with
-    # split barriers, 7 plain with split barriers and early V
+    # split barriers, 7 plain with split barriers and early V, 8/9 compressed/plain with two warps per split (their
+    # cap: 4 CTAs of 4 warps, 128 registers)
     c, tiles, kind = config
     out = tmp_path / "k.cubin"
-    defs = [f"-DGAAC_C={c}", f"-DGAAC_TILES={tiles}", f"-DGAAC_PLAIN={int(kind in (1, 2, 4, 6, 7))}",
+    pair = kind in (8, 9)
+    defs = [f"-DGAAC_C={c}", f"-DGAAC_TILES={tiles}", f"-DGAAC_PLAIN={int(kind in (1, 2, 4, 6, 7, 9))}",
             f"-DGAAC_SWIZZLE={int(kind == 2)}", f"-DGAAC_DYNAMIC={int(kind in (3, 4))}",
-            f"-DGAAC_SPLITBAR={int(kind in (5, 6, 7))}", f"-DGAAC_EARLY_V={int(kind == 7)}",
-            "-DGAAC_STAGES=2", "-DGAAC_WARPS=4", "-DGAAC_MIN_CTAS=3"]
+            f"-DGAAC_SPLITBAR={int(kind in (5, 6, 7, 8, 9))}", f"-DGAAC_EARLY_V={int(kind == 7)}",
+            f"-DGAAC_PAIR={int(pair)}", f"-DVT_WORDS={2 if kind == 8 else c // 32}",
+            "-DGAAC_STAGES=2", "-DGAAC_WARPS=4", f"-DGAAC_MIN_CTAS={4 if pair else 3}"]
     subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", *defs, "-x", "cu",
                     _SOURCE_FILE, "-o", str(out)], check=True, capture_output=True)
     usage = subprocess.run([CUOBJDUMP, "-res-usage", str(out)], check=True, capture_output=True, text=True).stdout
@@ -83,7 +96,7 @@ def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     fn = usage.split("gaac_decode_split")[1]
     regs = int(re.search(r"REG:(\d+)", fn).group(1))
     assert int(re.search(r"STACK:(\d+)", fn).group(1)) == 0 and int(re.search(r"LOCAL:(\d+)", fn).group(1)) == 0, split
-    assert regs <= 168, split  # 3 CTAs of 4 warps per SM
+    assert regs <= (128 if pair else 168), split  # 4 (pair) or 3 CTAs of 4 warps per SM
 
 
 def reference_attention(q, k, v, kv_len, mask, scale):
@@ -185,6 +198,16 @@ def test_cuda_compressed_equals_plain_twin(case):
                 twin_b = plain_decode_attention(q, k, v, kv_len, mask, scale, ppb)
                 assert torch.equal(bits(got_b), bits(got)), f"split barriers changed bits ({stages=}, {interleave=})"
                 assert torch.equal(bits(twin_b), bits(twin)), f"split-barrier twin differs ({stages=}, {interleave=})"
+            # two warps per split (K warp, V warp; P through shared memory), 2 and 3 stages: the same bits
+            for stages in (2, 3):
+                pcp = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=pc.nsplit,
+                           interleave=interleave, pair=True, stages=stages)
+                ppp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, interleave=interleave,
+                           pair=True, stages=stages)
+                got_p = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pcp)
+                twin_p = plain_decode_attention(q, k, v, kv_len, mask, scale, ppp)
+                assert torch.equal(bits(got_p), bits(got)), f"pair changed the bits ({stages=}, {interleave=})"
+                assert torch.equal(bits(twin_p), bits(twin)), f"pair twin differs ({stages=}, {interleave=})"
             # the twin's V words read before the softmax (its stage's V half re-issued then): the same bits
             if d <= 128:
                 ppe = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, interleave=interleave,

@@ -65,7 +65,17 @@
 #if GAAC_EARLY_V && !(GAAC_PLAIN && GAAC_SPLITBAR && GAAC_TILES == 1)
 #error "GAAC_EARLY_V needs GAAC_PLAIN, GAAC_SPLITBAR and GAAC_TILES == 1"
 #endif
+#ifndef GAAC_PAIR  // two warps per split (1): one streams K and runs the scores and the softmax, the other streams V
+#define GAAC_PAIR 0    // and runs the output mma; P and the rescale factors pass between them in shared memory
+#endif
+#if GAAC_PAIR && (GAAC_DYNAMIC || GAAC_EARLY_V || GAAC_TRACE || !GAAC_SPLITBAR || GAAC_STAGES > 4 || GAAC_WARPS % 2)
+#error "GAAC_PAIR runs the static schedule with split barriers, at most 4 stages and an even warp count"
+#endif
 #define HDR (GAAC_SPLITBAR ? 128 : 64)  // per-warp header: stage barriers and slot bits, then the ring
+#ifndef VT_WORDS  // V words decoded per vector load in v_tile (all NVW at once, or halves)
+#define VT_WORDS NVW
+#endif
+#define PAIR_BARS 96                     // GAAC_PAIR: the P ring's barriers (full 0, 1, empty 0, 1) in the header
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -150,6 +160,9 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
 // arrive on the mbarrier once this thread's earlier cp.async copies have landed (counted in the barrier's init)
 __device__ __forceinline__ void cp_async_arrive(u32 bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ void fence_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
@@ -515,7 +528,7 @@ __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scr
     v_math(ra, rc, pb, o);
     return;
   }
-  constexpr int NV = NVW;  // words per vector load
+  constexpr int NV = VT_WORDS;  // words per vector load
 #pragma unroll
   for (int j0 = 0; j0 < NVW; j0 += NV) {
     const int w0 = g * NVW + j0;
@@ -573,6 +586,92 @@ __device__ __forceinline__ u32 transpose8x8(u32 x) {  // an 8x8 b16 fragment (ro
   return r;
 }
 
+// Online softmax (base 2) of heads 2t, 2t+1 over one unit's 16 tokens (thread: tokens g, g + 8; reduced over g):
+// running max m and this thread's sum l updated, the factors alpha that rescale the output, and P^T as operand B of
+// the output mma (k = tokens, n = head g) from the S^T layout (row = token g, columns = heads 2t, 2t+1).
+__device__ __forceinline__ void softmax_unit(const float (&sc2)[2][4], float qk_scale, int valid, const u8* mrow,
+                                             int u, int g, float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                             u32 (&pb)[2]) {
+  float x[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) x[c] = (sc2[0][c] + sc2[1][c]) * qk_scale;
+  if (valid < 16 || mrow) {  // the tail or a padding mask (warp-uniform): mask the scores
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int tok = g + 8 * (c >> 1);
+      bool ok = tok < valid;
+      if (mrow) ok = ok && mrow[16 * u + tok] != 0;
+      if (!ok) x[c] = NEG_INF;
+    }
+  }
+  float pr[4];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    float mx = fmaxf(x[j], x[2 + j]);
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+    const float mn = fmaxf(m[j], mx);
+    const float ms = mn == NEG_INF ? 0.f : mn;
+    alpha[j] = exp2_(m[j] - ms);
+    pr[j] = exp2_(x[j] - ms);
+    pr[2 + j] = exp2_(x[2 + j] - ms);
+    l[j] = l[j] * alpha[j] + (pr[j] + pr[2 + j]);
+    m[j] = mn;
+  }
+  pb[0] = transpose8x8(pack_bf16(pr[0], pr[1]));
+  pb[1] = transpose8x8(pack_bf16(pr[2], pr[3]));
+}
+// O^T (columns = heads 2t, 2t+1) times alpha when the running max moved (rare late in a split)
+__device__ __forceinline__ void rescale_o(float (&o)[TILES][NVM][4], const float (&alpha)[2]) {
+  if (alpha[0] != 1.f || alpha[1] != 1.f) {
+#pragma unroll
+    for (int T = 0; T < TILES; ++T)
+#pragma unroll
+      for (int n = 0; n < NVM; ++n) {
+        o[T][n][0] *= alpha[0];
+        o[T][n][1] *= alpha[1];
+        o[T][n][2] *= alpha[0];
+        o[T][n][3] *= alpha[1];
+      }
+  }
+}
+
+// Partial results of split `item`: max and denominator of each head (the thread's sums reduced over g) ...
+__device__ __forceinline__ void write_ml(const Params& p, int item, int g, int t, const float (&m)[2], float (&l)[2]) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    l[j] += __shfl_xor_sync(0xffffffffu, l[j], 4);
+    l[j] += __shfl_xor_sync(0xffffffffu, l[j], 8);
+    l[j] += __shfl_xor_sync(0xffffffffu, l[j], 16);
+  }
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const int head = 2 * t + c;
+    if (head >= p.rep || g != 0) continue;
+    const i64 row = (i64)item * p.rep + head;
+    p.part_ml[2 * row] = m[c];
+    p.part_ml[2 * row + 1] = l[c];
+  }
+}
+// ... and the unnormalized output O^T (rows g and g + 8 of m-tile n: channels 4(g NVW + n/2) + 2(n % 2) + 0, 1)
+__device__ __forceinline__ void write_o(const Params& p, int item, int g, int t, const float (&o)[TILES][NVM][4]) {
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const int head = 2 * t + c;
+    if (head >= p.rep) continue;
+    float* po = p.part_o + ((i64)item * p.rep + head) * D;
+#pragma unroll
+    for (int T = 0; T < TILES; ++T)
+#pragma unroll
+      for (int n = 0; n < NVM; ++n) {
+        const int ch = T * C + 4 * (g * NVW + n / 2) + 2 * (n % 2);
+        po[ch] = o[T][n][c];
+        po[ch + 1] = o[T][n][2 + c];
+      }
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaac_decode_split(const Params p) {
   extern __shared__ __align__(128) u8 smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -582,23 +681,31 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   // (p.nwarps + a global counter) as it issues the last copies of the current one, so warps whose items decode
   // faster take more of them. An item is always the same split (same units, same partial): the bits do not depend
   // on which warp ran it. The last warp to finish puts the counters back to zero for the next launch.
-  int item = blockIdx.x * GAAC_WARPS + warp;
+  // GAAC_PAIR: warps 2i and 2i + 1 of a CTA share split i (its header, ring and P ring): role 0 reads K, role 1 V
+  const int role = GAAC_PAIR ? (warp & 1) : 0;
+  int item = blockIdx.x * (GAAC_WARPS >> GAAC_PAIR) + (warp >> GAAC_PAIR);
   if (!GAAC_DYNAMIC && item >= total) return;
 
-  u8* ws = smem + warp * p.warp_bytes;
+  u8* ws = smem + (warp >> GAAC_PAIR) * p.warp_bytes;
   const u32 bars = smem_u32(ws);
   u8* ring = ws + HDR;
+  constexpr int SCRATCH = GAAC_PLAIN ? 0 : 7 * G;  // bytes of one scratch (bases, planes 3..7, raw masks)
   Scratch scr;
-  scr.base = ring + GAAC_STAGES * 2 * TILES * p.buf_bytes;
+  scr.base = ring + GAAC_STAGES * 2 * TILES * p.buf_bytes + role * SCRATCH;  // GAAC_PAIR: one scratch per role
   scr.planes = scr.base + G;
   scr.raw = scr.planes + 5 * G;
-  if (lane == 0) {
+  if (lane == 0 && role == 0) {
 #pragma unroll
     for (int st = 0; st < (GAAC_SPLITBAR ? 2 : 1) * GAAC_STAGES; ++st)
       mbar_init(bars + 8 * st, 33);  // lane 0's expect_tx + 32 cp.async arrivals
+    if (GAAC_PAIR) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) mbar_init(bars + PAIR_BARS + 8 * k, 32);  // every lane of one role arrives
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncwarp();
+  if (GAAC_PAIR) asm volatile("bar.sync %0, 64;" ::"r"(1 + (warp >> 1)) : "memory");  // the pair's barriers are set
+  else __syncwarp();
   u32 phases = 0;  // parity of each stage's barrier, carried across the warp's items
 
   while (item < total) {
@@ -761,6 +868,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #endif
 
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // of heads 2t, 2t+1 (l: this thread's tokens only)
+#if !GAAC_PAIR  // (GAAC_PAIR: role 1 holds the output)
     float o[TILES][NVM][4];  // O^T: rows = channels, columns = heads 2t, 2t+1
 #pragma unroll
     for (int T = 0; T < TILES; ++T)
@@ -768,6 +876,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       for (int n = 0; n < NVM; ++n)
 #pragma unroll
         for (int c = 0; c < 4; ++c) o[T][n][c] = 0.f;
+#endif
 
     // table entries are loaded one issue ahead, so no issue waits on a global load
     auto load_entries = [&](int j, int (&e)[2][TILES]) {  // of the split's j-th unit
@@ -778,7 +887,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     };
     int ent[2][TILES];
     load_entries(0, ent);
-#if GAAC_SPLITBAR
+#if GAAC_SPLITBAR && !GAAC_PAIR
     // stage st's V half re-issued with the split's unit j + STAGES (its last reader is done)
     auto reissue_v = [&](int j, int st) {
       if (j + GAAC_STAGES < n) {
@@ -790,6 +899,120 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     const u8* mrow = p.mask ? p.mask + (i64)b * p.mask_sb : nullptr;
     constexpr bool DECODE = !GAAC_PLAIN && !(GAAC_SKIP & 2);
 
+#if GAAC_PAIR
+    // Role 0 streams the K halves of the ring and runs scores and softmax; role 1 the V halves and the output mma.
+    // Unit j's P^T fragments and rescale factors go through P-ring entry j % 2 (lane i writes and reads entry lane i:
+    // the fragment layouts of both roles are the same), on barriers full[j % 2] (role 0's lanes arrive) and
+    // empty[j % 2] (role 1's lanes arrive once read). Same arithmetic in the same order as one warp per split. The
+    // role branch is outside the unit loop, so each role's registers hold only its own state.
+    uint4* pring = reinterpret_cast<uint4*>(ring + GAAC_STAGES * 2 * TILES * p.buf_bytes + 2 * SCRATCH);
+    const u32 pfull = bars + PAIR_BARS, pempty = bars + PAIR_BARS + 16;
+    for (int i = 0; i < GAAC_STAGES && i < n; ++i) {
+      if (role == 0) issue_half(u0 + i * ustep, i, ent, 0);  // (a constant tensor index: ent stays in registers)
+      else issue_half(u0 + i * ustep, i, ent, 1);
+      load_entries(i + 1, ent);
+    }
+    LaneTags none;
+    none.wb = none.rb = 0;
+    // mode tags and escape offsets of this role's tiles of the unit in stage st
+    auto role_tags = [&](int st, u32 slots_here, LaneTags (&tg)[TILES]) {
+#pragma unroll
+      for (int T = 0; T < TILES; ++T) {
+        tg[T].wb = tg[T].rb = 0;
+        if (DECODE && ((slots_here >> (role * TILES + T)) & 1)) {
+          load_tags(p, ring + (st * 2 * TILES + role * TILES + T) * p.buf_bytes, lane, tg[T]);
+          if (role == 0) scan_tags(tg[T], none, lane);
+          else scan_tags(none, tg[T], lane);
+        }
+      }
+    };
+    if (role == 0) {
+      for (int j = 0; j < n; ++j) {
+        const int u = u0 + j * ustep;
+        const int st = j % GAAC_STAGES, k = j & 1;
+        if (!GAAC_PLAIN && lane == 0 && u + 8 * ustep < nb)
+          asm volatile("prefetch.global.L1 [%0];" ::"l"(trow + (i64)(u + 8 * ustep) * tstride));
+        mbar_wait(bars + 8 * st, (phases >> st) & 1);
+        phases ^= 1u << st;
+        const u32 slots_here = kinds[st];
+        LaneTags tg[TILES];
+        role_tags(st, slots_here, tg);
+        const bool tail = u >= nb;
+        const int valid = tail ? tl : 16;
+        float sc2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+        for (int T = 0; T < TILES; ++T) {
+          const u8* buf = ring + (st * 2 * TILES + T) * p.buf_bytes;
+          if (DECODE && ((slots_here >> T) & 1)) {
+            prepass(p, buf, scr, b3[0][T], b4[0][T], lane, tg[T]);
+            __syncwarp();
+            k_tile<4>(p, buf, scr, g, t, qb[T], sc2, tg[T].any_raw, sw);
+            __syncwarp();
+          } else {
+            k_tile<0>(p, buf, scr, g, t, qb[T], sc2, false, sw);
+          }
+        }
+        __syncwarp();  // every lane has read the stage's K tiles
+        if (j + GAAC_STAGES < n) {
+          issue_half(u0 + (j + GAAC_STAGES) * ustep, st, ent, 0);
+          load_entries(j + GAAC_STAGES + 1, ent);
+        }
+        u32 pb[2];
+        float alpha[2];
+        softmax_unit(sc2, p.qk_scale, valid, mrow, u, g, m, l, alpha, pb);
+        if (j >= 2) mbar_wait(pempty + 8 * k, ((j >> 1) + 1) & 1);  // role 1 has read unit j - 2's entry
+        pring[32 * k + lane] = make_uint4(pb[0], pb[1], __float_as_uint(alpha[0]), __float_as_uint(alpha[1]));
+        mbar_arrive(pfull + 8 * k);
+      }
+      write_ml(p, item, g, t, m, l);
+    } else {
+      float o[TILES][NVM][4];  // O^T: rows = channels, columns = heads 2t, 2t+1
+#pragma unroll
+      for (int T = 0; T < TILES; ++T)
+#pragma unroll
+        for (int n2 = 0; n2 < NVM; ++n2)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) o[T][n2][c] = 0.f;
+      for (int j = 0; j < n; ++j) {
+        const int st = j % GAAC_STAGES, k = j & 1;
+        mbar_wait(bars + 8 * (GAAC_STAGES + st), (phases >> st) & 1);
+        phases ^= 1u << st;
+        const u32 slots_here = kinds[GAAC_STAGES + st];
+        LaneTags tg[TILES];
+        role_tags(st, slots_here, tg);
+        u32 pb[2];
+#pragma unroll
+        for (int T = 0; T < TILES; ++T) {
+          const u8* buf = ring + (st * 2 * TILES + TILES + T) * p.buf_bytes;
+          const bool slot = DECODE && ((slots_here >> (TILES + T)) & 1);
+          if (slot) {
+            prepass(p, buf, scr, b3[1][T], b4[1][T], lane, tg[T]);
+            __syncwarp();
+          }
+          if (T == 0) {  // unit j's P^T and rescale factors from role 0 (the prepass above ran while it worked)
+            mbar_wait(pfull + 8 * k, (j >> 1) & 1);
+            const uint4 x = pring[32 * k + lane];
+            mbar_arrive(pempty + 8 * k);
+            pb[0] = x.x, pb[1] = x.y;
+            const float alpha[2] = {__uint_as_float(x.z), __uint_as_float(x.w)};
+            rescale_o(o, alpha);
+          }
+          if (slot) {
+            v_tile<4>(p, buf, scr, g, t, pb, o[T], tg[T].any_raw, sw);
+            __syncwarp();
+          } else {
+            v_tile<0>(p, buf, scr, g, t, pb, o[T], false, sw);
+          }
+        }
+        __syncwarp();  // every lane has read the stage's V tiles
+        if (j + GAAC_STAGES < n) {
+          issue_half(u0 + (j + GAAC_STAGES) * ustep, st, ent, 1);
+          load_entries(j + GAAC_STAGES + 1, ent);
+        }
+      }
+      write_o(p, item, g, t, o);
+    }
+#else
     // one loop for the prologue and the steady state: iteration j issues the split's unit j + STAGES - 1, then
     // consumes its unit j. GAAC_SPLITBAR: the prologue issues units 0 .. STAGES - 1 and iteration j re-issues the
     // K (V) half of its stage with unit j + STAGES as soon as its K (V) tile is read, so a stage's K copies are in
@@ -865,51 +1088,11 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       __syncwarp();
       reissue_v(j, st);
 #endif
-      // online softmax (base 2) of heads 2t, 2t+1 over the 16 tokens (thread: tokens g, g + 8; reduced over g)
+      // online softmax (base 2) of heads 2t, 2t+1 over the 16 tokens, then the output rescaled if the max moved
       u32 pb[2];
-      {
-        float x[4];
-#pragma unroll
-        for (int c = 0; c < 4; ++c) x[c] = (sc2[0][c] + sc2[1][c]) * p.qk_scale;
-        if (valid < 16 || mrow) {  // the tail or a padding mask (warp-uniform): mask the scores
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const int tok = g + 8 * (c >> 1);
-            bool ok = tok < valid;
-            if (mrow) ok = ok && mrow[16 * u + tok] != 0;
-            if (!ok) x[c] = NEG_INF;
-          }
-        }
-        float pr[4], alpha[2];
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          float mx = fmaxf(x[j], x[2 + j]);
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-          const float mn = fmaxf(m[j], mx);
-          const float ms = mn == NEG_INF ? 0.f : mn;
-          alpha[j] = exp2_(m[j] - ms);
-          pr[j] = exp2_(x[j] - ms);
-          pr[2 + j] = exp2_(x[2 + j] - ms);
-          l[j] = l[j] * alpha[j] + (pr[j] + pr[2 + j]);
-          m[j] = mn;
-        }
-        if (alpha[0] != 1.f || alpha[1] != 1.f) {  // the running max moved (rare late in a split): rescale
-#pragma unroll
-          for (int T = 0; T < TILES; ++T)
-#pragma unroll
-            for (int n = 0; n < NVM; ++n) {
-              o[T][n][0] *= alpha[0];
-              o[T][n][1] *= alpha[1];
-              o[T][n][2] *= alpha[0];
-              o[T][n][3] *= alpha[1];
-            }
-        }
-        // P^T fragments (k = tokens, n = head g) from the S^T layout (row = token g, columns = heads 2t, 2t+1)
-        pb[0] = transpose8x8(pack_bf16(pr[0], pr[1]));
-        pb[1] = transpose8x8(pack_bf16(pr[2], pr[3]));
-      }
+      float alpha[2];
+      softmax_unit(sc2, p.qk_scale, valid, mrow, u, g, m, l, alpha, pb);
+      rescale_o(o, alpha);
 #if GAAC_EARLY_V
       v_math(va, vc, pb, o[0]);
 #else
@@ -933,31 +1116,9 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     }
 
     // partial results of this split
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      l[j] += __shfl_xor_sync(0xffffffffu, l[j], 4);
-      l[j] += __shfl_xor_sync(0xffffffffu, l[j], 8);
-      l[j] += __shfl_xor_sync(0xffffffffu, l[j], 16);
-    }
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int head = 2 * t + c;
-      if (head >= p.rep) continue;
-      const i64 row = (i64)item * p.rep + head;
-      if (g == 0) {
-        p.part_ml[2 * row] = m[c];
-        p.part_ml[2 * row + 1] = l[c];
-      }
-      float* po = p.part_o + row * D;
-#pragma unroll
-      for (int T = 0; T < TILES; ++T)
-#pragma unroll
-        for (int n = 0; n < NVM; ++n) {
-          const int ch = T * C + 4 * (g * NVW + n / 2) + 2 * (n % 2);  // rows g and g + 8 of m-tile n
-          po[ch] = o[T][n][c];
-          po[ch + 1] = o[T][n][2 + c];
-        }
-    }
+    write_ml(p, item, g, t, m, l);
+    write_o(p, item, g, t, o);
+#endif  // GAAC_PAIR
     if (GAAC_TRACE && lane == 0) p.trace[4 * item + 2] = gtimer();
     item = GAAC_DYNAMIC ? __shfl_sync(0xffffffffu, claimed, 0) : total;
   }  // items
