@@ -167,9 +167,9 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
 __device__ __forceinline__ void fence_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 __device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  if (GAAC_SKIP & 1) {  // breakdown variant: keep the operands alive, no tensor-core work
-    d[0] = __int_as_float(__float_as_int(d[0]) ^ b0 ^ b1);
-    return;
+  if (GAAC_SKIP & 1) {  // breakdown variant: keep every operand alive (so their reconstruction stays), no tensor-core
+    d[0] = __int_as_float(__float_as_int(d[0]) ^ a0 ^ a1 ^ a2 ^ a3 ^ b0 ^ b1);  // work (before session 8 only b0, b1:
+    return;                                    // the compiler then dropped most of the reconstruction as dead code)
   }
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};"
