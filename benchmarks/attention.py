@@ -151,6 +151,8 @@ def main():
     p.add_argument("--earlyv-sweep", action="store_true",
                    help="time the CUDA twin with its V words read before the softmax (its stage's V half re-issued "
                         "then) and without")
+    p.add_argument("--rows-sweep", action="store_true",
+                   help="time the CUDA kernel with slot tiles rebuilt into BF16 rows (bit-plane transpose) and without")
     p.add_argument("--pair-sweep", action="store_true",
                    help="time the CUDA kernel and its twin with two warps per split (K warp and V warp) against one")
     p.add_argument("--no-triton", action="store_true", help="skip the Triton kernel (fused, twin, breakdown)")
@@ -317,6 +319,9 @@ def main():
             if args.earlyv_sweep:
                 # a plain-KV option (the compressed plans are the same in both rows)
                 option_sweep("early_v")
+            if args.rows_sweep:
+                # a compressed-KV option (the twin's plans are the same in both rows)
+                option_sweep("rows")
             if args.pair_sweep:
                 # two warps per split (K: scores and softmax; V: output), P handed over in shared memory; the same
                 # bits as one warp per split at the same split count, checked against both

@@ -66,6 +66,11 @@ def test_plan_rejects_shapes_the_kernel_does_not_cover():
     for bad in ({"dynamic": True}, {"split_barriers": False}, {"warps": 3}, {"stages": 5}):
         with pytest.raises(ValueError):
             plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, pair=True, **bad)
+    # slot tiles rebuilt into BF16 rows: a compressed-KV option (the twin's plan ignores it), one warp per split
+    assert "-DGAAC_ROWS=1" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, rows=True).options
+    assert "-DGAAC_ROWS=0" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, rows=True).options
+    with pytest.raises(ValueError, match="rows"):
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, rows=True, pair=True)
     with pytest.raises(ValueError, match="v_words"):
         plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, v_words=3)
 
@@ -74,20 +79,21 @@ def test_plan_rejects_shapes_the_kernel_does_not_cover():
                     reason="needs nvcc (CUDA 12.8+) and triton's cuobjdump")
 @pytest.mark.parametrize("config", [(128, 1, 0), (128, 1, 1), (64, 1, 0), (64, 1, 1), (128, 1, 2), (64, 1, 2),
                                     (128, 1, 3), (128, 1, 4), (128, 1, 5), (128, 1, 6), (64, 1, 5), (128, 1, 7),
-                                    (64, 1, 7), (128, 1, 8), (64, 1, 8), (128, 1, 9), (64, 1, 9)])
+                                    (64, 1, 7), (128, 1, 8), (64, 1, 8), (128, 1, 9), (64, 1, 9), (128, 1, 10),
+                                    (64, 1, 10)])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     """The sm_90a build of every head_dim-64/128 variant, at the plan's default register cap (3 CTAs of 4 warps per
     SM), keeps its state in registers: no stack, no local memory."""
     # kind 0 compressed, 1 plain, 2 plain with swizzled rows, 3/4 compressed/plain dynamic, 5/6 compressed/plain with
     # split barriers, 7 plain with split barriers and early V, 8/9 compressed/plain with two warps per split (their
-    # cap: 4 CTAs of 4 warps, 128 registers)
+    # cap: 4 CTAs of 4 warps, 128 registers), 10 compressed with slot tiles rebuilt into BF16 rows
     c, tiles, kind = config
     out = tmp_path / "k.cubin"
     pair = kind in (8, 9)
     defs = [f"-DGAAC_C={c}", f"-DGAAC_TILES={tiles}", f"-DGAAC_PLAIN={int(kind in (1, 2, 4, 6, 7, 9))}",
             f"-DGAAC_SWIZZLE={int(kind == 2)}", f"-DGAAC_DYNAMIC={int(kind in (3, 4))}",
             f"-DGAAC_SPLITBAR={int(kind in (5, 6, 7, 8, 9))}", f"-DGAAC_EARLY_V={int(kind == 7)}",
-            f"-DGAAC_PAIR={int(pair)}", f"-DVT_WORDS={2 if kind == 8 else c // 32}",
+            f"-DGAAC_PAIR={int(pair)}", f"-DVT_WORDS={2 if kind == 8 else c // 32}", f"-DGAAC_ROWS={int(kind == 10)}",
             "-DGAAC_STAGES=2", "-DGAAC_WARPS=4", f"-DGAAC_MIN_CTAS={4 if pair else 3}"]
     subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", *defs, "-x", "cu",
                     _SOURCE_FILE, "-o", str(out)], check=True, capture_output=True)
@@ -208,6 +214,13 @@ def test_cuda_compressed_equals_plain_twin(case):
                 twin_p = plain_decode_attention(q, k, v, kv_len, mask, scale, ppp)
                 assert torch.equal(bits(got_p), bits(got)), f"pair changed the bits ({stages=}, {interleave=})"
                 assert torch.equal(bits(twin_p), bits(twin)), f"pair twin differs ({stages=}, {interleave=})"
+            # slot tiles rebuilt into BF16 rows by the bit-plane transpose, then read like the twin's: the same bits
+            # (with one barrier per stage and with split barriers)
+            for splitbar in (False, True):
+                pcr = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=pc.nsplit,
+                           interleave=interleave, rows=True, split_barriers=splitbar)
+                got_r = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pcr)
+                assert torch.equal(bits(got_r), bits(got)), f"rows changed the bits ({splitbar=}, {interleave=})"
             # the twin's V words read before the softmax (its stage's V half re-issued then): the same bits
             if d <= 128:
                 ppe = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, interleave=interleave,

@@ -71,6 +71,12 @@
 #if GAAC_PAIR && (GAAC_DYNAMIC || GAAC_EARLY_V || GAAC_TRACE || !GAAC_SPLITBAR || GAAC_STAGES > 4 || GAAC_WARPS % 2)
 #error "GAAC_PAIR runs the static schedule with split barriers, at most 4 stages and an even warp count"
 #endif
+#ifndef GAAC_ROWS  // compressed KV: slot tiles rebuilt in place into k-paired BF16 rows by a bit-plane transpose (1)
+#define GAAC_ROWS 0    // instead of straight into the mma fragments (0)
+#endif
+#if GAAC_ROWS && (GAAC_FORMAT != 1 || GAAC_PAIR)
+#error "GAAC_ROWS reads format 1 with one warp per split"
+#endif
 #define HDR (GAAC_SPLITBAR ? 128 : 64)  // per-warp header: stage barriers and slot bits, then the ring
 #ifndef VT_WORDS  // V words decoded per vector load in v_tile (all NVW at once, or halves)
 #define VT_WORDS NVW
@@ -415,7 +421,7 @@ struct GroupWords {
 
 // Scores of one tile: k-slice s of thread (g, t) is word w = t*NKS + s (channels 4w..4w+3) of tokens g and g+8
 // (operand A rows g, g+8) and of query head g (operand B column g). KIND 0: BF16 rows (raw tile, plain block,
-// tail); 4: slot (raw groups, if any, patched per word).
+// tail); 2: BF16 rows stored k-paired (a slot rebuilt by decode_rows); 4: slot (raw groups, if any, patched per word).
 template <int KIND>
 __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
                                        const u32 (&qb)[NKS][2], float (&sc)[2][4], bool any_raw,
@@ -428,9 +434,9 @@ __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scr
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int tok = 8 * h + g;
-      if (KIND == 0) {
+      if (KIND == 0 || KIND == 2) {
         u32 r[2 * NV];
-        if (SWZ) {
+        if (SWZ && KIND == 0) {
           u32 a[4], c[4];
           ldv<4>(buf + h * 8 * 2 * C + sw.k[s4 % 2][0], a);
           ldv<4>(buf + h * 8 * 2 * C + sw.k[s4 % 2][1], c);
@@ -440,7 +446,10 @@ __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scr
           ldv<2 * NV>(buf + tok * 2 * C + 8 * w0, r);
         }
 #pragma unroll
-        for (int i = 0; i < NV; ++i) kpairs(r[2 * i], r[2 * i + 1], lo[h][i], hi[h][i]);
+        for (int i = 0; i < NV; ++i) {
+          if (KIND == 2) lo[h][i] = r[2 * i], hi[h][i] = r[2 * i + 1];  // rows stored k-paired (decode_rows)
+          else kpairs(r[2 * i], r[2 * i + 1], lo[h][i], hi[h][i]);
+        }
       } else {
         const int g0 = h * C + 4 * w0;
         const GroupWords<4, NV> gw(p, buf, s, g0);
@@ -497,6 +506,9 @@ __device__ __forceinline__ void v_load(const u8* buf, int g, int t, const RowSwi
     }
   }
 }
+// PAIRED: the rows are stored k-paired (words (c0, c2), (c1, c3): decode_rows), so channel c1 sits in the second
+// word's low half and c2 in the first word's high half; the operands are the same.
+template <bool PAIRED = false>
 __device__ __forceinline__ void v_math(const u32 (&ra)[2][2 * NVW], const u32 (&rc)[2][2 * NVW], const u32 (&pb)[2],
                                        float (&o)[NVM][4]) {
   u32 vb[2][NVW][4];  // [half][word][channel c0..c3]: tokens (ta, ta + 1) of one channel
@@ -505,8 +517,8 @@ __device__ __forceinline__ void v_math(const u32 (&ra)[2][2 * NVW], const u32 (&
 #pragma unroll
     for (int j = 0; j < NVW; ++j) {
       vb[h][j][0] = prmt(ra[h][2 * j], rc[h][2 * j], 0x5410u);
-      vb[h][j][1] = prmt(ra[h][2 * j], rc[h][2 * j], 0x7632u);
-      vb[h][j][2] = prmt(ra[h][2 * j + 1], rc[h][2 * j + 1], 0x5410u);
+      vb[h][j][PAIRED ? 2 : 1] = prmt(ra[h][2 * j], rc[h][2 * j], 0x7632u);
+      vb[h][j][PAIRED ? 1 : 2] = prmt(ra[h][2 * j + 1], rc[h][2 * j + 1], 0x5410u);
       vb[h][j][3] = prmt(ra[h][2 * j + 1], rc[h][2 * j + 1], 0x7632u);
     }
   // m-tile 2j + k: row g = channel 4w + 2k, row g + 8 = channel 4w + 2k + 1 of this thread group's word w
@@ -522,10 +534,10 @@ __device__ __forceinline__ void v_math(const u32 (&ra)[2][2 * NVW], const u32 (&
 template <int KIND>
 __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
                                        const u32 (&pb)[2], float (&o)[NVM][4], bool any_raw, const RowSwizzle& sw) {
-  if (KIND == 0) {
+  if (KIND == 0 || KIND == 2) {
     u32 ra[2][2 * NVW], rc[2][2 * NVW];
     v_load(buf, g, t, sw, ra, rc);
-    v_math(ra, rc, pb, o);
+    v_math<KIND == 2>(ra, rc, pb, o);
     return;
   }
   constexpr int NV = VT_WORDS;  // words per vector load
@@ -578,6 +590,119 @@ __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scr
         mma(o[2 * (j0 + j) + k], vb[0][j][2 * k], vb[0][j][2 * k + 1], vb[1][j][2 * k], vb[1][j][2 * k + 1], pb[0],
             pb[1]);
   }
+}
+
+// GAAC_ROWS: the 8 tokens' codes of one word (4 groups, one byte each; bit i of plane p's byte = bit p of token
+// i's code) by a bit-matrix transpose in two swap stages: b[k] then holds the codes of tokens k (low nibble of each
+// byte) and k + 4 (high nibble). 20 operations for 32 codes, against 2 per plane and code word extracted per token.
+__device__ __forceinline__ void transpose_codes(u32 p0, u32 p1, u32 p2, u32 p3, u32 (&b)[4]) {
+  const u32 t = ((p0 >> 1) ^ p1) & 0x55555555u, u = ((p2 >> 1) ^ p3) & 0x55555555u;
+  const u32 a0 = p0 ^ (t << 1), a1 = p1 ^ t, a2 = p2 ^ (u << 1), a3 = p3 ^ u;  // a0/a1: bits 0-1 of tokens 2k/2k+1
+  const u32 v = ((a0 >> 2) ^ a2) & 0x33333333u, w = ((a1 >> 2) ^ a3) & 0x33333333u;
+  b[0] = a0 ^ (v << 2), b[2] = a2 ^ v, b[1] = a1 ^ (w << 2), b[3] = a3 ^ w;
+}
+
+// GAAC_ROWS: one slot tile in shared memory rebuilt in place into BF16 rows [16][C] (row r at r * 2C bytes), each
+// 4-channel word stored k-paired ((c0, c2), (c1, c3): what k_tile<2> / v_tile<2> read). Lane task `task` of the
+// tile's NT = C / 4: 8 groups (channels 8q .. 8q + 7 of half h: groups 8 task .. 8 task + 7, in group order) x 8
+// tokens; b3/b4: the lane's 8 channels' windows. Every lane first reads its inputs (rows, planes, tags, escapes) into
+// registers, then the warp syncs and the lanes write: a tile's lanes must all call it (`slot` false: no slot here, the
+// lane only takes part in the escape scan, which runs over the NT lanes of the tile).
+template <int NT>
+__device__ __forceinline__ void decode_rows(const Params& p, u8* buf, bool slot, int task, const u32 (&b3)[2],
+                                            const u32 (&b4)[2]) {
+  const int h = task / (C / 8), q = task % (C / 8);
+  const u8* sec = buf + SECTION_SHIFT;
+  u32 sm[8][2], pl[3][2], p3[2] = {0u, 0u}, hp[4][2] = {{0u, 0u}, {0u, 0u}, {0u, 0u}, {0u, 0u}};
+  u32 wb = 0, rb = 0;
+  if (slot) {
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const uint2 x = *reinterpret_cast<const uint2*>(buf + (8 * h + r) * SM_ROW + 8 * q);
+      sm[r][0] = x.x, sm[r][1] = x.y;
+    }
+#pragma unroll
+    for (int pp = 0; pp < 3; ++pp) {
+      const uint2 x = *reinterpret_cast<const uint2*>(sec + p.planes_off + pp * G + 8 * task);
+      pl[pp][0] = x.x, pl[pp][1] = x.y;
+    }
+    wb = sec[p.tags_off + task];
+    rb = sec[p.tags_off + G / 8 + task];
+  }
+  // escape offset of the task's first group: exclusive scan of escape bytes over the tile's tasks
+  const u32 cnt = __popc(wb) + 4 * __popc(rb);
+  u32 incl = cnt;
+#pragma unroll
+  for (int d = 1; d < NT; d <<= 1) {
+    const u32 x = __shfl_up_sync(0xffffffffu, incl, d, NT);
+    if (task >= d) incl += x;
+  }
+  const int off = (int)(incl - cnt);
+  if (slot && wb) {
+    const u8* esc = sec + p.esc_off;
+    if (rb == 0) {  // plane-3 bytes of the wide groups: popc(wb) consecutive bytes from `off` (see prepass)
+      const int o = min(off, p.buf_bytes - SECTION_SHIFT - p.esc_off - 12);
+      const u32* wp = reinterpret_cast<const u32*>(esc + (o & ~3));
+      const u32 sh = 8 * (o & 3);
+      const u32 w0 = wp[0], w1 = wp[1], w2 = wp[2];
+      const u32 lo = __funnelshift_r(w0, w1, sh), hi = __funnelshift_r(w1, w2, sh);
+      u32 below = 0;
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+        const u32 n = (wb >> (4 * w)) & 0xF;
+        const u32 bits = spread4(n);
+        const u32 rank = bits * 0x01010100u + below * 0x01010101u;
+        const u32 x = rank | (rank >> 4);
+        p3[w] = prmt(lo, hi, prmt(x, 0u, 0x4420u)) & (bits * 0xFFu);
+        below += __popc(n);
+      }
+    } else {  // a raw group among the task's: planes 3 (and 4..7 for raw groups) byte by byte (rare)
+      const int esc_max = p.buf_bytes - SECTION_SHIFT - p.esc_off - 5;
+      unsigned long long acc = 0, hi[4] = {0, 0, 0, 0};
+      for (u32 rem = wb; rem; rem &= rem - 1) {
+        const int k = __ffs(rem) - 1;
+        const u32 bl = (1u << k) - 1;
+        const int o = min(off + __popc(wb & bl) + 4 * __popc(rb & bl), esc_max);
+        acc |= (unsigned long long)esc[o] << (8 * k);
+        if ((rb >> k) & 1) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) hi[j] |= (unsigned long long)esc[o + 1 + j] << (8 * k);
+        }
+      }
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+        p3[w] = (u32)(acc >> (32 * w));
+#pragma unroll
+        for (int j = 0; j < 4; ++j) hp[j][w] = (u32)(hi[j] >> (32 * w));
+      }
+    }
+  }
+  __syncwarp();  // every lane holds its inputs: the tile's bytes may be overwritten
+  if (slot) {
+    u32 cb[2][4], base[2], rm[2];
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+      const u32 wm = lane_mask((wb >> (4 * w)) & 0xF);
+      rm[w] = lane_mask((rb >> (4 * w)) & 0xF);
+      base[w] = bitsel(b4[w], b3[w], wm) & ~rm[w];
+      transpose_codes(pl[0][w], pl[1][w], pl[2][w], p3[w], cb[w]);
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      u32 out[4];
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+        u32 e = ((i < 4 ? cb[w][i] : cb[w][i - 4] >> 4) & 0x0F0F0F0Fu) + base[w];
+        if (rm[w]) {  // raw groups: the whole exponent from planes 0..7 (base 0)
+          const u32 pw[8] = {pl[0][w], pl[1][w], pl[2][w], p3[w], hp[0][w], hp[1][w], hp[2][w], hp[3][w]};
+          e = (e & ~rm[w]) | (codes<8>(pw, i) & rm[w]);
+        }
+        merge(e, sm[i][w], out[2 * w], out[2 * w + 1]);
+      }
+      *reinterpret_cast<uint4*>(buf + (8 * h + i) * 2 * C + 16 * q) = make_uint4(out[0], out[1], out[2], out[3]);
+    }
+  }
+  __syncwarp();
 }
 
 __device__ __forceinline__ u32 transpose8x8(u32 x) {  // an 8x8 b16 fragment (row = lane/4) -> its transpose
@@ -758,6 +883,22 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
           b4[kv][T][w] = GAAC_PLAIN ? 0u : *reinterpret_cast<const u32*>(p.base4 + at);
         }
 
+#if GAAC_ROWS
+    // the row decoder's windows: lane task lane % (C / 4) covers channels 8q .. 8q + 7 (q = task % (C / 8)) of each
+    // tile; C = 64: lanes 0-15 decode the K tile and lanes 16-31 the V tile (their windows in [0])
+    u32 rb3[2][TILES][2], rb4[2][TILES][2];
+#pragma unroll
+    for (int kv = 0; kv < 2; ++kv)
+#pragma unroll
+      for (int T = 0; T < TILES; ++T)
+#pragma unroll
+        for (int w = 0; w < 2; ++w) {
+          const int kvl = C == 64 ? (lane >> 4) : kv;
+          const i64 at = ((i64)kvl * p.heads + hk) * D + T * C + 8 * ((lane % (C / 4)) % (C / 8)) + 4 * w;
+          rb3[kv][T][w] = *reinterpret_cast<const u32*>(p.base3 + at);
+          rb4[kv][T][w] = *reinterpret_cast<const u32*>(p.base4 + at);
+        }
+#endif
     const int* trow = p.table + (i64)b * p.table_sb;
     const int tstride = 2 * p.heads * TILES;
     // rows of a BF16 tile: plain blocks at row 16u of the plain KV; the compressed tail at row 0 of the tail
@@ -1051,12 +1192,29 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       const bool tail = u >= nb;
       const int valid = tail ? tl : 16;
 
+#if GAAC_ROWS
+      if (DECODE && slots_here) {  // every slot tile of the stage rebuilt in place into k-paired BF16 rows
+        if (C == 64) {
+          const int kv = lane >> 4;
+          decode_rows<16>(p, ring + (st * 2 * TILES + kv * TILES) * p.buf_bytes, (slots_here >> (kv * TILES)) & 1,
+                          lane & 15, rb3[0][0], rb4[0][0]);
+        } else {
+#pragma unroll
+          for (int kv = 0; kv < 2; ++kv)
+#pragma unroll
+            for (int T = 0; T < TILES; ++T)
+              if ((slots_here >> (kv * TILES + T)) & 1)
+                decode_rows<32>(p, ring + (st * 2 * TILES + kv * TILES + T) * p.buf_bytes, true, lane, rb3[kv][T],
+                                rb4[kv][T]);
+        }
+      }
+#endif
       // mode tags and escape offsets of the unit's slots: one scan for the K and V tile of each T
       LaneTags tk[TILES], tv[TILES];
 #pragma unroll
       for (int T = 0; T < TILES; ++T) {
         tk[T].wb = tk[T].rb = tv[T].wb = tv[T].rb = 0;
-        if (DECODE && (slots_here & ((1u << T) | (1u << (TILES + T))))) {
+        if (DECODE && !GAAC_ROWS && (slots_here & ((1u << T) | (1u << (TILES + T))))) {
           if ((slots_here >> T) & 1) load_tags(p, ring + (st * 2 * TILES + T) * p.buf_bytes, lane, tk[T]);
           if ((slots_here >> (TILES + T)) & 1)
             load_tags(p, ring + (st * 2 * TILES + TILES + T) * p.buf_bytes, lane, tv[T]);
@@ -1069,7 +1227,9 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #pragma unroll
       for (int T = 0; T < TILES; ++T) {
         const u8* buf = ring + (st * 2 * TILES + T) * p.buf_bytes;
-        if (DECODE && ((slots_here >> T) & 1)) {
+        if (DECODE && GAAC_ROWS && ((slots_here >> T) & 1)) {
+          k_tile<2>(p, buf, scr, g, t, qb[T], sc2, false, sw);
+        } else if (DECODE && ((slots_here >> T) & 1)) {
           prepass(p, buf, scr, b3[0][T], b4[0][T], lane, tk[T]);
           __syncwarp();
           k_tile<4>(p, buf, scr, g, t, qb[T], sc2, tk[T].any_raw, sw);
@@ -1099,7 +1259,9 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #pragma unroll
       for (int T = 0; T < TILES; ++T) {
         const u8* buf = ring + (st * 2 * TILES + TILES + T) * p.buf_bytes;
-        if (DECODE && ((slots_here >> (TILES + T)) & 1)) {
+        if (DECODE && GAAC_ROWS && ((slots_here >> (TILES + T)) & 1)) {
+          v_tile<2>(p, buf, scr, g, t, pb, o[T], false, sw);
+        } else if (DECODE && ((slots_here >> (TILES + T)) & 1)) {
           prepass(p, buf, scr, b3[1][T], b4[1][T], lane, tv[T]);
           __syncwarp();
           v_tile<4>(p, buf, scr, g, t, pb, o[T], tv[T].any_raw, sw);
