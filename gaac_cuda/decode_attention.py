@@ -34,6 +34,7 @@ DYNAMIC_SPLITS = 2  # splits per resident warp when dynamic
 # twin 1x64K 86.5 -> 77.7 us, the compressed kernel 94.3 -> 97.9 (issue-bound: the longer stream costs more than the
 # copies in flight gain; benchmarks/results/attention_cuda.md, session 7)
 SPLIT_BARRIERS = {"plain": True, "compressed": False}
+FMA = False  # compressed KV: exponent codes by multiplies on the FMA pipe (see `plan`)
 ROWS = False  # compressed KV: slot tiles rebuilt into BF16 rows before the mma (see `plan`)
 PAIR_SPLITS_PER_SM = 8  # `plan(pair=True)`: splits (warp pairs) resident per SM, 4 CTAs of 2 pairs under 128 registers
 
@@ -121,7 +122,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
          min_ctas: int | None = None, skip: int = 0, trace: bool = False,
          interleave: bool = INTERLEAVE, format_version: int = 1, swizzle: bool = SWIZZLE,
          dynamic: bool = DYNAMIC, split_barriers: bool | None = None, early_v: bool = False,
-         pair: bool = False, v_words: int | None = None, rows: bool = ROWS) -> DecodePlan:
+         pair: bool = False, v_words: int | None = None, rows: bool = ROWS, fma: bool = FMA) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
@@ -143,8 +144,10 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     `v_words` (compressed KV): V words rebuilt per vector load in the output tile, head_dim / 32 (default) or 2
     (fewer registers: the default with `pair`). `rows` (compressed KV, one warp per split): each slot tile is rebuilt
     in place in shared memory into BF16 rows by a bit-plane transpose (8 tokens per lane and word), then read like
-    the twin's rows, instead of straight into the mma fragments (same bits)."""
+    the twin's rows, instead of straight into the mma fragments (same bits). `fma` (compressed KV): the fragment
+    path's exponent codes brought down by multiplies (FMA pipe) instead of funnel shifts (ALU pipe); same bits."""
     rows = bool(rows and not plain)  # a compressed-KV option, like swizzle for plain KV
+    fma = bool(fma and not plain)
     if rows and (pair or format_version != 1):
         raise ValueError("rows reads format 1 with one warp per split (pair=False)")
     if pair:
@@ -189,7 +192,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
                f"-DGAAC_FORMAT={format_version}", f"-DGAAC_SWIZZLE={int(swizzle and plain)}",
                f"-DGAAC_DYNAMIC={int(dynamic)}", f"-DGAAC_SPLITBAR={int(split_barriers)}",
                f"-DGAAC_EARLY_V={int(early_v)}", f"-DGAAC_PAIR={int(pair)}", f"-DVT_WORDS={v_words}",
-               f"-DGAAC_ROWS={int(rows)}")
+               f"-DGAAC_ROWS={int(rows)}", f"-DGAAC_FMA={int(fma)}")
     if trace:
         options += ("-DGAAC_TRACE=1",)
     if skip:  # benchmark-only variants of the leave-one-stage-out breakdown (wrong results by design)

@@ -77,6 +77,9 @@
 #if GAAC_ROWS && (GAAC_FORMAT != 1 || GAAC_PAIR)
 #error "GAAC_ROWS reads format 1 with one warp per split"
 #endif
+#ifndef GAAC_FMA  // compressed KV, fragment path: exponent codes moved down by multiplies on the FMA pipe (1)
+#define GAAC_FMA 0    // instead of funnel shifts on the ALU pipe (0)
+#endif
 #define HDR (GAAC_SPLITBAR ? 128 : 64)  // per-warp header: stage barriers and slot bits, then the ring
 #ifndef VT_WORDS  // V words decoded per vector load in v_tile (all NVW at once, or halves)
 #define VT_WORDS NVW
@@ -252,6 +255,9 @@ __device__ __forceinline__ int swz(int row, int chunk) {
 struct RowSwizzle {  // per-thread byte offsets of its swizzled fragment chunks (SWZ), fixed for the whole split
   u32 k[2][2];       // k_tile: [k-slice group s4][chunk of the pair], rows g (+ 8 h as an immediate)
   u32 v[2][2];       // v_tile: [row 2t + r][chunk of the pair], (+ 8 h rows as an immediate)
+  // GAAC_FMA: the thread's multipliers, powers of two held in registers (a run-time 1 shifted, so ptxas keeps the
+  // multiplies): 2^(7 - token) for k_tile's token g and v_tile's 2t, 2t + 1; 2^(25 + p) for plane p
+  u32 up_k, up_v0, up_v1, mh[4];
 };
 
 // Byte mask (0xFF per set bit) of the 4 low bits of n, one bit per byte lane.
@@ -400,12 +406,24 @@ struct GroupWords {
     }
     ldv<N>(s.base + g0, base);
   }
-  // exponent bytes of word i for token bit `bit`
-  __device__ __forceinline__ u32 exponents(int i, int bit) const {
-    u32 w[8];
+  // exponent bytes of word i for token bit `bit` (GAAC_FMA: `up` = 2^(7 - bit), `mh` = 2^(25 + p))
+  __device__ __forceinline__ u32 exponents(int i, int bit, u32 up = 0, const u32* mh = nullptr) const {
+    if (GAAC_FMA && GAAC_FORMAT == 1) {
+      // bit `bit` of each byte to bit 7 (a multiply: no byte's other bits reach bit 7 of any byte), masked, then to
+      // bit p by a high multiply that adds the running sum (the planes' bits are disjoint): base + code
+      u32 acc = base[i];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) w[j] = pl[j][i];
-    return codes<NP>(w, bit) + base[i];
+      for (int j = 0; j < NP; ++j) {
+        const u32 z = (pl[j][i] * up) & 0x80808080u;
+        asm("mad.hi.u32 %0, %1, %2, %0;" : "+r"(acc) : "r"(z), "r"(mh[j]));
+      }
+      return acc;
+    } else {
+      u32 w[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) w[j] = pl[j][i];
+      return codes<NP>(w, bit) + base[i];
+    }
   }
   // raw groups of word i (byte mask `rm`): the full 8-bit code from planes 0..7 (base 0). Rare, so kept off the
   // common path: a lane branches here only when one of its groups is raw.
@@ -456,7 +474,7 @@ __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scr
         u32 sm[NV], e[NV];
         ldv<NV>(buf + tok * SM_ROW + 4 * w0, sm);
 #pragma unroll
-        for (int i = 0; i < NV; ++i) e[i] = gw.exponents(i, g);
+        for (int i = 0; i < NV; ++i) e[i] = gw.exponents(i, g, sw.up_k, sw.mh);
         if (any_raw) {
           u32 rm[NV];
           ldv<NV>(s.raw + g0, rm);
@@ -554,7 +572,8 @@ __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scr
       ldv<NV>(buf + ta * SM_ROW + 4 * w0, sa);
       ldv<NV>(buf + (ta + 1) * SM_ROW + 4 * w0, sb);
 #pragma unroll
-      for (int j = 0; j < NV; ++j) ea[j] = gw.exponents(j, 2 * t), eb[j] = gw.exponents(j, 2 * t + 1);
+      for (int j = 0; j < NV; ++j)
+        ea[j] = gw.exponents(j, 2 * t, sw.up_v0, sw.mh), eb[j] = gw.exponents(j, 2 * t + 1, sw.up_v1, sw.mh);
       if (any_raw) {
         u32 rm[NV];
         ldv<NV>(s.raw + g0, rm);
@@ -927,6 +946,12 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     // SWZ: the lane's chunk of BF16 row bf_row + BF_ROWS i lands at swo[i % 4] + i BF_ROWS 2C (the swizzle depends on
     // the row's 3 low bits, which repeat with i % 4); the fragment loads' offsets likewise
     RowSwizzle sw;
+    {
+      const u32 one = p.rep > 0 ? 1u : 0u;  // 1 at run time (rep >= 1), unknown to the compiler
+      sw.up_k = one << (7 - g), sw.up_v0 = one << (7 - 2 * t), sw.up_v1 = one << (6 - 2 * t);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) sw.mh[j] = one << (25 + j);
+    }
     u32 swo[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
