@@ -1,6 +1,7 @@
 """The CUDA C++ decode-attention kernel (`gaac_cuda`): bit-exact twin checks on the GPU, compile checks anywhere
 `nvcc` is installed, plan validation on the CPU."""
 
+import itertools
 import os
 import re
 import shutil
@@ -198,26 +199,17 @@ def test_cuda_compressed_equals_plain_twin(case):
                 assert torch.equal(bits(got_d), bits(twin_d)), f"dynamic: compressed != twin (nsplit {pcd.nsplit})"
             if pcd.nsplit == pc.nsplit:
                 assert torch.equal(bits(got_d), bits(got)), f"dynamic schedule changed the bits (nsplit {pc.nsplit})"
-            # K and V of a stage on their own barriers, each re-issued once read: the same bits, 2 and 3 stages
-            for stages in (2, 3):
-                pcb = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=pc.nsplit,
-                           interleave=interleave, split_barriers=True, stages=stages)
-                ppb = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, interleave=interleave,
-                           split_barriers=True, stages=stages)
-                got_b = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pcb)
-                twin_b = plain_decode_attention(q, k, v, kv_len, mask, scale, ppb)
-                assert torch.equal(bits(got_b), bits(got)), f"split barriers changed bits ({stages=}, {interleave=})"
-                assert torch.equal(bits(twin_b), bits(twin)), f"split-barrier twin differs ({stages=}, {interleave=})"
-            # two warps per split (K warp, V warp; P through shared memory), 2 and 3 stages: the same bits
-            for stages in (2, 3):
-                pcp = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=pc.nsplit,
-                           interleave=interleave, pair=True, stages=stages)
-                ppp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, interleave=interleave,
-                           pair=True, stages=stages)
-                got_p = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pcp)
-                twin_p = plain_decode_attention(q, k, v, kv_len, mask, scale, ppp)
-                assert torch.equal(bits(got_p), bits(got)), f"pair changed the bits ({stages=}, {interleave=})"
-                assert torch.equal(bits(twin_p), bits(twin)), f"pair twin differs ({stages=}, {interleave=})"
+            # K and V of a stage on their own barriers, each re-issued once read, and two warps per split (K warp,
+            # V warp; P through shared memory), 2 and 3 stages: the same bits for compressed KV and for the twin
+            for option, stages in itertools.product(("split_barriers", "pair"), (2, 3)):
+                pco = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=pc.nsplit,
+                           interleave=interleave, stages=stages, **{option: True})
+                ppo = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, interleave=interleave,
+                           stages=stages, **{option: True})
+                got_o = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pco)
+                twin_o = plain_decode_attention(q, k, v, kv_len, mask, scale, ppo)
+                assert torch.equal(bits(got_o), bits(got)), f"{option} changed the bits ({stages=}, {interleave=})"
+                assert torch.equal(bits(twin_o), bits(twin)), f"{option}: twin differs ({stages=}, {interleave=})"
             # slot tiles rebuilt into BF16 rows by the bit-plane transpose, then read like the twin's: the same bits
             # (with one barrier per stage and with split barriers)
             for splitbar in (False, True):

@@ -304,6 +304,28 @@ __device__ __forceinline__ void scan_tags(LaneTags& k, LaneTags& v, int lane) {
   v.any_raw = __any_sync(0xffffffffu, v.rb != 0);
 }
 
+// Plane-3 escape bytes of NW words of 4 groups (group k: bit k of the tag bits wb) when none of them is raw: the
+// wide groups' bytes are popc(wb) consecutive escape bytes from `off`, group k takes byte rank(k) = popc(wb below
+// k) of that window, by one byte permute per word. Reads stay in the buffer whatever the tags say.
+template <int NW>
+__device__ __forceinline__ void plane3_window(const Params& p, const u8* esc, u32 wb, int off, u32 (&p3)[NW]) {
+  const int o = min(off, p.buf_bytes - SECTION_SHIFT - p.esc_off - 12);
+  const u32* wp = reinterpret_cast<const u32*>(esc + (o & ~3));
+  const u32 sh = 8 * (o & 3);
+  const u32 w0 = wp[0], w1 = wp[1], w2 = wp[2];
+  const u32 lo = __funnelshift_r(w0, w1, sh), hi = __funnelshift_r(w1, w2, sh);
+  u32 below = 0;
+#pragma unroll
+  for (int w = 0; w < NW; ++w) {
+    const u32 n = (wb >> (4 * w)) & 0xF;
+    const u32 bits = spread4(n);
+    const u32 rank = bits * 0x01010100u + below * 0x01010101u;  // byte k: popc(wb below group 4w + k)
+    const u32 x = rank | (rank >> 4);                            // bytes 0, 2: nibbles rank0|rank1, rank2|rank3
+    p3[w] = prmt(lo, hi, prmt(x, 0u, 0x4420u)) & (bits * 0xFFu);
+    below += __popc(n);
+  }
+}
+
 // Prepass over one slot in shared memory: bases and dense escape planes per group into the scratch.
 __device__ __forceinline__ void prepass(const Params& p, const u8* slot, const Scratch& s, const u32 (&b3)[GPL / 4],
                                         const u32 (&b4)[GPL / 4], int lane, const LaneTags& lt) {
@@ -311,24 +333,8 @@ __device__ __forceinline__ void prepass(const Params& p, const u8* slot, const S
   const u32 wb = lt.wb, rb = lt.rb;
   const int off = lt.off;
   u32 p3[GPL / 4];
-  if (rb == 0) {
-    // no raw group in the lane: its plane-3 escapes are popc(wb) consecutive bytes from `off`; group k takes byte
-    // rank(k) = popc(wb below k) of that window. Reads stay in the buffer whatever the tags say.
-    const int o = min(off, p.buf_bytes - SECTION_SHIFT - p.esc_off - 12);
-    const u32* wp = reinterpret_cast<const u32*>(esc + (o & ~3));
-    const u32 sh = 8 * (o & 3);
-    const u32 w0 = wp[0], w1 = wp[1], w2 = wp[2];
-    const u32 lo = __funnelshift_r(w0, w1, sh), hi = __funnelshift_r(w1, w2, sh);
-    u32 below = 0;
-#pragma unroll
-    for (int w = 0; w < GPL / 4; ++w) {
-      const u32 n = (wb >> (4 * w)) & 0xF;
-      const u32 bits = spread4(n);
-      const u32 rank = bits * 0x01010100u + below * 0x01010101u;  // byte k: popc(wb below group 4w + k)
-      const u32 x = rank | (rank >> 4);                            // bytes 0, 2: nibbles rank0|rank1, rank2|rank3
-      p3[w] = prmt(lo, hi, prmt(x, 0u, 0x4420u)) & (bits * 0xFFu);
-      below += __popc(n);
-    }
+  if (rb == 0) {  // no raw group in the lane
+    plane3_window(p, esc, wb, off, p3);
   } else {
     unsigned long long acc = 0;  // (a 64-bit word, not an array: dynamic indices would go to local memory)
     const int esc_max = p.buf_bytes - SECTION_SHIFT - p.esc_off - 5;
@@ -659,22 +665,8 @@ __device__ __forceinline__ void decode_rows(const Params& p, u8* buf, bool slot,
   const int off = (int)(incl - cnt);
   if (slot && wb) {
     const u8* esc = sec + p.esc_off;
-    if (rb == 0) {  // plane-3 bytes of the wide groups: popc(wb) consecutive bytes from `off` (see prepass)
-      const int o = min(off, p.buf_bytes - SECTION_SHIFT - p.esc_off - 12);
-      const u32* wp = reinterpret_cast<const u32*>(esc + (o & ~3));
-      const u32 sh = 8 * (o & 3);
-      const u32 w0 = wp[0], w1 = wp[1], w2 = wp[2];
-      const u32 lo = __funnelshift_r(w0, w1, sh), hi = __funnelshift_r(w1, w2, sh);
-      u32 below = 0;
-#pragma unroll
-      for (int w = 0; w < 2; ++w) {
-        const u32 n = (wb >> (4 * w)) & 0xF;
-        const u32 bits = spread4(n);
-        const u32 rank = bits * 0x01010100u + below * 0x01010101u;
-        const u32 x = rank | (rank >> 4);
-        p3[w] = prmt(lo, hi, prmt(x, 0u, 0x4420u)) & (bits * 0xFFu);
-        below += __popc(n);
-      }
+    if (rb == 0) {  // plane-3 bytes of the wide groups
+      plane3_window(p, esc, wb, off, p3);
     } else {  // a raw group among the task's: planes 3 (and 4..7 for raw groups) byte by byte (rare)
       const int esc_max = p.buf_bytes - SECTION_SHIFT - p.esc_off - 5;
       unsigned long long acc = 0, hi[4] = {0, 0, 0, 0};
