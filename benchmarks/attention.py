@@ -151,6 +151,8 @@ def main():
     p.add_argument("--earlyv-sweep", action="store_true",
                    help="time the CUDA twin with its V words read before the softmax (its stage's V half re-issued "
                         "then) and without")
+    p.add_argument("--dense-slots-sweep", action="store_true",
+                   help="time the CUDA kernel with slots staged as stored (one bulk copy) and with padded rows")
     p.add_argument("--fma-sweep", action="store_true",
                    help="time the CUDA kernel with its exponent codes by multiplies (FMA pipe) and by funnel shifts")
     p.add_argument("--rows-sweep", action="store_true",
@@ -323,6 +325,8 @@ def main():
                 option_sweep("early_v")
             if args.fma_sweep:
                 option_sweep("fma")
+            if args.dense_slots_sweep:
+                option_sweep("dense_slots")
             if args.rows_sweep:
                 # a compressed-KV option (the twin's plans are the same in both rows)
                 option_sweep("rows")

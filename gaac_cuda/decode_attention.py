@@ -34,6 +34,7 @@ DYNAMIC_SPLITS = 2  # splits per resident warp when dynamic
 # twin 1x64K 86.5 -> 77.7 us, the compressed kernel 94.3 -> 97.9 (issue-bound: the longer stream costs more than the
 # copies in flight gain; benchmarks/results/attention_cuda.md, session 7)
 SPLIT_BARRIERS = {"plain": True, "compressed": False}
+DENSE_SLOTS = False  # compressed KV: slots staged as stored by one bulk copy (see `plan`)
 FMA = False  # compressed KV: exponent codes by multiplies on the FMA pipe (see `plan`)
 ROWS = False  # compressed KV: slot tiles rebuilt into BF16 rows before the mma (see `plan`)
 PAIR_SPLITS_PER_SM = 8  # `plan(pair=True)`: splits (warp pairs) resident per SM, 4 CTAs of 2 pairs under 128 registers
@@ -122,7 +123,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
          min_ctas: int | None = None, skip: int = 0, trace: bool = False,
          interleave: bool = INTERLEAVE, format_version: int = 1, swizzle: bool = SWIZZLE,
          dynamic: bool = DYNAMIC, split_barriers: bool | None = None, early_v: bool = False,
-         pair: bool = False, v_words: int | None = None, rows: bool = ROWS, fma: bool = FMA) -> DecodePlan:
+         pair: bool = False, v_words: int | None = None, rows: bool = ROWS, fma: bool = FMA,
+         dense_slots: bool = DENSE_SLOTS) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
@@ -145,9 +147,13 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     (fewer registers: the default with `pair`). `rows` (compressed KV, one warp per split): each slot tile is rebuilt
     in place in shared memory into BF16 rows by a bit-plane transpose (8 tokens per lane and word), then read like
     the twin's rows, instead of straight into the mma fragments (same bits). `fma` (compressed KV): the fragment
-    path's exponent codes brought down by multiplies (FMA pipe) instead of funnel shifts (ALU pipe); same bits."""
+    path's exponent codes brought down by multiplies (FMA pipe) instead of funnel shifts (ALU pipe); same bits.
+    `dense_slots` (compressed KV): stage each slot as stored, by one bulk copy, instead of its sign+mantissa rows padded
+    against bank conflicts by 16-byte copies per lane (fewer copy instructions, 2-way conflicts; same bits; prepared
+    in session 8, not yet timed)."""
     rows = bool(rows and not plain)  # a compressed-KV option, like swizzle for plain KV
     fma = bool(fma and not plain)
+    dense_slots = bool(dense_slots and not plain)
     if rows and (pair or format_version != 1):
         raise ValueError("rows reads format 1 with one warp per split (pair=False)")
     if pair:
@@ -175,7 +181,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     tiles = head_dim // channels
     raw_bytes = 2 * BLOCK * channels
     # a slot's buffer: sign+mantissa rows padded by 16 bytes each (256 bytes in all), then its group section
-    buf = raw_bytes if plain else max(raw_bytes, -(-(slot_bytes + 16 * 16) // 16) * 16)
+    buf = raw_bytes if plain else max(raw_bytes, -(-(slot_bytes + (0 if dense_slots else 16 * 16)) // 16) * 16)
     scratch = 0 if plain else 14 * channels  # per-group bases, planes 3..7 and raw masks of one slot
     header = 128 if split_barriers else 64  # stage barriers and slot bits (the kernel's HDR)
     # per warp, or with `pair` per split: a scratch per role and the P ring (2 entries x 32 lanes x 16 bytes)
@@ -192,7 +198,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
                f"-DGAAC_FORMAT={format_version}", f"-DGAAC_SWIZZLE={int(swizzle and plain)}",
                f"-DGAAC_DYNAMIC={int(dynamic)}", f"-DGAAC_SPLITBAR={int(split_barriers)}",
                f"-DGAAC_EARLY_V={int(early_v)}", f"-DGAAC_PAIR={int(pair)}", f"-DVT_WORDS={v_words}",
-               f"-DGAAC_ROWS={int(rows)}", f"-DGAAC_FMA={int(fma)}")
+               f"-DGAAC_ROWS={int(rows)}", f"-DGAAC_FMA={int(fma)}",
+               f"-DGAAC_DENSE_SLOT={int(dense_slots)}")
     if trace:
         options += ("-DGAAC_TRACE=1",)
     if skip:  # benchmark-only variants of the leave-one-stage-out breakdown (wrong results by design)

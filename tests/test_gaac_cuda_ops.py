@@ -72,6 +72,9 @@ def test_plan_rejects_shapes_the_kernel_does_not_cover():
     assert "-DGAAC_ROWS=0" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, rows=True).options
     assert "-DGAAC_FMA=1" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, fma=True).options
     assert "-DGAAC_FMA=0" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, fma=True).options
+    dense = plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=3200, dense_slots=True)
+    assert "-DGAAC_DENSE_SLOT=1" in dense.options and dense.buf_bytes == 4096  # no row padding: the raw tile's size
+    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=4000).buf_bytes == 4256
     with pytest.raises(ValueError, match="rows"):
         plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, rows=True, pair=True)
     with pytest.raises(ValueError, match="v_words"):
@@ -83,14 +86,14 @@ def test_plan_rejects_shapes_the_kernel_does_not_cover():
 @pytest.mark.parametrize("config", [(128, 1, 0), (128, 1, 1), (64, 1, 0), (64, 1, 1), (128, 1, 2), (64, 1, 2),
                                     (128, 1, 3), (128, 1, 4), (128, 1, 5), (128, 1, 6), (64, 1, 5), (128, 1, 7),
                                     (64, 1, 7), (128, 1, 8), (64, 1, 8), (128, 1, 9), (64, 1, 9), (128, 1, 10),
-                                    (64, 1, 10), (128, 1, 11), (64, 1, 11)])
+                                    (64, 1, 10), (128, 1, 11), (64, 1, 11), (128, 1, 12), (64, 1, 12)])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     """The sm_90a build of every head_dim-64/128 variant, at the plan's default register cap (3 CTAs of 4 warps per
     SM), keeps its state in registers: no stack, no local memory."""
     # kind 0 compressed, 1 plain, 2 plain with swizzled rows, 3/4 compressed/plain dynamic, 5/6 compressed/plain with
     # split barriers, 7 plain with split barriers and early V, 8/9 compressed/plain with two warps per split (their
     # cap: 4 CTAs of 4 warps, 128 registers), 10 compressed with slot tiles rebuilt into BF16 rows, 11 compressed with
-    # the exponent codes by multiplies
+    # the exponent codes by multiplies, 12 compressed with slots staged as stored
     c, tiles, kind = config
     out = tmp_path / "k.cubin"
     pair = kind in (8, 9)
@@ -98,7 +101,7 @@ def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
             f"-DGAAC_SWIZZLE={int(kind == 2)}", f"-DGAAC_DYNAMIC={int(kind in (3, 4))}",
             f"-DGAAC_SPLITBAR={int(kind in (5, 6, 7, 8, 9))}", f"-DGAAC_EARLY_V={int(kind == 7)}",
             f"-DGAAC_PAIR={int(pair)}", f"-DVT_WORDS={2 if kind == 8 else c // 32}", f"-DGAAC_ROWS={int(kind == 10)}",
-            f"-DGAAC_FMA={int(kind == 11)}",
+            f"-DGAAC_FMA={int(kind == 11)}", f"-DGAAC_DENSE_SLOT={int(kind == 12)}",
             "-DGAAC_STAGES=2", "-DGAAC_WARPS=4", f"-DGAAC_MIN_CTAS={4 if pair else 3}"]
     subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", *defs, "-x", "cu",
                     _SOURCE_FILE, "-o", str(out)], check=True, capture_output=True)
@@ -217,11 +220,12 @@ def test_cuda_compressed_equals_plain_twin(case):
                            interleave=interleave, rows=True, split_barriers=splitbar)
                 got_r = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pcr)
                 assert torch.equal(bits(got_r), bits(got)), f"rows changed the bits ({splitbar=}, {interleave=})"
-            # exponent codes by multiplies on the FMA pipe: the same bits
-            pcf = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=pc.nsplit,
-                       interleave=interleave, fma=True)
-            got_f = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pcf)
-            assert torch.equal(bits(got_f), bits(got)), f"fma changed the bits ({interleave=})"
+            # exponent codes by multiplies on the FMA pipe, slots staged as stored: the same bits
+            for option in ("fma", "dense_slots"):
+                pcf = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=pc.nsplit,
+                           interleave=interleave, **{option: True})
+                got_f = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pcf)
+                assert torch.equal(bits(got_f), bits(got)), f"{option} changed the bits ({interleave=})"
             # the twin's V words read before the softmax (its stage's V half re-issued then): the same bits
             if d <= 128:
                 ppe = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, interleave=interleave,

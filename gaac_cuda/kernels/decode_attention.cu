@@ -101,7 +101,10 @@ typedef long long i64;
 #define NVM (C / 16)   // m-tiles of 16 channels per tile (output mma)
 #define G (2 * C)      // groups per tile
 #define GPL (G / 32)   // groups per lane in the prepass
-#define SM_ROW (C + 16)              // a slot's sign+mantissa row in shared memory, padded against bank conflicts
+#ifndef GAAC_DENSE_SLOT  // compressed KV: a slot staged as it is stored, by one bulk copy (1), or with its sign+mantissa
+#define GAAC_DENSE_SLOT 0  // rows padded by 16 bytes against bank conflicts, 16-byte cp.async per lane for them (0)
+#endif
+#define SM_ROW (C + (GAAC_DENSE_SLOT ? 0 : 16))  // a slot's sign+mantissa row in shared memory
 #define SM_SECTION (16 * SM_ROW)     // where the slot's group section (planes, tags, escapes) starts in the buffer
 #define SECTION_SHIFT (SM_SECTION - 16 * C)  // slot offset -> buffer offset, for offsets past the sign+mantissa
 
@@ -974,7 +977,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #pragma unroll
         for (int T = 0; T < TILES; ++T) {
           if (!GAAC_PLAIN && !tail && e[kv][T] >= 0) {
-            bytes += (u32)(p.slot_bytes - 16 * C);
+            bytes += (u32)(GAAC_DENSE_SLOT ? p.slot_bytes : p.slot_bytes - 16 * C);
             slots |= 1u << (kv * TILES + T);
           } else if (bulk_rows) {
             bytes += 32 * C;
@@ -993,12 +996,16 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
             const u8* src = p.slots + (i64)ent * p.slot_bytes;
             // (one bulk copy per sign+mantissa row, 16 lanes, was tried: a bulk copy takes uniform operands, so the
             // compiler issues the 16 copies one lane at a time, ~8 instructions each)
-            const u8* sl = src + 16 * lane;
-            const u32 dl = smem_u32(dst) + sm_lane;
+            if (GAAC_DENSE_SLOT) {  // the whole slot as stored (rows dense: 2-way conflicts in the fragment loads)
+              if (lane == kv * TILES + T) bulk_copy(smem_u32(dst), src, (u32)p.slot_bytes, bar);
+            } else {
+              const u8* sl = src + 16 * lane;
+              const u32 dl = smem_u32(dst) + sm_lane;
 #pragma unroll
-            for (int i = 0; i < C / 32; ++i) cp_async16(dl + i * SM_STEP, sl + 512 * i);
-            if (lane == kv * TILES + T)
-              bulk_copy(smem_u32(dst + SM_SECTION), src + 16 * C, (u32)(p.slot_bytes - 16 * C), bar);
+              for (int i = 0; i < C / 32; ++i) cp_async16(dl + i * SM_STEP, sl + 512 * i);
+              if (lane == kv * TILES + T)
+                bulk_copy(smem_u32(dst + SM_SECTION), src + 16 * C, (u32)(p.slot_bytes - 16 * C), bar);
+            }
           } else if (bulk_rows) {
             const u8* src = GAAC_PLAIN ? reinterpret_cast<const u8*>(rows_src(kv, u, T))
                                        : reinterpret_cast<const u8*>(p.raw + (i64)(-1 - ent) * 16 * C);
