@@ -26,8 +26,11 @@
 //
 // Compile-time configuration (NVRTC -D): GAAC_C (64|128 channels per tile), GAAC_TILES (tiles per head: 1|2),
 // GAAC_PLAIN (0|1), GAAC_STAGES (ring depth), GAAC_WARPS, GAAC_MIN_CTAS (register budget), GAAC_INTERLEAVE (split
-// layout), GAAC_SWIZZLE (plain KV: swizzled BF16 rows), GAAC_DYNAMIC (warps claim splits from a counter), and for the
-// benchmarks GAAC_SKIP (leave-one-stage-out breakdown; bit 0: no tensor-core math, bit 1: no reconstruction),
+// layout), GAAC_SWIZZLE (plain KV: swizzled BF16 rows), GAAC_DYNAMIC (warps claim splits from a counter), GAAC_SPLITBAR
+// (K and V halves of a stage on their own barriers), GAAC_EARLY_V (plain KV: V words read before the softmax),
+// GAAC_PAIR (two warps per split), GAAC_ROWS (compressed KV: slot tiles rebuilt into BF16 rows first), VT_WORDS (V words
+// per vector load), GAAC_FMA (compressed KV: exponent codes by multiplies), GAAC_DENSE_SLOT (compressed KV: slots
+// staged as stored), and for the benchmarks GAAC_SKIP (leave-one-stage-out breakdown; bit 0: no tensor-core math, bit 1: no reconstruction),
 // GAAC_TRACE (globaltimer stamps, benchmarks/cuda_stream_probe.py) and GAAC_FORMAT (2: the byte-split slot prototype
 // of benchmarks/format_v2_probe.py). The options are measured alternatives (benchmarks/results/attention_cuda.md);
 // the launcher's defaults are the fastest.
