@@ -33,6 +33,12 @@ SHAPES = [  # (name, query heads, kv heads, head_dim, batch, context)
 ]
 
 
+# the `gaac_cuda.plan` options with an off/on sweep, and their command-line flags (args attribute)
+SWEEP_FLAGS = {"interleave": "interleave_sweep", "dynamic": "dynamic_sweep", "swizzle": "swizzle_sweep",
+               "split_barriers": "splitbar_sweep", "early_v": "earlyv_sweep", "fma": "fma_sweep",
+               "dense_slots": "dense_slots_sweep", "rows": "rows_sweep"}
+
+
 def real_kv(pool: torch.Tensor, batch: int, heads: int, length: int, head_dim: int, gen) -> tuple:
     """K and V `[B, H, L, D]` whose channels are real captured KV channels (64 at a time), tiled along tokens."""
     n_layers, _, n_heads, t_src, c_src = pool.shape
@@ -307,38 +313,20 @@ def main():
                 cuda_info[f"{option}_us"] = rows
                 print(option, rows, flush=True)
 
-            if args.interleave_sweep:
-                # split s reads blocks s, s + nsplit, ... (neighbouring blocks streamed together) vs a contiguous range
-                option_sweep("interleave")
-            if args.dynamic_sweep:
-                # one split per warp, or one wave of warps claiming DYNAMIC_SPLITS x as many splits from a counter
-                option_sweep("dynamic")
-            if args.swizzle_sweep:
-                # the twin's BF16 rows staged densely (4-way bank conflicts in the fragment loads) or swizzled (a
-                # plain-KV option: the compressed plans are the same in both rows)
-                option_sweep("swizzle")
-            if args.splitbar_sweep:
-                # a stage's K copies re-issued once its K tile is read (in flight while V is consumed)
-                option_sweep("split_barriers")
-            if args.earlyv_sweep:
-                # a plain-KV option (the compressed plans are the same in both rows)
-                option_sweep("early_v")
-            if args.fma_sweep:
-                option_sweep("fma")
-            if args.dense_slots_sweep:
-                option_sweep("dense_slots")
-            if args.rows_sweep:
-                # a compressed-KV option (the twin's plans are the same in both rows)
-                option_sweep("rows")
+            # one option off and on, GAAC and its twin alike (plain-KV options leave the compressed plans as they are,
+            # compressed-KV options the twin's): interleaved split layout, dynamic splits, swizzled twin rows, split
+            # barriers, early V, FMA-pipe codes, slots staged as stored, slot tiles rebuilt into BF16 rows
+            for option, flag in SWEEP_FLAGS.items():
+                if getattr(args, flag):
+                    option_sweep(option)
             if args.pair_sweep:
                 # two warps per split (K: scores and softmax; V: output), P handed over in shared memory; the same
                 # bits as one warp per split at the same split count, checked against both
                 timer = bench_graph if args.graphs else bench
                 pairs = {}
-                for key, kw in (("pair", {}), ("pair_vwords_full", {"v_words": min(d, 128) // 32}),
-                                ("pair_minctas3", {"min_ctas": 3}), ("pair_splits_1.5x", {"split_mult": 1.5})):
+                for key, kw, mult in (("pair", {}, None), ("pair_vwords_full", {"v_words": min(d, 128) // 32}, None),
+                                      ("pair_minctas3", {"min_ctas": 3}, None), ("pair_splits_1.5x", {}, 1.5)):
                     try:
-                        mult = kw.pop("split_mult", None)
                         po = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, pair=True, **kw)
                         if mult:
                             po = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, pair=True,
