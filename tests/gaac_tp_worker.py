@@ -32,3 +32,8 @@ def main(model_dir, calibration_dir, out_dir, attn):
 
 if __name__ == "__main__":
     main(*sys.argv[1:5])
+    # tear the process group down while the interpreter is alive: left to interpreter exit, gloo's worker threads can
+    # abort the process ("terminate called without an active exception", pytorch/pytorch#190489)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
