@@ -44,7 +44,7 @@ from .lowbit_config import RESIDUAL_WINDOW, LowBitConfig
 from .precision import format_precision
 from .quantize import (
     QuantizedGroups, check_bits, dequantize_keys, dequantize_values, quantize_keys, quantize_keys_by_head,
-    quantize_values)
+    quantize_values, quantize_values_by_head)
 from .rotation import rotation_matrix
 
 
@@ -66,10 +66,11 @@ class LowBitLayer(RowSelectionMixin, CacheLayerMixin):
             config = LowBitConfig(format_precision(check_bits(key_bits, "key_bits"), check_bits(value_bits,
                                   "value_bits")), key_group_size=group_size, value_group_size=group_size,
                                   residual_length=residual_length, sink_length=sink_length, one_bit_mode=one_bit_mode)
-        if config.layer_key_bits and layer_idx is None:
-            raise ValueError("a config with layer_key_bits needs the layer index of each layer (build the cache "
-                             "with the model's config: LowBitCache(model.config, ...))")
+        if (config.layer_key_bits or config.layer_value_bits) and layer_idx is None:
+            raise ValueError("a config with layer_key_bits / layer_value_bits needs the layer index of each layer "
+                             "(build the cache with the model's config: LowBitCache(model.config, ...))")
         self.head_bits = config.head_key_bits(layer_idx)  # {kv_head: key bits} where they differ from the layer's
+        self.head_value_bits = config.head_value_bits(layer_idx)  # the same for the values
         self.config = config = config.for_layer(layer_idx)
         self.key_bits, self.value_bits = config.key_bits, config.value_bits
         self.group_size = config.key_group_size  # flush granularity (tokens)
@@ -126,9 +127,10 @@ class LowBitLayer(RowSelectionMixin, CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         d = value_states.shape[-1]
         self.config.check_head_dim(d)
-        if self.head_bits and max(self.head_bits) >= key_states.shape[1]:
-            raise ValueError(f"layer {self.layer_idx}: layer_key_bits names KV head {max(self.head_bits)}, but "
-                             f"the layer has {key_states.shape[1]} KV heads")
+        for name, table in (("layer_key_bits", self.head_bits), ("layer_value_bits", self.head_value_bits)):
+            if table and max(table) >= key_states.shape[1]:
+                raise ValueError(f"layer {self.layer_idx}: {name} names KV head {max(table)}, but the layer has "
+                                 f"{key_states.shape[1]} KV heads")
         self._rot = (rotation_matrix(self.config.rotation, d, self.config.rotation_seed, key_states.device)
                      if self.config.rotation != "none" else None)
         self.device = key_states.device
@@ -174,9 +176,14 @@ class LowBitLayer(RowSelectionMixin, CacheLayerMixin):
         else:
             qk = quantize_keys(self._rotate(k.float(), "k"), c.key_bits, c.key_group_size, c.one_bit_mode, c.levels,
                                c.key_outliers, **fmt)
-        qv = quantize_values(self._rotate(v.float(), "v"), c.value_bits, c.value_group_size, c.one_bit_mode, c.levels,
-                             c.value_outliers, scale_dtype=c.value_scale_dtype, zero_dtype=c.value_zero_dtype,
-                             outlier_dtype=c.outlier_dtype)
+        vfmt = dict(scale_dtype=c.value_scale_dtype, zero_dtype=c.value_zero_dtype, outlier_dtype=c.outlier_dtype)
+        if self.head_value_bits:
+            bits = [self.head_value_bits.get(h, c.value_bits) for h in range(v.shape[1])]
+            qv = quantize_values_by_head(self._rotate(v.float(), "v"), bits, c.value_group_size, c.one_bit_mode,
+                                         c.levels, c.value_outliers, **vfmt)
+        else:
+            qv = quantize_values(self._rotate(v.float(), "v"), c.value_bits, c.value_group_size, c.one_bit_mode,
+                                 c.levels, c.value_outliers, **vfmt)
         self._qk = qk if self._qk is None else self._qk.cat(qk, 2)
         self._qv = qv if self._qv is None else self._qv.cat(qv, 2)
         self._n_quant += k.shape[-2]
@@ -370,8 +377,9 @@ class LowBitCache(Cache):
         self.config = config
         self.quant_config = quant
         if config is None:
-            if quant.layer_key_bits:
-                raise ValueError("layer_key_bits needs the model's config: LowBitCache(model.config, ...)")
+            if quant.layer_key_bits or quant.layer_value_bits:
+                raise ValueError("a per-layer bits table (layer_key_bits / layer_value_bits) needs the model's "
+                                 "config: LowBitCache(model.config, ...)")
             super().__init__(layer_class_to_replicate=functools.partial(LowBitLayer, config=quant),
                              offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
             return

@@ -26,7 +26,7 @@ ROTATE = ("kv", "k", "v")
 # descriptive entries of a spec (written for readers, not options)
 _PROSE = ("key_grouping", "value_grouping", "stat_dtype", "packing", "minmax", "sign", "sink", "normal", "rotation_doc",
           "outliers_doc", "spec_version", "key_bits", "value_bits", "group_size", "stat_dtypes_doc",
-          "layer_key_bits_doc")
+          "layer_key_bits_doc", "layer_value_bits_doc")
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class LowBitConfig:
       no zero-point (symmetric groups; Lloyd-Max or 1-bit sign groups only).
     * `layer_key_bits`: `((layer, bits), ...)` or `((layer, kv_head, bits), ...)`: key bits of some layers or KV
       heads other than the precision's (mixed precision: e.g. the few heads whose 2-bit keys cost the most at 4).
+    * `layer_value_bits`: the same for the values (e.g. the few retrieval heads, whose values NIAH needs precise).
     * `head_dim`: when set, the head dimension the config is for (checked against the model).
     """
 
@@ -70,6 +71,7 @@ class LowBitConfig:
     value_zero_dtype: str = "bfloat16"
     outlier_dtype: str = "bfloat16"
     layer_key_bits: tuple = ()
+    layer_value_bits: tuple = ()
     head_dim: int | None = field(default=None)
 
     def __post_init__(self):
@@ -95,12 +97,15 @@ class LowBitConfig:
             check_stat_dtype(getattr(self, name), name)
         for name in ("key_zero_dtype", "value_zero_dtype"):
             check_stat_dtype(getattr(self, name), name, allow_none=True)
-        self._check_layer_key_bits()
-        if self.levels == "normal" and not {self.key_bits, self.value_bits, *(e[-1] for e in self.layer_key_bits)} & {2, 4}:
+        for table in ("layer_key_bits", "layer_value_bits"):
+            self._check_bits_table(table)
+        table_bits = {e[-1] for e in self.layer_key_bits + self.layer_value_bits}
+        if self.levels == "normal" and not {self.key_bits, self.value_bits, *table_bits} & {2, 4}:
             raise ValueError(f"levels='normal' applies to 2- and 4-bit groups; {self.precision} has none")
-        for name, bits in (("key_zero_dtype", self.key_bits), ("value_zero_dtype", self.value_bits)):
+        for name, bits, table in (("key_zero_dtype", self.key_bits, self.layer_key_bits),
+                                  ("value_zero_dtype", self.value_bits, self.layer_value_bits)):
             if getattr(self, name) == "none":
-                for b in {bits} | ({e[-1] for e in self.layer_key_bits} if name == "key_zero_dtype" else set()):
+                for b in {bits} | {e[-1] for e in table}:
                     if group_mode(b, self.one_bit_mode, self.levels) == "minmax":
                         raise ValueError(f"{name}='none' (symmetric groups) needs Lloyd-Max levels "
                                          f"(levels='normal', 2 or 4 bits) or 1-bit sign groups; {b}-bit groups "
@@ -108,54 +113,63 @@ class LowBitConfig:
         if self.head_dim is not None:
             self.check_head_dim(self.head_dim)
 
-    def _check_layer_key_bits(self) -> None:
-        raw = self.layer_key_bits
+    def _check_bits_table(self, name: str) -> None:
+        raw = getattr(self, name)
         items = list(raw.items()) if isinstance(raw, dict) else raw
         try:
             items = [tuple(p) for p in items]
         except TypeError:
-            raise ValueError(f"layer_key_bits must be ((layer, bits) or (layer, kv_head, bits), ...), not {raw!r}") \
-                from None
+            raise ValueError(f"{name} must be ((layer, bits) or (layer, kv_head, bits), ...), not {raw!r}") from None
         for e in items:
             if (len(e) not in (2, 3) or not all(isinstance(x, int) and not isinstance(x, bool) for x in e)
                     or min(e[:-1]) < 0):
-                raise ValueError(f"layer_key_bits entries are (layer, bits) or (layer, kv_head, bits) integer "
+                raise ValueError(f"{name} entries are (layer, bits) or (layer, kv_head, bits) integer "
                                  f"tuples with layer, kv_head >= 0, not {e!r}")
-            check_bits(e[-1], f"layer_key_bits bits of {'layer %d' % e[0] if len(e) == 2 else 'layer %d head %d' % e[:2]}")
+            check_bits(e[-1], f"{name} bits of {'layer %d' % e[0] if len(e) == 2 else 'layer %d head %d' % e[:2]}")
         places = [e[:-1] for e in items]
         if len(set(places)) != len(places):
-            raise ValueError(f"layer_key_bits lists a layer or head twice: {sorted(places)}")
+            raise ValueError(f"{name} lists a layer or head twice: {sorted(places)}")
         whole = {e[0] for e in items if len(e) == 2}
         both = sorted(whole & {e[0] for e in items if len(e) == 3})
         if both:
-            raise ValueError(f"layer_key_bits gives layers {both} both whole-layer and per-head bits; give one")
-        object.__setattr__(self, "layer_key_bits", tuple(sorted(items)))
+            raise ValueError(f"{name} gives layers {both} both whole-layer and per-head bits; give one")
+        object.__setattr__(self, name, tuple(sorted(items)))
 
     def for_layer(self, layer_idx: int | None) -> "LowBitConfig":
-        """The config of one layer: its whole-layer `layer_key_bits` entry (if any) as the key bits; of the table only
-        this layer's per-head entries stay (`head_key_bits`)."""
-        if not self.layer_key_bits:
+        """The config of one layer: its whole-layer `layer_key_bits` / `layer_value_bits` entries (if any) as the key
+        / value bits; of the tables only this layer's per-head entries stay (`head_key_bits`, `head_value_bits`)."""
+        if not self.layer_key_bits and not self.layer_value_bits:
             return self
-        bits = {e[0]: e[1] for e in self.layer_key_bits if len(e) == 2}.get(layer_idx, self.key_bits)
-        own = tuple(e for e in self.layer_key_bits if len(e) == 3 and e[0] == layer_idx)
+        kb = {e[0]: e[1] for e in self.layer_key_bits if len(e) == 2}.get(layer_idx, self.key_bits)
+        vb = {e[0]: e[1] for e in self.layer_value_bits if len(e) == 2}.get(layer_idx, self.value_bits)
+        own_k = tuple(e for e in self.layer_key_bits if len(e) == 3 and e[0] == layer_idx)
+        own_v = tuple(e for e in self.layer_value_bits if len(e) == 3 and e[0] == layer_idx)
         levels = self.levels
-        if not {bits, self.value_bits, *(e[-1] for e in own)} & {2, 4}:
+        if not {kb, vb, *(e[-1] for e in own_k + own_v)} & {2, 4}:
             levels = "uniform"  # no 2/4-bit group left in this layer: the same quantizer (levels only apply there)
-        return self.replace(precision=format_precision(bits, self.value_bits), layer_key_bits=own, levels=levels)
+        return self.replace(precision=format_precision(kb, vb), layer_key_bits=own_k, layer_value_bits=own_v,
+                            levels=levels)
 
     def head_key_bits(self, layer_idx: int | None) -> dict[int, int]:
         """`{kv_head: bits}` of the per-head `layer_key_bits` entries of layer `layer_idx`."""
         return {e[1]: e[2] for e in self.layer_key_bits if len(e) == 3 and e[0] == layer_idx}
 
+    def head_value_bits(self, layer_idx: int | None) -> dict[int, int]:
+        """`{kv_head: bits}` of the per-head `layer_value_bits` entries of layer `layer_idx`."""
+        return {e[1]: e[2] for e in self.layer_value_bits if len(e) == 3 and e[0] == layer_idx}
+
     def check_layers(self, num_layers: int, num_kv_heads: int | None = None) -> None:
-        """Raise `ValueError` if `layer_key_bits` names a layer (or KV head) the model does not have."""
-        bad = sorted({e[0] for e in self.layer_key_bits if e[0] >= num_layers})
-        if bad:
-            raise ValueError(f"layer_key_bits names layers {bad}, but the model has {num_layers} layers "
-                             f"(0..{num_layers - 1})")
-        heads = sorted({e[1] for e in self.layer_key_bits if len(e) == 3})
-        if num_kv_heads is not None and heads and heads[-1] >= num_kv_heads:
-            raise ValueError(f"layer_key_bits names KV head {heads[-1]}, but the model has {num_kv_heads} KV heads")
+        """Raise `ValueError` if `layer_key_bits` or `layer_value_bits` names a layer (or KV head) the model does not
+        have."""
+        for name in ("layer_key_bits", "layer_value_bits"):
+            table = getattr(self, name)
+            bad = sorted({e[0] for e in table if e[0] >= num_layers})
+            if bad:
+                raise ValueError(f"{name} names layers {bad}, but the model has {num_layers} layers "
+                                 f"(0..{num_layers - 1})")
+            heads = sorted({e[1] for e in table if len(e) == 3})
+            if num_kv_heads is not None and heads and heads[-1] >= num_kv_heads:
+                raise ValueError(f"{name} names KV head {heads[-1]}, but the model has {num_kv_heads} KV heads")
 
     @property
     def key_bits(self) -> int:
@@ -226,6 +240,7 @@ class LowBitConfig:
                                "symmetric groups",
             "layer_key_bits_doc": "[[layer, key bits] or [layer, kv_head, key bits], ...]: layers or heads whose "
                                   "keys use other bits than the precision's",
+            "layer_value_bits_doc": "the same for the values",
         }
 
     @classmethod

@@ -371,13 +371,17 @@ def quantize_keys(k: torch.Tensor, bits: int, group_size: int, one_bit_mode: str
     return quantize_groups(x, bits, group_mode(bits, one_bit_mode, levels), outliers, **stat_formats)
 
 
+def _dequantize_by_head(q: "HeadGroups", dequantize, dtype: torch.dtype) -> torch.Tensor:
+    parts = [dequantize(p, dtype) for p in q.parts]
+    out = parts[0].new_empty(parts[0].shape[0], q.num_heads, *parts[0].shape[2:])
+    for heads, part in zip(q.heads, parts):
+        out[:, list(heads)] = part
+    return out
+
+
 def dequantize_keys(q: "QuantizedGroups | HeadGroups", dtype: torch.dtype) -> torch.Tensor:
     if isinstance(q, HeadGroups):
-        parts = [dequantize_keys(p, dtype) for p in q.parts]
-        out = parts[0].new_empty(parts[0].shape[0], q.num_heads, *parts[0].shape[2:])
-        for heads, part in zip(q.heads, parts):
-            out[:, list(heads)] = part
-        return out
+        return _dequantize_by_head(q, dequantize_keys, dtype)
     x = dequantize_groups(q, dtype)  # [B, H, n, D, G]
     b, h, n, d, g = x.shape
     return x.transpose(-1, -2).reshape(b, h, n * g, d)
@@ -385,9 +389,10 @@ def dequantize_keys(q: "QuantizedGroups | HeadGroups", dtype: torch.dtype) -> to
 
 @dataclass
 class HeadGroups:
-    """Keys of one layer whose KV heads use different bit widths: `parts[i]` (`QuantizedGroups` of
-    `quantize_keys`) holds the heads `heads[i]` (indices along dim 1). Same interface as `QuantizedGroups` for the
-    cache (`map`, `cat`, `to`, byte counts); `dequantize_keys` puts the heads back in order."""
+    """Keys (or values) of one layer whose KV heads use different bit widths: `parts[i]` (`QuantizedGroups` of
+    `quantize_keys` / `quantize_values`) holds the heads `heads[i]` (indices along dim 1). Same interface as
+    `QuantizedGroups` for the cache (`map`, `cat`, `to`, byte counts); `dequantize_keys` / `dequantize_values` put
+    the heads back in order."""
 
     heads: tuple[tuple[int, ...], ...]
     parts: tuple[QuantizedGroups, ...]
@@ -401,7 +406,7 @@ class HeadGroups:
 
     def cat(self, other: "HeadGroups", dim: int) -> "HeadGroups":
         if not isinstance(other, HeadGroups) or other.heads != self.heads:
-            raise ValueError("cannot concatenate keys of different per-head formats")
+            raise ValueError("cannot concatenate groups of different per-head formats")
         return HeadGroups(self.heads, tuple(a.cat(b, dim) for a, b in zip(self.parts, other.parts)))
 
     def to(self, device) -> "HeadGroups":
@@ -413,17 +418,26 @@ class HeadGroups:
     outlier_bytes = property(lambda self: sum(p.outlier_bytes for p in self.parts))
 
 
+def _quantize_by_head(quantize, x: torch.Tensor, head_bits, *args, **kwargs) -> HeadGroups:
+    head_bits = [check_bits(b, "head bits") for b in head_bits]
+    if len(head_bits) != x.shape[1]:
+        raise ValueError(f"head_bits has {len(head_bits)} entries for {x.shape[1]} KV heads")
+    heads = tuple(tuple(h for h, b in enumerate(head_bits) if b == bits) for bits in sorted(set(head_bits)))
+    return HeadGroups(heads, tuple(quantize(x[:, list(hs)], head_bits[hs[0]], *args, **kwargs) for hs in heads))
+
+
 def quantize_keys_by_head(k: torch.Tensor, head_bits, group_size: int, one_bit_mode: str = "sign",
                           levels: str = "uniform", outliers: int = 0, **stat_formats) -> HeadGroups:
     """`quantize_keys` with `head_bits[h]` bits for KV head `h` of `k` `[B, H, S, D]` (heads of equal bits share
     one `QuantizedGroups`)."""
-    head_bits = [check_bits(b, "head bits") for b in head_bits]
-    if len(head_bits) != k.shape[1]:
-        raise ValueError(f"head_bits has {len(head_bits)} entries for {k.shape[1]} KV heads")
-    heads = tuple(tuple(h for h, b in enumerate(head_bits) if b == bits) for bits in sorted(set(head_bits)))
-    parts = tuple(quantize_keys(k[:, list(hs)], head_bits[hs[0]], group_size, one_bit_mode, levels, outliers,
-                                **stat_formats) for hs in heads)
-    return HeadGroups(heads, parts)
+    return _quantize_by_head(quantize_keys, k, head_bits, group_size, one_bit_mode, levels, outliers, **stat_formats)
+
+
+def quantize_values_by_head(v: torch.Tensor, head_bits, group_size: int, one_bit_mode: str = "sign",
+                            levels: str = "uniform", outliers: int = 0, **stat_formats) -> HeadGroups:
+    """`quantize_values` with `head_bits[h]` bits for KV head `h` of `v` `[B, H, S, D]`."""
+    return _quantize_by_head(quantize_values, v, head_bits, group_size, one_bit_mode, levels, outliers,
+                             **stat_formats)
 
 
 def quantize_values(v: torch.Tensor, bits: int, group_size: int, one_bit_mode: str = "sign", levels: str = "uniform",
@@ -439,7 +453,9 @@ def quantize_values(v: torch.Tensor, bits: int, group_size: int, one_bit_mode: s
     return quantize_groups(x, bits, group_mode(bits, one_bit_mode, levels), outliers, **stat_formats)
 
 
-def dequantize_values(q: QuantizedGroups, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_values(q: "QuantizedGroups | HeadGroups", dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(q, HeadGroups):
+        return _dequantize_by_head(q, dequantize_values, dtype)
     x = dequantize_groups(q, dtype)  # [B, H, S, D/G, G]
     b, h, s, n, g = x.shape
     return x.reshape(b, h, s, n * g)

@@ -1,5 +1,5 @@
 """Statistic formats (FP8 E4M3 scales / zero-points / outliers, symmetric groups) and mixed key precision across
-layers (`layer_key_bits`) of the low-bit cache: rounding, error bounds, validation, honest byte counts and the
+layers and heads (`layer_key_bits`, `layer_value_bits`) of the low-bit cache: rounding, error bounds, validation, honest byte counts and the
 spec's round trip."""
 
 import json
@@ -224,6 +224,51 @@ def test_per_head_key_bits_count_and_round_trip():
     assert a.get_seq_length() == 300 and torch.equal(a.keys, before)
     mixed.batch_repeat_interleave(2)
     assert a.keys.shape[0] == 2 and torch.equal(a.keys[1], before[0])
+
+
+def test_per_head_value_bits_count_validate_and_round_trip():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_llama_config(vocab_size=128), dtype=torch.float32).eval()
+    base = LowBitConfig.default("K2V2", key_scale_dtype=F8)
+    ref = _run(model, LowBitCache(model.config, LowBitConfig("K8V8", key_group_size=128, value_group_size=64,
+                                                             residual_length=0)), n=520)
+    cfg = base.replace(layer_value_bits=((1, 1, 4),), layer_key_bits=((1, 1, 4),))
+    mixed = _run(model, LowBitCache(model.config, cfg), n=520)
+    plain = _run(model, LowBitCache(model.config, base), n=520)
+    a, p = mixed.layers[1], plain.layers[1]
+    assert a.head_value_bits == {1: 4} and a.head_bits == {1: 4} and mixed.layers[0].head_value_bits == {}
+    # head 1 of layer 1: 4-bit values (twice the value code bytes of a 2-bit head), same statistics
+    nq, d = a.quantized_length, 64
+    assert a.stats()["bytes"]["value_codes"] == nq * d * (2 + 4) // 8 == p.stats()["bytes"]["value_codes"] * 3 // 2
+    assert a.stats()["bytes"]["value_stats"] == p.stats()["bytes"]["value_stats"]
+    assert torch.equal(mixed.layers[0].values, plain.layers[0].values)
+    assert torch.equal(a.values[:, 0], p.values[:, 0])  # the 2-bit head is quantized exactly as without the mix
+    err = lambda c, h: float((c.layers[1].values[:, h] - ref.layers[1].values[:, h]).pow(2).mean())  # noqa: E731
+    assert err(mixed, 1) < 0.25 * err(plain, 1)
+    # whole-layer value bits set the layer's precision; the tables travel through the spec
+    whole = LowBitConfig("K2V2", layer_value_bits=((3, 4),), layer_key_bits=((3, 8),))
+    assert whole.for_layer(3).precision == "K8V4" and whole.for_layer(2).precision == "K2V2"
+    back = LowBitConfig.from_spec(json.loads(json.dumps(cfg.to_spec())))
+    assert back == cfg and back.head_value_bits(1) == {1: 4}
+    # crop and row selection keep the per-head layout
+    before = a.values[:, :, :300].clone()
+    mixed.crop(-220)
+    assert torch.equal(a.values, before)
+    mixed.batch_repeat_interleave(2)
+    assert torch.equal(a.values[1], before[0])
+    # validation names the value table
+    with pytest.raises(ValueError, match="layer_value_bits lists a layer or head twice"):
+        LowBitConfig(layer_value_bits=((3, 1, 4), (3, 1, 8)))
+    with pytest.raises(ValueError, match="layer_value_bits bits of layer 3 head 1 must be one of"):
+        LowBitConfig(layer_value_bits=((3, 1, 3),))
+    with pytest.raises(ValueError, match="value_zero_dtype='none' .* 8-bit groups"):
+        LowBitConfig("K2V2", levels="normal", value_zero_dtype="none", layer_value_bits=((1, 8),))
+    with pytest.raises(ValueError, match="layer_value_bits names KV head 2, but the model has 2 KV heads"):
+        LowBitCache(model.config, "K2V2", layer_value_bits=((1, 2, 4),))
+    with pytest.raises(ValueError, match="needs the model's config"):
+        LowBitCache(None, "K2V2", layer_value_bits=((0, 4),))
+    with pytest.raises(ValueError, match="needs the layer index"):
+        LowBitLayer(config=LowBitConfig(layer_value_bits=((0, 4),)))
 
 
 def _smollm2_shaped_config():
