@@ -17,6 +17,11 @@ another config. Probes:
 * `heads`: for each KV head of `--layers` alone, its keys at 2 bits (the other heads of that layer at 8 bits, every
   other layer full precision).
 * `niah-layers` / `niah-heads` (with `--task niah`): K4V2 everywhere but one layer's (one head's) keys at 2 bits.
+* `niah-retrieval` (with `--task niah --ranking`): the K2V2 default with 4-bit values (and keys) in the top
+  retrieval heads of a `benchmarks/lowbit_retrieval_heads.py` ranking, within the default's budget (as many of
+  the measured 4-bit key heads dropped, least sensitive first) and, as diagnostics, on top of it.
+* `niah-upgrade-layers` (with `--task niah`): the K2V2 default with one more layer's keys all at 4 bits (what
+  each layer's keys are worth to retrieval, over the default's budget).
 * `options`: named configs (`options()` below): the statistic formats, outliers, per-layer and per-head 4-bit
   keys, and the chosen default.
 
@@ -126,8 +131,46 @@ def options(base: LowBitConfig, model_config) -> dict:
     }
 
 
-def probes(names, n_layers, base, model_config=None, layers_arg=(), n_heads=0):
+def retrieval_configs(model_config, ranking: list, tops=(2, 4, 8)) -> dict:
+    """K2V2 default variants that spend its 4-bit budget (one upgrade = 2 more bits on the keys or the values of one
+    KV head) on the top retrieval heads of `ranking` ([{"layer", "kv_head"}, ...], best first)."""
+    default = LowBitConfig.default("K2V2", model_config=model_config)
+    key_heads = [e[:2] for e in default.layer_key_bits]  # sorted; the measured order is in options()
+    order = [(18, 2), (7, 2), (8, 0), (4, 0), (7, 1), (3, 2), (3, 1), (8, 2), (17, 1), (23, 0), (6, 2), (9, 0),
+             (6, 1), (20, 2), (5, 2), (5, 1), (23, 2), (5, 0), (9, 2), (24, 0), (24, 1), (24, 2), (10, 0), (10, 1),
+             (10, 2), (28, 2), (28, 1)]
+    assert sorted(order) == key_heads, "the measured key-head order no longer matches the default's table"
+    budget = len(order)
+    out = {"K2V2 default": (default, {})}
+    for n in tops:
+        top = [(e["layer"], e["kv_head"]) for e in ranking[:n]]
+        v4 = tuple((layer, head, 4) for layer, head in top)
+        out[f"default + 4-bit values in top {n} retrieval heads (over budget)"] = (
+            default.replace(layer_value_bits=v4), {})
+        keys = list(top)
+        for lh in order:
+            if len(keys) + n >= budget:
+                break
+            if lh not in keys:
+                keys.append(lh)
+        out[f"4-bit K and V in top {n} retrieval heads + {len(keys) - n} measured key heads (budget)"] = (
+            default.replace(layer_value_bits=v4, layer_key_bits=tuple((la, h, 4) for la, h in keys)), {})
+    out["K2V4 default: 4-bit values everywhere (diagnostic, over budget)"] = (
+        LowBitConfig.default("K2V4", model_config=model_config), {})
+    return out
+
+
+def probes(names, n_layers, base, model_config=None, layers_arg=(), n_heads=0, ranking=None):
     out = {}
+    if "niah-upgrade-layers" in names:
+        default = LowBitConfig.default("K2V2", model_config=model_config)
+        for j in range(n_layers):
+            table = tuple(e for e in default.layer_key_bits if e[0] != j) + tuple((j, h, 4) for h in range(n_heads))
+            out[f"default + layer {j} keys 4-bit"] = (default.replace(layer_key_bits=table), {})
+    if "niah-retrieval" in names:
+        if ranking is None:
+            raise SystemExit("--probe niah-retrieval needs --ranking (a lowbit_retrieval_heads.py JSON)")
+        out.update(retrieval_configs(model_config, ranking))
     k_only, v_only = base.replace(precision="K2V8"), base.replace(precision="K8V2")
     if "kv" in names:
         out["K2V2 (default)"] = (base, {})
@@ -158,7 +201,7 @@ def probes(names, n_layers, base, model_config=None, layers_arg=(), n_heads=0):
     return out
 
 
-def niah_cases(model, tok, length, samples):
+def niah_cases(model, tok, length, samples, seed=None):
     """Multi-key NIAH cases of `benchmarks/dgap_niah.py` (same seeds as `lowbit_niah.py`): per case the prompt's
     full-precision KV (the prefill attends at full precision, as in `generate`) and the answer's tokens; the first
     answer token comes from the full-precision prefill, so only the later ones are probed."""
@@ -166,7 +209,7 @@ def niah_cases(model, tok, length, samples):
     from dgap_niah import make_case
 
     hay = tok(read_text_files(DEBIAN_REFERENCE).text, add_special_tokens=False).input_ids
-    rng = random.Random(f"multikey-{length}")
+    rng = random.Random(seed or f"multikey-{length}")
     out = []
     for _ in range(samples):
         ids, want = make_case("multikey", hay, tok, length, rng)
@@ -195,7 +238,11 @@ def main():
                     help="ppl: the last tokens of the 4K windows; niah: multi-key NIAH answers at --tokens")
     ap.add_argument("--samples", type=int, default=6, help="NIAH cases")
     ap.add_argument("--probe", nargs="+", default=["kv"],
-                    choices=("kv", "layers", "layers-v", "heads", "niah-layers", "niah-heads", "options"))
+                    choices=("kv", "layers", "layers-v", "heads", "niah-layers", "niah-heads", "niah-retrieval",
+                             "niah-upgrade-layers", "options"))
+    ap.add_argument("--ranking", help="retrieval-head ranking JSON (benchmarks/lowbit_retrieval_heads.py)")
+    ap.add_argument("--case-seed", help="NIAH case seed (default: multikey-<tokens>, the cases lowbit_niah.py "
+                                        "scores; choose heads on other cases, e.g. multikey-<tokens>-heads)")
     ap.add_argument("--layers", type=int, nargs="*", default=[], help="layers of the heads / niah-heads probes")
     ap.add_argument("--only", nargs="*")
     ap.add_argument("--tokens", type=int, default=4096)
@@ -212,7 +259,8 @@ def main():
     n_layers = model.config.num_hidden_layers
     base = LowBitConfig("K2V2", key_group_size=128, value_group_size=64, residual_length=0, sink_length=4,
                         rotation="hadamard", levels="normal")  # the session-1 K2V2 default
-    suite = probes(args.probe, n_layers, base, model.config, args.layers, model.config.num_key_value_heads)
+    ranking = json.loads(Path(args.ranking).read_text())["ranking"] if args.ranking else None
+    suite = probes(args.probe, n_layers, base, model.config, args.layers, model.config.num_key_value_heads, ranking)
     if args.only:
         suite = {k: v for k, v in suite.items() if k in args.only}
     if args.task == "niah":
@@ -274,11 +322,12 @@ def main():
 
 
 def main_niah(args, model, tok, suite):
-    protocol = {"task": "niah multikey", "tokens": args.tokens, "samples": args.samples}
+    protocol = {"task": "niah multikey", "tokens": args.tokens, "samples": args.samples,
+                **({"case_seed": args.case_seed} if args.case_seed else {})}
     out_path = Path(args.out)
     saved = json.loads(out_path.read_text()) if out_path.is_file() else {}
     rows = saved.get("rows", {}) if saved.get("protocol") == protocol else {}
-    cases = niah_cases(model, tok, args.tokens, args.samples)
+    cases = niah_cases(model, tok, args.tokens, args.samples, args.case_seed)
     for label, (cfg, layers) in suite.items():
         if label in rows:
             continue
@@ -290,7 +339,8 @@ def main_niah(args, model, tok, suite):
               f"bits {r['bits_per_element']} [{r['seconds']:.0f}s]", flush=True)
         out_path.write_text(json.dumps({"protocol": protocol, "rows": rows, "command": " ".join(sys.argv)},
                                        indent=1) + "\n")
-    lines = [f"Multi-key NIAH at {args.tokens} tokens, {args.samples} cases: answer tokens after the first, "
+    lines = [f"Multi-key NIAH at {args.tokens} tokens, {args.samples} cases (seed "
+             f"`{args.case_seed or f'multikey-{args.tokens}'}`): answer tokens after the first, "
              f"teacher-forced one decode step at a time from the full-precision prefill's KV. "
              f"`python {' '.join(sys.argv)}`", "", "| probe | bits/elt | greedy-correct | answer log-p |",
              "|---|---|---|---|"]
