@@ -22,6 +22,10 @@ another config. Probes:
   the measured 4-bit key heads dropped, least sensitive first) and, as diagnostics, on top of it.
 * `niah-upgrade-layers` (with `--task niah`): the K2V2 default with one more layer's keys all at 4 bits (what
   each layer's keys are worth to retrieval, over the default's budget).
+* `niah-key-axis` (with `--task niah`): the K2V2 default with per-token keys (`key_axis="token"`) instead of
+  per-channel ones, alone and with the retrieval-head tables of `niah-retrieval`.
+* `niah-key-groups` (with `--task niah`): the K2V2 default with smaller key groups or FP8 key outliers, on top of
+  its budget and within it (the least sensitive measured 4-bit key heads dropped).
 * `options`: named configs (`options()` below): the statistic formats, outliers, per-layer and per-head 4-bit
   keys, and the chosen default.
 
@@ -167,6 +171,28 @@ def probes(names, n_layers, base, model_config=None, layers_arg=(), n_heads=0, r
         for j in range(n_layers):
             table = tuple(e for e in default.layer_key_bits if e[0] != j) + tuple((j, h, 4) for h in range(n_heads))
             out[f"default + layer {j} keys 4-bit"] = (default.replace(layer_key_bits=table), {})
+    if "niah-key-axis" in names:
+        default = LowBitConfig.default("K2V2", model_config=model_config)
+        tok = default.replace(key_axis="token", key_zero_dtype="none")
+        out["K2V2 default"] = (default, {})
+        out["per-token keys, symmetric (same bits)"] = (tok, {})
+        out["per-token keys with FP8 zero (over budget)"] = (default.replace(key_axis="token"), {})
+        if ranking is not None:
+            for label, (cfg, layers) in retrieval_configs(model_config, ranking, tops=(2, 8)).items():
+                if "(budget)" in label:
+                    out[f"per-token keys, symmetric; {label}"] = (
+                        cfg.replace(key_axis="token", key_zero_dtype="none"), layers)
+    if "niah-key-groups" in names:
+        default = LowBitConfig.default("K2V2", model_config=model_config)
+        order = [(18, 2), (7, 2), (8, 0), (4, 0), (7, 1), (3, 2), (3, 1), (8, 2), (17, 1), (23, 0), (6, 2), (9, 0),
+                 (6, 1), (20, 2), (5, 2), (5, 1), (23, 2), (5, 0), (9, 2), (24, 0), (24, 1), (24, 2), (10, 0),
+                 (10, 1), (10, 2), (28, 2), (28, 1)]
+        heads = lambda n: tuple(sorted((la, h, 4) for la, h in order[:n]))  # noqa: E731
+        for label, change, n in (("key groups of 64 tokens", dict(key_group_size=64), 21),
+                                 ("1 FP8 key outlier per group", dict(key_outliers=1, outlier_dtype=F8), 21),
+                                 ("2 FP8 key outliers per group", dict(key_outliers=2, outlier_dtype=F8), 16)):
+            out[f"{label} (over budget)"] = (default.replace(**change), {})
+            out[f"{label}, {n} key heads (budget)"] = (default.replace(layer_key_bits=heads(n), **change), {})
     if "niah-retrieval" in names:
         if ranking is None:
             raise SystemExit("--probe niah-retrieval needs --ranking (a lowbit_retrieval_heads.py JSON)")
@@ -239,7 +265,7 @@ def main():
     ap.add_argument("--samples", type=int, default=6, help="NIAH cases")
     ap.add_argument("--probe", nargs="+", default=["kv"],
                     choices=("kv", "layers", "layers-v", "heads", "niah-layers", "niah-heads", "niah-retrieval",
-                             "niah-upgrade-layers", "options"))
+                             "niah-upgrade-layers", "niah-key-axis", "niah-key-groups", "options"))
     ap.add_argument("--ranking", help="retrieval-head ranking JSON (benchmarks/lowbit_retrieval_heads.py)")
     ap.add_argument("--case-seed", help="NIAH case seed (default: multikey-<tokens>, the cases lowbit_niah.py "
                                         "scores; choose heads on other cases, e.g. multikey-<tokens>-heads)")

@@ -151,7 +151,9 @@ class LowBitLayer(RowSelectionMixin, CacheLayerMixin):
         return (x.float() @ r).to(x.dtype)
 
     def _dequantize(self, qk: QuantizedGroups, qv: QuantizedGroups, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self._rotate(dequantize_keys(qk, torch.float32), "k", inverse=True).to(dtype)
+        per_token = self.config.key_axis == "token"
+        k = self._rotate((dequantize_values if per_token else dequantize_keys)(qk, torch.float32), "k",
+                         inverse=True).to(dtype)
         v = self._rotate(dequantize_values(qv, torch.float32), "v", inverse=True).to(dtype)
         return k, v
 
@@ -169,13 +171,15 @@ class LowBitLayer(RowSelectionMixin, CacheLayerMixin):
         """Quantize whole groups `k`, `v` `[B, H, n * G, D]` and append them to the quantized prefix."""
         c = self.config
         fmt = dict(scale_dtype=c.key_scale_dtype, zero_dtype=c.key_zero_dtype, outlier_dtype=c.outlier_dtype)
+        per_token = c.key_axis == "token"  # keys grouped like the values (per token over value_group_size channels)
+        group = c.value_group_size if per_token else c.key_group_size
         if self.head_bits:
             bits = [self.head_bits.get(h, c.key_bits) for h in range(k.shape[1])]
-            qk = quantize_keys_by_head(self._rotate(k.float(), "k"), bits, c.key_group_size, c.one_bit_mode,
-                                       c.levels, c.key_outliers, **fmt)
+            qk = (quantize_values_by_head if per_token else quantize_keys_by_head)(
+                self._rotate(k.float(), "k"), bits, group, c.one_bit_mode, c.levels, c.key_outliers, **fmt)
         else:
-            qk = quantize_keys(self._rotate(k.float(), "k"), c.key_bits, c.key_group_size, c.one_bit_mode, c.levels,
-                               c.key_outliers, **fmt)
+            qk = (quantize_values if per_token else quantize_keys)(
+                self._rotate(k.float(), "k"), c.key_bits, group, c.one_bit_mode, c.levels, c.key_outliers, **fmt)
         vfmt = dict(scale_dtype=c.value_scale_dtype, zero_dtype=c.value_zero_dtype, outlier_dtype=c.outlier_dtype)
         if self.head_value_bits:
             bits = [self.head_value_bits.get(h, c.value_bits) for h in range(v.shape[1])]
@@ -259,16 +263,17 @@ class LowBitLayer(RowSelectionMixin, CacheLayerMixin):
             self._res_v = self._res_v[:, :, :keep].clone()
             return
         g = self.group_size
+        kg = 1 if self.config.key_axis == "channel" else g  # key entries along dim 2 per flushed group of g tokens
         groups, rest = divmod(new_len, g)
         if rest:
-            k, v = self._dequantize(self._qk.map(lambda t: t[:, :, groups:groups + 1]),
+            k, v = self._dequantize(self._qk.map(lambda t: t[:, :, groups * kg:(groups + 1) * kg]),
                                     self._qv.map(lambda t: t[:, :, groups * g:(groups + 1) * g]), self.dtype)
             k, v = k[:, :, :rest], v[:, :, :rest]
         else:
             k, v = self._res_k[:, :, :0], self._res_v[:, :, :0]
         self._res_k, self._res_v = k.clone(), v.clone()
         if groups:
-            self._qk = self._qk.map(lambda t: t[:, :, :groups].clone())
+            self._qk = self._qk.map(lambda t: t[:, :, :groups * kg].clone())
             self._qv = self._qv.map(lambda t: t[:, :, :groups * g].clone())
         else:
             self._qk = self._qv = None

@@ -22,6 +22,7 @@ from .rotation import ROTATIONS, check_rotation
 SPEC_VERSION = 2
 RESIDUAL_WINDOW = 128  # the most recent full-precision tokens `stats()` reports apart from the quantized storage
 LEVELS = ("uniform", "normal")
+KEY_AXES = ("channel", "token")
 ROTATE = ("kv", "k", "v")
 # descriptive entries of a spec (written for readers, not options)
 _PROSE = ("key_grouping", "value_grouping", "stat_dtype", "packing", "minmax", "sign", "sink", "normal", "rotation_doc",
@@ -36,6 +37,9 @@ class LowBitConfig:
     * `precision`: `"K<b>V<b>"`, bits 1, 2, 4 or 8.
     * `key_group_size`: tokens per key group (keys per channel); `value_group_size`: channels per value group
       (values per token; must divide head_dim). Multiples of 8 (whole packed bytes).
+    * `key_axis`: `"channel"` (KIVI: keys per channel over `key_group_size` tokens) or `"token"` (keys like the
+      values, per token over `value_group_size` channels, as rotation-based quantizers do; `key_group_size` then
+      only sets how many tokens are quantized at a time).
     * `residual_length`: recent tokens always in full precision (the residual holds `residual_length` to
       `residual_length + key_group_size - 1` tokens; `stats()` counts any beyond 128 with the quantized storage).
     * `sink_length`: first tokens kept in full precision for good (attention sinks).
@@ -56,6 +60,7 @@ class LowBitConfig:
     precision: str = "K2V2"
     key_group_size: int = 32
     value_group_size: int = 32
+    key_axis: str = "channel"
     residual_length: int = 128
     sink_length: int = 0
     one_bit_mode: str = "sign"
@@ -83,6 +88,8 @@ class LowBitConfig:
         for name in ("residual_length", "sink_length", "key_outliers", "value_outliers", "rotation_seed"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an integer >= 0, not {getattr(self, name)!r}")
+        if self.key_axis not in KEY_AXES:
+            raise ValueError(f"key_axis must be one of {KEY_AXES}, not {self.key_axis!r}")
         if self.one_bit_mode not in ONE_BIT_MODES:
             raise ValueError(f"one_bit_mode must be one of {ONE_BIT_MODES}, not {self.one_bit_mode!r}")
         if self.levels not in LEVELS:
@@ -90,7 +97,8 @@ class LowBitConfig:
         if self.rotate not in ROTATE:
             raise ValueError(f"rotate must be one of {ROTATE}, not {self.rotate!r}")
         check_rotation(self.rotation, self.head_dim)
-        for name, g in (("key_outliers", self.key_group_size), ("value_outliers", self.value_group_size)):
+        key_group = self.value_group_size if self.key_axis == "token" else self.key_group_size
+        for name, g in (("key_outliers", key_group), ("value_outliers", self.value_group_size)):
             if getattr(self, name) >= min(g, 256):
                 raise ValueError(f"{name}={getattr(self, name)} must be below the group size {g} (and 256)")
         for name in ("key_scale_dtype", "value_scale_dtype", "outlier_dtype"):
@@ -226,7 +234,8 @@ class LowBitConfig:
             "key_bits": self.key_bits, "value_bits": self.value_bits,
             # version-1 readers know one group size; written when keys and values share it
             **({"group_size": self.key_group_size} if self.key_group_size == self.value_group_size else {}),
-            "key_grouping": "per channel, groups of key_group_size tokens",
+            "key_grouping": ("per channel, groups of key_group_size tokens" if self.key_axis == "channel" else
+                             "per token, groups of value_group_size channels (key_group_size tokens at a time)"),
             "value_grouping": "per token, groups of value_group_size channels",
             "stat_dtype": "bfloat16", "packing": "uint8, little-end first",
             "minmax": "asymmetric zero + q * scale, statistics rounded outward",

@@ -271,6 +271,37 @@ def test_per_head_value_bits_count_validate_and_round_trip():
         LowBitLayer(config=LowBitConfig(layer_value_bits=((0, 4),)))
 
 
+def test_per_token_keys_are_grouped_like_values():
+    from dgap_hf.quantize import dequantize_values, quantize_values
+    from dgap_hf.rotation import rotation_matrix
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_llama_config(vocab_size=128), dtype=torch.float32).eval()
+    cfg = LowBitConfig.default("K2V2", key_axis="token", key_zero_dtype="none", layer_key_bits=((1, 0, 4),))
+    cache = _run(model, LowBitCache(model.config, cfg), n=520)
+    full = _run(model, LowBitCache(model.config, LowBitConfig("K8V8", residual_length=10_000)), n=520)
+    a = cache.layers[0]
+    nq, h, d = a.quantized_length, 2, 64
+    b = a.stats()["bytes"]
+    assert b["key_codes"] == h * nq * d * 2 // 8 and b["key_stats"] == h * nq * (d // 64)  # one FP8 scale per token
+    # the stored keys are exactly the rotated keys quantized as values are, rotated back
+    rot = rotation_matrix("hadamard", d, 0, torch.device("cpu"))
+    k = full.layers[0].keys[:, :, 4:4 + nq].float()  # after the 4 sink tokens
+    q = quantize_values(k @ rot, 2, 64, "sign", "normal", 0, scale_dtype=F8, zero_dtype="none", outlier_dtype="bfloat16")
+    want = (dequantize_values(q, torch.float32) @ rot.T).to(a.keys.dtype)
+    assert torch.equal(a.keys[:, :, 4:4 + nq].view(torch.int32), want.view(torch.int32))
+    # per-head bits and crop work along the token axis too
+    assert cache.layers[1].stats()["bytes"]["key_codes"] == nq * d * (4 + 2) // 8
+    before = cache.layers[1].keys[:, :, :300].clone()
+    cache.crop(-220)
+    assert torch.equal(cache.layers[1].keys, before)
+    assert LowBitConfig.from_spec(json.loads(json.dumps(cfg.to_spec()))) == cfg
+    with pytest.raises(ValueError, match="key_axis must be one of"):
+        LowBitConfig(key_axis="head")
+    with pytest.raises(ValueError, match="key_outliers=64 must be below the group size 64"):
+        LowBitConfig(key_axis="token", key_group_size=128, value_group_size=64, key_outliers=64)
+
+
 def _smollm2_shaped_config():
     from transformers import LlamaConfig
 
