@@ -23,6 +23,7 @@ from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dgap_niah import make_case, score_case, score_table  # noqa: E402
+from lowbit_sensitivity import retrieval_configs  # noqa: E402
 
 from dgap_hf import LowBitCache, LowBitConfig  # noqa: E402
 from dgap_hf.baselines import quantized_cache  # noqa: E402
@@ -42,7 +43,16 @@ CACHES = {
         "K2V2", model_config=cfg, layer_key_bits=tuple((layer, 4) for layer in range(cfg.num_hidden_layers)))),
     "K2V2 default, 4-bit values (diagnostic)": lambda cfg: LowBitCache(cfg, LowBitConfig.default("K2V4",
                                                                                                  model_config=cfg)),
+    # the K2V2 default's 4-bit budget spent on the retrieval heads (ranked on other cases than these)
+    "K2V2 top-8 retrieval heads K4V4 + 11 key heads": lambda cfg: LowBitCache(cfg, _retrieval(cfg, 8)),
 }
+RANKING = Path(__file__).resolve().parent / "results" / "lowbit_retrieval_heads_2k.json"
+
+
+def _retrieval(cfg, n):
+    ranking = json.loads(RANKING.read_text())["ranking"]
+    label = next(k for k in retrieval_configs(cfg, ranking, (n,)) if k.startswith(f"4-bit K and V in top {n} "))
+    return retrieval_configs(cfg, ranking, (n,))[label][0]
 
 
 @torch.no_grad()

@@ -26,6 +26,8 @@ another config. Probes:
   per-channel ones, alone and with the retrieval-head tables of `niah-retrieval`.
 * `niah-key-groups` (with `--task niah`): the K2V2 default with smaller key groups or FP8 key outliers, on top of
   its budget and within it (the least sensitive measured 4-bit key heads dropped).
+* `niah-rotation` (with `--task niah`): the K2V2 default with its keys unrotated, or a seeded random rotation.
+* `niah-combined` (with `--task niah --ranking`): the top 8 retrieval heads at K4V4 with FP8 key outliers, in budget.
 * `options`: named configs (`options()` below): the statistic formats, outliers, per-layer and per-head 4-bit
   keys, and the chosen default.
 
@@ -193,6 +195,25 @@ def probes(names, n_layers, base, model_config=None, layers_arg=(), n_heads=0, r
                                  ("2 FP8 key outliers per group", dict(key_outliers=2, outlier_dtype=F8), 16)):
             out[f"{label} (over budget)"] = (default.replace(**change), {})
             out[f"{label}, {n} key heads (budget)"] = (default.replace(layer_key_bits=heads(n), **change), {})
+    if "niah-rotation" in names:
+        default = LowBitConfig.default("K2V2", model_config=model_config)
+        out["keys not rotated (rotate='v')"] = (default.replace(rotate="v"), {})
+        out["seeded random rotation"] = (default.replace(rotation="random"), {})
+        out["no rotation"] = (default.replace(rotation="none"), {})
+    if "niah-combined" in names:
+        if ranking is None:
+            raise SystemExit("--probe niah-combined needs --ranking (a lowbit_retrieval_heads.py JSON)")
+        top = [(e["layer"], e["kv_head"]) for e in ranking[:8]]
+        default = LowBitConfig.default("K2V2", model_config=model_config)
+        order = [(18, 2), (7, 2), (8, 0), (4, 0), (7, 1), (3, 2), (3, 1), (8, 2), (17, 1), (23, 0), (6, 2), (9, 0),
+                 (6, 1), (20, 2), (5, 2), (5, 1), (23, 2), (5, 0), (9, 2), (24, 0), (24, 1), (24, 2), (10, 0),
+                 (10, 1), (10, 2), (28, 2), (28, 1)]
+        v4 = tuple((la, h, 4) for la, h in top)
+        for outliers, extra in ((2, 0), (1, 5)):
+            keys = top + [lh for lh in order if lh not in top][:extra]
+            out[f"4-bit K and V in top 8 retrieval heads + {extra} measured key heads + {outliers} FP8 key outliers "
+                f"(budget)"] = (default.replace(layer_value_bits=v4, layer_key_bits=tuple((la, h, 4) for la, h in keys),
+                                                key_outliers=outliers, outlier_dtype=F8), {})
     if "niah-retrieval" in names:
         if ranking is None:
             raise SystemExit("--probe niah-retrieval needs --ranking (a lowbit_retrieval_heads.py JSON)")
@@ -265,7 +286,8 @@ def main():
     ap.add_argument("--samples", type=int, default=6, help="NIAH cases")
     ap.add_argument("--probe", nargs="+", default=["kv"],
                     choices=("kv", "layers", "layers-v", "heads", "niah-layers", "niah-heads", "niah-retrieval",
-                             "niah-upgrade-layers", "niah-key-axis", "niah-key-groups", "options"))
+                             "niah-upgrade-layers", "niah-key-axis", "niah-key-groups", "niah-rotation",
+                             "niah-combined", "options"))
     ap.add_argument("--ranking", help="retrieval-head ranking JSON (benchmarks/lowbit_retrieval_heads.py)")
     ap.add_argument("--case-seed", help="NIAH case seed (default: multikey-<tokens>, the cases lowbit_niah.py "
                                         "scores; choose heads on other cases, e.g. multikey-<tokens>-heads)")
