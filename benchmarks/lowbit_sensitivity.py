@@ -108,15 +108,17 @@ def lowbit_bits(cache) -> float | None:
 
 
 F8 = "float8_e4m3fn"
+# SmolLM2's measured 4-bit key heads (the K2V2 default's table), most sensitive first (`--probe heads`)
+KEY_HEAD_ORDER = ((18, 2), (7, 2), (8, 0), (4, 0), (7, 1), (3, 2), (3, 1), (8, 2), (17, 1), (23, 0), (6, 2), (9, 0),
+                  (6, 1), (20, 2), (5, 2), (5, 1), (23, 2), (5, 0), (9, 2), (24, 0), (24, 1), (24, 2), (10, 0),
+                  (10, 1), (10, 2), (28, 2), (28, 1))
 
 
 def options(base: LowBitConfig, model_config) -> dict:
     """The options compared on top of the session-1 K2V2 default (`base`): statistic formats, key outliers, 4-bit
     keys in the most sensitive layers / heads (the orders measured by the `layers` / `heads` probes)."""
     heads = LowBitConfig.default("K2V2", model_config=model_config).layer_key_bits
-    order = [(18, 2), (7, 2), (8, 0), (4, 0), (7, 1), (3, 2), (3, 1), (8, 2), (17, 1), (23, 0), (6, 2), (9, 0),
-             (6, 1), (20, 2), (5, 2), (5, 1), (23, 2), (5, 0), (9, 2), (24, 0), (24, 1), (24, 2), (10, 0), (10, 1),
-             (10, 2), (28, 2), (28, 1)]
+    order = list(KEY_HEAD_ORDER)
     h = lambda n: tuple((layer, head, 4) for layer, head in order[:n])  # noqa: E731
     lay = lambda *ls: tuple((layer, 4) for layer in ls)  # noqa: E731
     s = base.replace(key_scale_dtype=F8, key_zero_dtype=F8, value_scale_dtype=F8, value_zero_dtype="none",
@@ -142,9 +144,7 @@ def retrieval_configs(model_config, ranking: list, tops=(2, 4, 8)) -> dict:
     KV head) on the top retrieval heads of `ranking` ([{"layer", "kv_head"}, ...], best first)."""
     default = LowBitConfig.default("K2V2", model_config=model_config)
     key_heads = [e[:2] for e in default.layer_key_bits]  # sorted; the measured order is in options()
-    order = [(18, 2), (7, 2), (8, 0), (4, 0), (7, 1), (3, 2), (3, 1), (8, 2), (17, 1), (23, 0), (6, 2), (9, 0),
-             (6, 1), (20, 2), (5, 2), (5, 1), (23, 2), (5, 0), (9, 2), (24, 0), (24, 1), (24, 2), (10, 0), (10, 1),
-             (10, 2), (28, 2), (28, 1)]
+    order = list(KEY_HEAD_ORDER)
     assert sorted(order) == key_heads, "the measured key-head order no longer matches the default's table"
     budget = len(order)
     out = {"K2V2 default": (default, {})}
@@ -186,9 +186,7 @@ def probes(names, n_layers, base, model_config=None, layers_arg=(), n_heads=0, r
                         cfg.replace(key_axis="token", key_zero_dtype="none"), layers)
     if "niah-key-groups" in names:
         default = LowBitConfig.default("K2V2", model_config=model_config)
-        order = [(18, 2), (7, 2), (8, 0), (4, 0), (7, 1), (3, 2), (3, 1), (8, 2), (17, 1), (23, 0), (6, 2), (9, 0),
-                 (6, 1), (20, 2), (5, 2), (5, 1), (23, 2), (5, 0), (9, 2), (24, 0), (24, 1), (24, 2), (10, 0),
-                 (10, 1), (10, 2), (28, 2), (28, 1)]
+        order = list(KEY_HEAD_ORDER)
         heads = lambda n: tuple(sorted((la, h, 4) for la, h in order[:n]))  # noqa: E731
         for label, change, n in (("key groups of 64 tokens", dict(key_group_size=64), 21),
                                  ("1 FP8 key outlier per group", dict(key_outliers=1, outlier_dtype=F8), 21),
@@ -205,9 +203,7 @@ def probes(names, n_layers, base, model_config=None, layers_arg=(), n_heads=0, r
             raise SystemExit("--probe niah-combined needs --ranking (a lowbit_retrieval_heads.py JSON)")
         top = [(e["layer"], e["kv_head"]) for e in ranking[:8]]
         default = LowBitConfig.default("K2V2", model_config=model_config)
-        order = [(18, 2), (7, 2), (8, 0), (4, 0), (7, 1), (3, 2), (3, 1), (8, 2), (17, 1), (23, 0), (6, 2), (9, 0),
-                 (6, 1), (20, 2), (5, 2), (5, 1), (23, 2), (5, 0), (9, 2), (24, 0), (24, 1), (24, 2), (10, 0),
-                 (10, 1), (10, 2), (28, 2), (28, 1)]
+        order = list(KEY_HEAD_ORDER)
         v4 = tuple((la, h, 4) for la, h in top)
         for outliers, extra in ((2, 0), (1, 5)):
             keys = top + [lh for lh in order if lh not in top][:extra]
