@@ -167,27 +167,28 @@ class LowBitLayer(RowSelectionMixin, CacheLayerMixin):
         k, v = self._dequantized()
         return (torch.cat([self._sink_k, k, self._res_k], -2), torch.cat([self._sink_v, v, self._res_v], -2))
 
+    def _groups(self, x: torch.Tensor, head_bits: dict, bits: int, per_token: bool, group: int, outliers: int,
+                fmt: dict):
+        """`x` `[B, H, S, D]` quantized per token (values' layout) or per channel (keys'), by head where `head_bits`
+        gives some heads other bits."""
+        c = self.config
+        if head_bits:
+            bits = [head_bits.get(h, bits) for h in range(x.shape[1])]
+            quantize = quantize_values_by_head if per_token else quantize_keys_by_head
+        else:
+            quantize = quantize_values if per_token else quantize_keys
+        return quantize(x, bits, group, c.one_bit_mode, c.levels, outliers, **fmt)
+
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize whole groups `k`, `v` `[B, H, n * G, D]` and append them to the quantized prefix."""
         c = self.config
         fmt = dict(scale_dtype=c.key_scale_dtype, zero_dtype=c.key_zero_dtype, outlier_dtype=c.outlier_dtype)
         per_token = c.key_axis == "token"  # keys grouped like the values (per token over value_group_size channels)
-        group = c.value_group_size if per_token else c.key_group_size
-        if self.head_bits:
-            bits = [self.head_bits.get(h, c.key_bits) for h in range(k.shape[1])]
-            qk = (quantize_values_by_head if per_token else quantize_keys_by_head)(
-                self._rotate(k.float(), "k"), bits, group, c.one_bit_mode, c.levels, c.key_outliers, **fmt)
-        else:
-            qk = (quantize_values if per_token else quantize_keys)(
-                self._rotate(k.float(), "k"), c.key_bits, group, c.one_bit_mode, c.levels, c.key_outliers, **fmt)
+        qk = self._groups(self._rotate(k.float(), "k"), self.head_bits, c.key_bits, per_token,
+                          c.value_group_size if per_token else c.key_group_size, c.key_outliers, fmt)
         vfmt = dict(scale_dtype=c.value_scale_dtype, zero_dtype=c.value_zero_dtype, outlier_dtype=c.outlier_dtype)
-        if self.head_value_bits:
-            bits = [self.head_value_bits.get(h, c.value_bits) for h in range(v.shape[1])]
-            qv = quantize_values_by_head(self._rotate(v.float(), "v"), bits, c.value_group_size, c.one_bit_mode,
-                                         c.levels, c.value_outliers, **vfmt)
-        else:
-            qv = quantize_values(self._rotate(v.float(), "v"), c.value_bits, c.value_group_size, c.one_bit_mode,
-                                 c.levels, c.value_outliers, **vfmt)
+        qv = self._groups(self._rotate(v.float(), "v"), self.head_value_bits, c.value_bits, True, c.value_group_size,
+                          c.value_outliers, vfmt)
         self._qk = qk if self._qk is None else self._qk.cat(qk, 2)
         self._qv = qv if self._qv is None else self._qv.cat(qv, 2)
         self._n_quant += k.shape[-2]
