@@ -165,6 +165,8 @@ def main():
                    help="time the CUDA kernel with slot tiles rebuilt into BF16 rows (bit-plane transpose) and without")
     p.add_argument("--pair-sweep", action="store_true",
                    help="time the CUDA kernel and its twin with two warps per split (K warp and V warp) against one")
+    p.add_argument("--ws-sweep", default="", help="warp-specialized kernel configs to time beside the default, as "
+                   "ws:stages:ctas_per_sm,... (e.g. 8:16:1,11:22:1)")
     p.add_argument("--no-triton", action="store_true", help="skip the Triton kernel (fused, twin, breakdown)")
     p.add_argument("--graphs", action="store_true", help="also time the CUDA kernel and the baselines replayed from "
                    "CUDA graphs (GPU time without host launch cost)")
@@ -369,6 +371,49 @@ def main():
                         pairs[key] = f"{type(e).__name__}: {e}"[:200]
                 cuda_info["pair_us"] = pairs
                 print("pair", pairs, flush=True)
+            if args.ws_sweep:
+                # the warp-specialized kernel (one producer warp + ws consumer warps per CTA, one shared ring):
+                # GAAC and its twin planned alike must give the same bits; times, registers and (at the breakdown
+                # shape) the leave-one-stage-out variants
+                timer = bench_graph if args.graphs else bench
+                wsr = {}
+                for spec in args.ws_sweep.split(","):
+                    nc, st, ctas = (int(x) for x in spec.split(":"))
+                    try:
+                        kw = {"ws": nc, "stages": st, "min_ctas": ctas}
+                        pw = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, **kw)
+                        ppw = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, nsplit=pw.nsplit, **kw)
+                        gw = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale,
+                                                        layout, pw)
+                        tw = gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, ppw)
+                        kc, kp = pw.kernels(dev)[0], ppw.kernels(dev)[0]
+                        row = {"nsplit": pw.nsplit, "grid": pw.grid, "smem_per_cta": pw.smem,
+                               "bit_identical_to_twin": torch.equal(gw.view(torch.int16), tw.view(torch.int16)),
+                               "rel_err_vs_fp32": ((gw.float() - ref).norm() / ref.norm()).item(),
+                               "twin_rel_err_vs_fp32": ((tw.float() - ref).norm() / ref.norm()).item(),
+                               "registers": kc.registers, "local_bytes": kc.local_bytes,
+                               "twin_registers": kp.registers,
+                               "ctas_per_sm": kc.blocks_per_sm(pw.warps * 32, pw.smem),
+                               "gaac_us": timer(lambda i, pw=pw: gaac_cuda.decode_attention(
+                                   q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout, pw),
+                                   args.buffers),
+                               "twin_us": timer(lambda i, ppw=ppw: gaac_cuda.plain_decode_attention(
+                                   q, bufs[i][1], bufs[i][2], kv_len, None, scale, ppw), args.buffers)}
+                        if SHAPES.index((name, hq, hkv, d, b, s)) == args.breakdown_shape:
+                            for label, skip in (("no_math", 1), ("no_reconstruction", 2), ("loads_only", 3)):
+                                pv = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes,
+                                                    skip=skip, **kw)
+                                row[f"{label}_us"] = timer(lambda i, pv=pv: gaac_cuda.decode_attention(
+                                    q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout, pv,
+                                    combine=False), args.buffers)
+                            row["split_kernel_only_us"] = timer(lambda i, pw=pw: gaac_cuda.decode_attention(
+                                q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout, pw,
+                                combine=False), args.buffers)
+                        wsr[spec] = row
+                    except Exception as e:  # noqa: BLE001 - a variant may not fit
+                        wsr[spec] = f"{type(e).__name__}: {e}"[:200]
+                    print("ws", spec, wsr[spec], flush=True)
+                cuda_info["ws_us"] = wsr
             if args.twin_sweep and s == 65536 and b == 1 and hq == 32:
                 # the twin's ring depth and CTA shape (its bits depend on the split count alone, kept)
                 twin_sweep = {}

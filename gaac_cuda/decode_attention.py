@@ -38,6 +38,7 @@ DENSE_SLOTS = False  # compressed KV: slots staged as stored by one bulk copy (s
 FMA = False  # compressed KV: exponent codes by multiplies on the FMA pipe (see `plan`)
 ROWS = False  # compressed KV: slot tiles rebuilt into BF16 rows before the mma (see `plan`)
 PAIR_SPLITS_PER_SM = 8  # `plan(pair=True)`: splits (warp pairs) resident per SM, 4 CTAs of 2 pairs under 128 registers
+WS_CTAS_PER_SM = 1  # `plan(ws=n)`: CTAs of n consumer warps + 1 producer warp per SM
 
 
 class _Params(ctypes.Structure):  # mirrors `struct Params` in the kernel source
@@ -88,6 +89,7 @@ class DecodePlan:
     options: tuple
     dynamic: bool = False  # warps claim splits from a counter (`plan(dynamic=True)`)
     pair: bool = False  # two warps per split (`plan(pair=True)`); warp_bytes is then per split
+    ws: int = 0  # consumer warps of the warp-specialized kernel (`plan(ws=n)`); warp_bytes is then per CTA
 
     @property
     def items(self) -> int:
@@ -95,7 +97,7 @@ class DecodePlan:
 
     @property
     def splits_per_cta(self) -> int:
-        return self.warps // 2 if self.pair else self.warps
+        return self.ws if self.ws else self.warps // 2 if self.pair else self.warps
 
     @property
     def grid(self) -> int:
@@ -103,7 +105,7 @@ class DecodePlan:
 
     @property
     def smem(self) -> int:
-        return self.splits_per_cta * self.warp_bytes
+        return self.warp_bytes if self.ws else self.splits_per_cta * self.warp_bytes
 
     def kernels(self, device):
         """(split kernel, combine kernel) of this plan on `device`, compiled once (host cost per call: a dict lookup)."""
@@ -112,19 +114,20 @@ class DecodePlan:
         pair = _kernels.get(key)
         if pair is None:
             src = _source()
-            pair = (nvrtc.get_kernel(src, list(self.options), "gaac_decode_split", device),
+            pair = (nvrtc.get_kernel(src, list(self.options), "gaac_decode_ws" if self.ws else "gaac_decode_split",
+                                     device),
                     nvrtc.get_kernel(src, list(self.options), "gaac_combine", device))
             _kernels[key] = pair
         return pair
 
 
 def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, device, *, slot_bytes: int = 0,
-         plain: bool = False, nsplit: int | None = None, warps: int = 4, stages: int = 2,
+         plain: bool = False, nsplit: int | None = None, warps: int = 4, stages: int | None = None,
          min_ctas: int | None = None, skip: int = 0, trace: bool = False,
          interleave: bool = INTERLEAVE, format_version: int = 1, swizzle: bool = SWIZZLE,
          dynamic: bool = DYNAMIC, split_barriers: bool | None = None, early_v: bool = False,
          pair: bool = False, v_words: int | None = None, rows: bool = ROWS, fma: bool = FMA,
-         dense_slots: bool = DENSE_SLOTS) -> DecodePlan:
+         dense_slots: bool = DENSE_SLOTS, ws: int = 0) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
@@ -150,7 +153,16 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     path's exponent codes brought down by multiplies (FMA pipe) instead of funnel shifts (ALU pipe); same bits.
     `dense_slots` (compressed KV): stage each slot as stored, by one bulk copy, instead of its sign+mantissa rows padded
     against bank conflicts by 16-byte copies per lane (fewer copy instructions, 2-way conflicts; same bits; prepared
-    in session 8, not yet timed)."""
+    in session 8, not yet timed). `ws` (head_dim 64/128, no other option): the warp-specialized kernel, CTAs of `ws`
+    consumer warps and one producer warp that streams the CTA's units through a ring of `stages` stages shared by
+    the CTA (default 2 * ws); `nsplit` then counts consumer warps per kv-head (a multiple of `ws`); same bits for
+    compressed KV and its twin planned alike, not the one-warp kernel's."""
+    if ws:
+        return _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, slot_bytes=slot_bytes, plain=plain,
+                        nsplit=nsplit, ws=ws, stages=2 * ws if stages is None else stages, min_ctas=min_ctas,
+                        skip=skip)
+    if stages is None:
+        stages = 2
     rows = bool(rows and not plain)  # a compressed-KV option, like swizzle for plain KV
     fma = bool(fma and not plain)
     dense_slots = bool(dense_slots and not plain)
@@ -216,6 +228,36 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         nsplit = max(1, min(want, math.ceil(units / MIN_UNITS_PER_SPLIT)))
     return DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes, options,
                       dynamic, pair)
+
+
+def _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, *, slot_bytes, plain, nsplit, ws, stages, min_ctas,
+             skip) -> DecodePlan:
+    if head_dim not in (64, 128):
+        raise ValueError(f"the warp-specialized kernel supports head_dim 64 and 128, not {head_dim}")
+    if not 1 <= rep <= MAX_GROUP_HEADS:
+        raise ValueError(f"the CUDA decode kernel packs at most {MAX_GROUP_HEADS} query heads per kv-head, got {rep}")
+    if not 1 <= ws <= 15 or stages < 1:
+        raise ValueError(f"ws takes 1..15 consumer warps and at least one stage, not ws={ws}, stages={stages}")
+    channels = head_dim
+    raw_bytes = 2 * BLOCK * channels
+    buf = raw_bytes if plain else max(raw_bytes, -(-(slot_bytes + 16 * 16) // 16) * 16)
+    scratch = 0 if plain else 14 * channels
+    header = -(-20 * stages // 128) * 128
+    cta_bytes = -(-(header + stages * 2 * buf + ws * scratch) // 128) * 128
+    ctas = WS_CTAS_PER_SM if min_ctas is None else min_ctas
+    options = (f"-DGAAC_C={channels}", "-DGAAC_TILES=1", f"-DGAAC_PLAIN={int(plain)}", f"-DGAAC_STAGES={stages}",
+               "-DGAAC_WARPS=4", f"-DGAAC_MIN_CTAS={ctas}", f"-DGAAC_WS={ws}", f"-DVT_WORDS={channels // 32}")
+    if skip:
+        options += (f"-DGAAC_SKIP={skip}",)
+    if nsplit is None:  # CTA splits per kv-head: one wave of CTAs (a function of the shape, as the twin must split alike)
+        units = max(1, -(-max_tokens // BLOCK))
+        sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+        csplits = max(1, min(sms * ctas // (batch * kv_heads), math.ceil(units / (MIN_UNITS_PER_SPLIT * ws))))
+        nsplit = csplits * ws
+    if nsplit % ws:
+        raise ValueError(f"nsplit ({nsplit}) counts consumer warps: a multiple of ws ({ws})")
+    return DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, ws + 1, stages, buf, cta_bytes, options,
+                      ws=ws)
 
 
 def _ptr(t: torch.Tensor | None) -> int:

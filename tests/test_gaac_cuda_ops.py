@@ -81,36 +81,57 @@ def test_plan_rejects_shapes_the_kernel_does_not_cover():
         plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, v_words=3)
 
 
+def test_plan_of_the_warp_specialized_kernel():
+    """ws: CTAs of ws consumer warps + 1 producer warp, one ring per CTA (2 ws stages by default); nsplit counts
+    consumer warps, so the grid is one CTA per ws splits."""
+    p = plan(2, 8, 4, 128, 65536, "cpu", nsplit=16 * 8, slot_bytes=2928, ws=8)
+    assert "-DGAAC_WS=8" in p.options and "-DGAAC_STAGES=16" in p.options and p.warps == 9
+    assert (p.items, p.grid, p.splits_per_cta) == (2 * 8 * 128, 2 * 8 * 16, 8)
+    assert p.smem == -(-(384 + 16 * 2 * 4096 + 8 * 14 * 128) // 128) * 128 and p.smem <= 227 * 1024
+    twin = plan(2, 8, 4, 128, 65536, "cpu", nsplit=16 * 8, ws=8, plain=True)
+    assert twin.smem == 384 + 16 * 2 * 4096 and "-DGAAC_PLAIN=1" in twin.options
+    assert plan(1, 8, 4, 64, 1024, "cpu", nsplit=6, ws=3, stages=5).options != plan(
+        1, 8, 4, 64, 1024, "cpu", nsplit=6, ws=3, stages=6).options
+    with pytest.raises(ValueError, match="multiple of ws"):
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=12, ws=8)
+    with pytest.raises(ValueError, match="head_dim 64 and 128"):
+        plan(1, 8, 4, 256, 1024, "cpu", nsplit=8, ws=8)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None or CUOBJDUMP is None or not os.path.isfile(CUOBJDUMP or ""),
                     reason="needs nvcc (CUDA 12.8+) and triton's cuobjdump")
 @pytest.mark.parametrize("config", [(128, 1, 0), (128, 1, 1), (64, 1, 0), (64, 1, 1), (128, 1, 2), (64, 1, 2),
                                     (128, 1, 3), (128, 1, 4), (128, 1, 5), (128, 1, 6), (64, 1, 5), (128, 1, 7),
                                     (64, 1, 7), (128, 1, 8), (64, 1, 8), (128, 1, 9), (64, 1, 9), (128, 1, 10),
-                                    (64, 1, 10), (128, 1, 11), (64, 1, 11), (128, 1, 12), (64, 1, 12)])
+                                    (64, 1, 10), (128, 1, 11), (64, 1, 11), (128, 1, 12), (64, 1, 12), (128, 1, 13),
+                                    (64, 1, 13), (128, 1, 14), (64, 1, 14)])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     """The sm_90a build of every head_dim-64/128 variant, at the plan's default register cap (3 CTAs of 4 warps per
     SM), keeps its state in registers: no stack, no local memory."""
     # kind 0 compressed, 1 plain, 2 plain with swizzled rows, 3/4 compressed/plain dynamic, 5/6 compressed/plain with
     # split barriers, 7 plain with split barriers and early V, 8/9 compressed/plain with two warps per split (their
     # cap: 4 CTAs of 4 warps, 128 registers), 10 compressed with slot tiles rebuilt into BF16 rows, 11 compressed with
-    # the exponent codes by multiplies, 12 compressed with slots staged as stored
+    # the exponent codes by multiplies, 12 compressed with slots staged as stored, 13/14 the warp-specialized kernel
+    # (8 consumer warps + 1 producer per CTA, one CTA per SM), compressed/plain
     c, tiles, kind = config
+    ws = kind in (13, 14)
     out = tmp_path / "k.cubin"
     pair = kind in (8, 9)
-    defs = [f"-DGAAC_C={c}", f"-DGAAC_TILES={tiles}", f"-DGAAC_PLAIN={int(kind in (1, 2, 4, 6, 7, 9))}",
+    defs = [f"-DGAAC_C={c}", f"-DGAAC_TILES={tiles}", f"-DGAAC_PLAIN={int(kind in (1, 2, 4, 6, 7, 9, 14))}",
             f"-DGAAC_SWIZZLE={int(kind == 2)}", f"-DGAAC_DYNAMIC={int(kind in (3, 4))}",
             f"-DGAAC_SPLITBAR={int(kind in (5, 6, 7, 8, 9))}", f"-DGAAC_EARLY_V={int(kind == 7)}",
             f"-DGAAC_PAIR={int(pair)}", f"-DVT_WORDS={2 if kind == 8 else c // 32}", f"-DGAAC_ROWS={int(kind == 10)}",
             f"-DGAAC_FMA={int(kind == 11)}", f"-DGAAC_DENSE_SLOT={int(kind == 12)}",
-            "-DGAAC_STAGES=2", "-DGAAC_WARPS=4", f"-DGAAC_MIN_CTAS={4 if pair else 3}"]
+            f"-DGAAC_STAGES={16 if ws else 2}", "-DGAAC_WARPS=4", f"-DGAAC_MIN_CTAS={1 if ws else 4 if pair else 3}",
+            f"-DGAAC_WS={8 if ws else 0}"]
     subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", *defs, "-x", "cu",
                     _SOURCE_FILE, "-o", str(out)], check=True, capture_output=True)
     usage = subprocess.run([CUOBJDUMP, "-res-usage", str(out)], check=True, capture_output=True, text=True).stdout
     split = [line for line in usage.splitlines() if "REG" in line]
-    fn = usage.split("gaac_decode_split")[1]
+    fn = usage.split("gaac_decode_ws" if ws else "gaac_decode_split")[1]
     regs = int(re.search(r"REG:(\d+)", fn).group(1))
     assert int(re.search(r"STACK:(\d+)", fn).group(1)) == 0 and int(re.search(r"LOCAL:(\d+)", fn).group(1)) == 0, split
-    assert regs <= (128 if pair else 168), split  # 4 (pair) or 3 CTAs of 4 warps per SM
+    assert regs <= (224 if ws else 128 if pair else 168), split  # 4 (pair) or 3 CTAs of 4 warps, or 9 warps per SM
 
 
 def reference_attention(q, k, v, kv_len, mask, scale):
@@ -242,6 +263,30 @@ def test_cuda_compressed_equals_plain_twin(case):
     strided = plain_decode_attention(q, kw[..., :d], vw[..., :d], kv_len, mask, scale, pp)
     assert torch.equal(bits(strided), bits(plain_decode_attention(q, k, v, kv_len, mask, scale, pp)))
 
+
+
+@gpu
+@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[4] in (64, 128)],
+                         ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
+def test_warp_specialized_compressed_equals_plain_twin(case):
+    """The warp-specialized kernel (producer warp + consumer warps, one ring per CTA): compressed KV bit-identical to
+    its twin planned alike, at ring depths below, at and above the consumer count, and close to fp64 attention."""
+    b, h, nrep, lengths, d, kind, cap, pad = case
+    (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout = compressed_case(
+        b, h, nrep, lengths, d, kind, cap, seed=sum(lengths) + d, pad=pad)
+    scale = d ** -0.5
+    ref = reference_attention(q.cpu(), k.cpu(), v.cpu(), kv_len.cpu(), None if mask is None else mask.cpu(), scale)
+    for ws, stages, mult in ((8, 16, None), (4, 3, 1), (3, 8, 2), (11, 22, None)):
+        nsplit = None if mult is None else ws * mult
+        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, ws=ws,
+                  stages=stages)
+        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, ws=ws, stages=stages)
+        for _ in range(2):  # a second launch reuses nothing of the first
+            got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
+            twin = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
+            assert torch.equal(bits(got), bits(twin)), f"ws {ws}, stages {stages}, nsplit {pc.nsplit}"
+        err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, (err, ws, stages, pc.nsplit)
 
 
 @gpu

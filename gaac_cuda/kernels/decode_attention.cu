@@ -814,6 +814,35 @@ __device__ __forceinline__ void write_o(const Params& p, int item, int g, int t,
   }
 }
 
+// Query fragments of kv-head hk of row b (operand B of the score mma): column g = query head g; k pairs (c0, c2),
+// (c1, c3) of word w = t*NKS + s (channels 4w..4w+3), as the K fragments pair them.
+__device__ __forceinline__ void load_query(const Params& p, int b, int hk, int g, int t, u32 (&qb)[TILES][NKS][2]) {
+  const u16* q0 = p.q + ((i64)b * p.heads * p.rep + (i64)hk * p.rep + g) * D;
+#pragma unroll
+  for (int T = 0; T < TILES; ++T)
+#pragma unroll
+    for (int sl = 0; sl < NKS; ++sl) {
+      const int ch = T * C + 4 * (t * NKS + sl);
+      const u32 q01 = g < p.rep ? *reinterpret_cast<const u32*>(q0 + ch) : 0u;
+      const u32 q23 = g < p.rep ? *reinterpret_cast<const u32*>(q0 + ch + 2) : 0u;
+      kpairs(q01, q23, qb[T][sl][0], qb[T][sl][1]);
+    }
+}
+// Windows of the prepass lane's groups (channels (lane*GPL) % C ..) of kv-head hk, per K|V and tile.
+__device__ __forceinline__ void load_bases(const Params& p, int hk, int lane, u32 (&b3)[2][TILES][GPL / 4],
+                                           u32 (&b4)[2][TILES][GPL / 4]) {
+#pragma unroll
+  for (int kv = 0; kv < 2; ++kv)
+#pragma unroll
+    for (int T = 0; T < TILES; ++T)
+#pragma unroll
+      for (int w = 0; w < GPL / 4; ++w) {
+        const i64 at = ((i64)kv * p.heads + hk) * D + T * C + (lane * GPL + 4 * w) % C;
+        b3[kv][T][w] = GAAC_PLAIN ? 0u : *reinterpret_cast<const u32*>(p.base3 + at);
+        b4[kv][T][w] = GAAC_PLAIN ? 0u : *reinterpret_cast<const u32*>(p.base4 + at);
+      }
+}
+
 extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaac_decode_split(const Params p) {
   extern __shared__ __align__(128) u8 smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -872,33 +901,10 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     const int u0 = min(units, split * per), ustep = 1, n = min(units, u0 + per) - u0;
 #endif
 
-    // query fragments (operand B of the score mma): column g = query head g; k pairs (c0, c2), (c1, c3) of word
-    // w = t*NKS + s (channels 4w..4w+3), as the K fragments pair them
     u32 qb[TILES][NKS][2];
-    {
-      const u16* q0 = p.q + ((i64)b * p.heads * p.rep + (i64)hk * p.rep + g) * D;
-#pragma unroll
-      for (int T = 0; T < TILES; ++T)
-#pragma unroll
-        for (int sl = 0; sl < NKS; ++sl) {
-          const int ch = T * C + 4 * (t * NKS + sl);
-          const u32 q01 = g < p.rep ? *reinterpret_cast<const u32*>(q0 + ch) : 0u;
-          const u32 q23 = g < p.rep ? *reinterpret_cast<const u32*>(q0 + ch + 2) : 0u;
-          kpairs(q01, q23, qb[T][sl][0], qb[T][sl][1]);
-        }
-    }
-    // bases of the prepass lane's groups (channels (lane*GPL) % C ..), per K|V and tile
+    load_query(p, b, hk, g, t, qb);
     u32 b3[2][TILES][GPL / 4], b4[2][TILES][GPL / 4];
-#pragma unroll
-    for (int kv = 0; kv < 2; ++kv)
-#pragma unroll
-      for (int T = 0; T < TILES; ++T)
-#pragma unroll
-        for (int w = 0; w < GPL / 4; ++w) {
-          const i64 at = ((i64)kv * p.heads + hk) * D + T * C + (lane * GPL + 4 * w) % C;
-          b3[kv][T][w] = GAAC_PLAIN ? 0u : *reinterpret_cast<const u32*>(p.base3 + at);
-          b4[kv][T][w] = GAAC_PLAIN ? 0u : *reinterpret_cast<const u32*>(p.base4 + at);
-        }
+    load_bases(p, hk, lane, b3, b4);
 
 #if GAAC_ROWS
     // the row decoder's windows: lane task lane % (C / 4) covers channels 8q .. 8q + 7 (q = task % (C / 8)) of each
@@ -1320,6 +1326,198 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     }
   }
 }
+
+#ifndef GAAC_WS  // consumer warps of the warp-specialized kernel gaac_decode_ws (0: that kernel is not built)
+#define GAAC_WS 0
+#endif
+#if GAAC_WS
+#if TILES != 1 || GAAC_PAIR || GAAC_ROWS || GAAC_SPLITBAR || GAAC_DYNAMIC || GAAC_EARLY_V || GAAC_SWIZZLE || \
+    GAAC_TRACE || GAAC_INTERLEAVE || GAAC_FMA
+#error "GAAC_WS: one tile per head (head_dim 64 or 128), one barrier per stage, static contiguous splits, no options"
+#endif
+#define WS_HDR ((20 * GAAC_STAGES + 127) / 128 * 128)  // full and empty barriers and slot bits of every stage
+
+// One unit (16 tokens of K and V, staged in kbuf / vbuf) into a consumer's online softmax and output: the body of
+// the one-warp kernel's unit loop at its defaults.
+__device__ __forceinline__ void ws_unit(const Params& p, const u8* kbuf, const u8* vbuf, u32 slots, const Scratch& scr,
+                                        int lane, int g, int t, const u32 (&qb)[NKS][2], const u32 (&b3)[2][TILES][GPL / 4],
+                                        const u32 (&b4)[2][TILES][GPL / 4], int valid, const u8* mrow, int u, float (&m)[2],
+                                        float (&l)[2], float (&o)[TILES][NVM][4]) {
+  constexpr bool DECODE = !GAAC_PLAIN && !(GAAC_SKIP & 2);
+  const RowSwizzle sw = {};  // (no swizzle, no FMA codes)
+  LaneTags tk, tv;
+  tk.wb = tk.rb = tv.wb = tv.rb = 0;
+  if (DECODE && slots) {
+    if (slots & 1) load_tags(p, kbuf, lane, tk);
+    if (slots & 2) load_tags(p, vbuf, lane, tv);
+    scan_tags(tk, tv, lane);
+  }
+  float sc2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  if (DECODE && (slots & 1)) {
+    prepass(p, kbuf, scr, b3[0][0], b4[0][0], lane, tk);
+    __syncwarp();
+    k_tile<4>(p, kbuf, scr, g, t, qb, sc2, tk.any_raw, sw);
+    __syncwarp();
+  } else {
+    k_tile<0>(p, kbuf, scr, g, t, qb, sc2, false, sw);
+  }
+  u32 pb[2];
+  float alpha[2];
+  softmax_unit(sc2, p.qk_scale, valid, mrow, u, g, m, l, alpha, pb);
+  rescale_o(o, alpha);
+  if (DECODE && (slots & 2)) {
+    prepass(p, vbuf, scr, b3[1][0], b4[1][0], lane, tv);
+    __syncwarp();
+    v_tile<4>(p, vbuf, scr, g, t, pb, o[0], tv.any_raw, sw);
+    __syncwarp();
+  } else {
+    v_tile<0>(p, vbuf, scr, g, t, pb, o[0], false, sw);
+  }
+}
+
+// Warp-specialized split kernel: GAAC_WS consumer warps and one producer warp per CTA. A CTA takes a contiguous
+// range of units of one (row, kv-head) (CTA split cs of p.nsplit / GAAC_WS per head). Its producer warp streams the
+// range in order through one ring of GAAC_STAGES stages shared by the CTA (a stage: one unit's K and V tiles,
+// staged as the one-warp kernel stages them, on a full barrier that completes on lane 0's expect_tx plus the 32 lanes'
+// cp.async arrivals), refilling a stage as soon as its consumer releases it on its empty barrier, so the copies run
+// ahead of the decode by every free stage rather than by one unit per warp. Consumer w takes the range's units w,
+// w + GAAC_WS, ... and writes its partial as split cs * GAAC_WS + w: the bits depend on the split counts alone.
+extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) gaac_decode_ws(const Params p) {
+  extern __shared__ __align__(128) u8 smem[];
+  constexpr int S = GAAC_STAGES, NC = GAAC_WS;
+  constexpr int SCRATCH = GAAC_PLAIN ? 0 : 7 * G;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int csplits = p.nsplit / NC;
+  const int b = blockIdx.x / (p.heads * csplits), hk = (blockIdx.x / csplits) % p.heads, cs = blockIdx.x % csplits;
+  const u32 full = smem_u32(smem), empty = full + 8 * S;
+  volatile u32* kinds = reinterpret_cast<volatile u32*>(smem + 16 * S);
+  u8* ring = smem + WS_HDR;
+  if (threadIdx.x == 0) {
+#pragma unroll 1
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full + 8 * s, 33);  // lane 0's expect_tx + 32 cp.async arrivals of the producer
+      mbar_init(empty + 8 * s, 1);  // the consumer's lane 0
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int len = p.kv_len[b];
+  const int nb = len >> 4, tl = len & 15;
+  const int units = nb + (tl > 0 ? 1 : 0);
+  const int per = (units + csplits - 1) / csplits;
+  const int u0 = min(units, cs * per), n = min(units, u0 + per) - u0;
+
+  if (warp == NC) {  // the producer
+    const int* trow = p.table + (i64)b * p.table_sb;
+    const int tstride = 2 * p.heads;
+    constexpr int SM_STEP = (32 / (C / 16)) * SM_ROW;  // buffer bytes between a lane's sign+mantissa chunks
+    constexpr int BF_ROWS = 32 / (C / 8);              // BF16 rows between a lane's chunks
+    const u32 sm_lane = (lane / (C / 16)) * SM_ROW + 16 * (lane % (C / 16));
+    const int bf_row = lane / (C / 8), bf_col = 16 * (lane % (C / 8));
+    const i64 row_bytes = 2 * p.kv_ss;
+    // table entries, 32 units per load (lane i: unit j0 + i), one batch ahead of the copies
+    auto fetch = [&](int j0, int& ek, int& ev) {
+      const int j = j0 + lane;
+      ek = ev = 0;
+      if (!GAAC_PLAIN && j < n && u0 + j < nb) {
+        const int* e = trow + (i64)(u0 + j) * tstride + hk;
+        ek = e[0];
+        ev = e[p.heads];
+      }
+    };
+    int ek, ev, ek2, ev2;
+    fetch(0, ek, ev);
+    fetch(32, ek2, ev2);
+#pragma unroll 1
+    for (int j = 0; j < n; ++j) {
+      if (j && (j & 31) == 0) {
+        ek = ek2, ev = ev2;
+        fetch(j + 32, ek2, ev2);
+      }
+      const int st = j % S;
+      if (j >= S) mbar_wait(empty + 8 * st, ((j / S) + 1) & 1);  // unit j - S's consumer is done with the stage
+      const int e[2] = {__shfl_sync(0xffffffffu, ek, j & 31), __shfl_sync(0xffffffffu, ev, j & 31)};
+      const int u = u0 + j;
+      const bool tail = u >= nb;
+      const int valid = tail ? tl : 16;
+      u32 bytes = 0, slots = 0;
+#pragma unroll
+      for (int kv = 0; kv < 2; ++kv) {
+        if (!GAAC_PLAIN && !tail && e[kv] >= 0) {
+          bytes += (u32)(p.slot_bytes - 16 * C);
+          slots |= 1u << kv;
+        } else if (!GAAC_PLAIN && !tail) {
+          bytes += 32 * C;
+        }
+      }
+      if (lane == 0) kinds[st] = slots;
+      fence_async();
+      const u32 bar = full + 8 * st;
+      if (lane == 0) mbar_expect(bar, bytes);
+#pragma unroll
+      for (int kv = 0; kv < 2; ++kv) {
+        u8* dst = ring + (st * 2 + kv) * p.buf_bytes;
+        if (!GAAC_PLAIN && !tail && e[kv] >= 0) {  // a slot: sign+mantissa rows padded, then its group section
+          const u8* src = p.slots + (i64)e[kv] * p.slot_bytes;
+          const u8* sl = src + 16 * lane;
+          const u32 dl = smem_u32(dst) + sm_lane;
+#pragma unroll
+          for (int i = 0; i < C / 32; ++i) cp_async16(dl + i * SM_STEP, sl + 512 * i);
+          if (lane == kv) bulk_copy(smem_u32(dst + SM_SECTION), src + 16 * C, (u32)(p.slot_bytes - 16 * C), bar);
+        } else if (!GAAC_PLAIN && !tail) {  // a raw tile
+          if (lane == kv) bulk_copy(smem_u32(dst), p.raw + (i64)(-1 - e[kv]) * 16 * C, 32 * C, bar);
+        } else {  // plain block rows, or the tail's: 16-byte copies per lane, rows past the valid ones zero-filled
+          const u16* rows = (kv ? p.kv_v : p.kv_k) + (i64)b * p.kv_sb + (i64)hk * p.kv_sh +
+                            (GAAC_PLAIN ? (i64)16 * u * p.kv_ss : 0);
+          const u8* sl = reinterpret_cast<const u8*>(rows) + bf_row * row_bytes + bf_col;
+#pragma unroll
+          for (int i = 0; i < C / 16; ++i) {
+            u8* dl = dst + (bf_row + i * BF_ROWS) * 2 * C + bf_col;
+            if (bf_row + BF_ROWS * i < valid) cp_async16(smem_u32(dl), sl + i * BF_ROWS * row_bytes);
+            else *reinterpret_cast<uint4*>(dl) = make_uint4(0, 0, 0, 0);
+          }
+        }
+      }
+      cp_async_arrive(bar);
+    }
+    // leave once the consumers have read the last stages (none of this warp's copies still in flight)
+#pragma unroll 1
+    for (int j = max(0, n - S); j < n; ++j) mbar_wait(empty + 8 * (j % S), (j / S) & 1);
+    return;
+  }
+
+  // a consumer
+  Scratch scr;
+  scr.base = ring + S * 2 * p.buf_bytes + warp * SCRATCH;
+  scr.planes = scr.base + G;
+  scr.raw = scr.planes + 5 * G;
+  u32 qb[TILES][NKS][2];
+  load_query(p, b, hk, g, t, qb);
+  u32 b3[2][TILES][GPL / 4], b4[2][TILES][GPL / 4];
+  load_bases(p, hk, lane, b3, b4);
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+  float o[TILES][NVM][4];
+#pragma unroll
+  for (int n2 = 0; n2 < NVM; ++n2)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) o[0][n2][c] = 0.f;
+  const u8* mrow = p.mask ? p.mask + (i64)b * p.mask_sb : nullptr;
+#pragma unroll 1
+  for (int j = warp; j < n; j += NC) {
+    const int st = j % S, u = u0 + j;
+    mbar_wait(full + 8 * st, (j / S) & 1);
+    const u8* kbuf = ring + st * 2 * p.buf_bytes;
+    ws_unit(p, kbuf, kbuf + p.buf_bytes, kinds[st], scr, lane, g, t, qb[0], b3, b4, u >= nb ? tl : 16,
+            mrow, u, m, l, o);
+    __syncwarp();  // every lane has read the stage
+    if (lane == 0) mbar_arrive(empty + 8 * st);
+  }
+  const int item = (b * p.heads + hk) * p.nsplit + cs * NC + warp;
+  write_ml(p, item, g, t, m, l);
+  write_o(p, item, g, t, o);
+}
+#endif  // GAAC_WS
 
 // out[b, hq, 32c .. 32c + 31] = merge of the nsplit partials of (b, hq) for one chunk c of 32 channels. One block of
 // COMBINE_WARPS warps per (row, query head, chunk) (lane = channel): warp w takes splits w, w + COMBINE_WARPS, ...,
