@@ -378,9 +378,10 @@ def main():
                 timer = bench_graph if args.graphs else bench
                 wsr = {}
                 for spec in args.ws_sweep.split(","):
-                    nc, st, ctas = (int(x) for x in spec.split(":"))
+                    parts = spec.split(":")
+                    nc, st, ctas = (int(x) for x in parts[:3])
                     try:
-                        kw = {"ws": nc, "stages": st, "min_ctas": ctas}
+                        kw = {"ws": nc, "stages": st, "min_ctas": ctas, "dense_slots": parts[3:] != ["p"]}
                         pw = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, **kw)
                         ppw = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, nsplit=pw.nsplit, **kw)
                         gw = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale,

@@ -39,6 +39,7 @@ FMA = False  # compressed KV: exponent codes by multiplies on the FMA pipe (see 
 ROWS = False  # compressed KV: slot tiles rebuilt into BF16 rows before the mma (see `plan`)
 PAIR_SPLITS_PER_SM = 8  # `plan(pair=True)`: splits (warp pairs) resident per SM, 4 CTAs of 2 pairs under 128 registers
 WS_CTAS_PER_SM = 1  # `plan(ws=n)`: CTAs of n consumer warps + 1 producer warp per SM
+WS_DENSE_SLOTS = True  # `plan(ws=n)`: slots staged as stored, one bulk copy each (the producer's issue rate)
 
 
 class _Params(ctypes.Structure):  # mirrors `struct Params` in the kernel source
@@ -127,7 +128,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
          interleave: bool = INTERLEAVE, format_version: int = 1, swizzle: bool = SWIZZLE,
          dynamic: bool = DYNAMIC, split_barriers: bool | None = None, early_v: bool = False,
          pair: bool = False, v_words: int | None = None, rows: bool = ROWS, fma: bool = FMA,
-         dense_slots: bool = DENSE_SLOTS, ws: int = 0) -> DecodePlan:
+         dense_slots: bool | None = None, ws: int = 0) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
@@ -160,9 +161,11 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     if ws:
         return _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, slot_bytes=slot_bytes, plain=plain,
                         nsplit=nsplit, ws=ws, stages=2 * ws if stages is None else stages, min_ctas=min_ctas,
-                        skip=skip)
+                        skip=skip, dense_slots=WS_DENSE_SLOTS if dense_slots is None else dense_slots)
     if stages is None:
         stages = 2
+    if dense_slots is None:
+        dense_slots = DENSE_SLOTS
     rows = bool(rows and not plain)  # a compressed-KV option, like swizzle for plain KV
     fma = bool(fma and not plain)
     dense_slots = bool(dense_slots and not plain)
@@ -231,22 +234,25 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
 
 
 def _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, *, slot_bytes, plain, nsplit, ws, stages, min_ctas,
-             skip) -> DecodePlan:
+             skip, dense_slots) -> DecodePlan:
     if head_dim not in (64, 128):
         raise ValueError(f"the warp-specialized kernel supports head_dim 64 and 128, not {head_dim}")
     if not 1 <= rep <= MAX_GROUP_HEADS:
         raise ValueError(f"the CUDA decode kernel packs at most {MAX_GROUP_HEADS} query heads per kv-head, got {rep}")
-    if not 1 <= ws <= 15 or stages < 1:
-        raise ValueError(f"ws takes 1..15 consumer warps and at least one stage, not ws={ws}, stages={stages}")
+    if not 1 <= ws <= 15 or stages < ws:
+        # a consumer waits on a stage barrier by parity, so it may run at most one phase ahead: stages >= ws
+        raise ValueError(f"ws takes 1..15 consumer warps and at least as many stages, not ws={ws}, stages={stages}")
     channels = head_dim
     raw_bytes = 2 * BLOCK * channels
-    buf = raw_bytes if plain else max(raw_bytes, -(-(slot_bytes + 16 * 16) // 16) * 16)
+    dense_slots = bool(dense_slots and not plain)
+    buf = raw_bytes if plain else max(raw_bytes, -(-(slot_bytes + (0 if dense_slots else 16 * 16)) // 16) * 16)
     scratch = 0 if plain else 14 * channels
     header = -(-20 * stages // 128) * 128
     cta_bytes = -(-(header + stages * 2 * buf + ws * scratch) // 128) * 128
     ctas = WS_CTAS_PER_SM if min_ctas is None else min_ctas
     options = (f"-DGAAC_C={channels}", "-DGAAC_TILES=1", f"-DGAAC_PLAIN={int(plain)}", f"-DGAAC_STAGES={stages}",
-               "-DGAAC_WARPS=4", f"-DGAAC_MIN_CTAS={ctas}", f"-DGAAC_WS={ws}", f"-DVT_WORDS={channels // 32}")
+               "-DGAAC_WARPS=4", f"-DGAAC_MIN_CTAS={ctas}", f"-DGAAC_WS={ws}", f"-DVT_WORDS={channels // 32}",
+               f"-DGAAC_DENSE_SLOT={int(dense_slots)}")
     if skip:
         options += (f"-DGAAC_SKIP={skip}",)
     if nsplit is None:  # CTA splits per kv-head: one wave of CTAs (a function of the shape, as the twin must split alike)

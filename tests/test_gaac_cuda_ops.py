@@ -96,6 +96,12 @@ def test_plan_of_the_warp_specialized_kernel():
         plan(1, 8, 4, 128, 1024, "cpu", nsplit=12, ws=8)
     with pytest.raises(ValueError, match="head_dim 64 and 128"):
         plan(1, 8, 4, 256, 1024, "cpu", nsplit=8, ws=8)
+    with pytest.raises(ValueError, match="as many stages"):  # parity waits: a consumer at most one phase ahead
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=8, ws=8, stages=7)
+    # slots staged as stored by default (one bulk copy each), padded rows on request
+    assert "-DGAAC_DENSE_SLOT=1" in p.options and p.buf_bytes == 4096
+    assert "-DGAAC_DENSE_SLOT=0" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=8, ws=8, slot_bytes=4000,
+                                         dense_slots=False).options
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or CUOBJDUMP is None or not os.path.isfile(CUOBJDUMP or ""),
@@ -112,7 +118,7 @@ def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     # split barriers, 7 plain with split barriers and early V, 8/9 compressed/plain with two warps per split (their
     # cap: 4 CTAs of 4 warps, 128 registers), 10 compressed with slot tiles rebuilt into BF16 rows, 11 compressed with
     # the exponent codes by multiplies, 12 compressed with slots staged as stored, 13/14 the warp-specialized kernel
-    # (8 consumer warps + 1 producer per CTA, one CTA per SM), compressed/plain
+    # (8 consumer warps + 1 producer per CTA, one CTA per SM; slots staged as stored), compressed/plain
     c, tiles, kind = config
     ws = kind in (13, 14)
     out = tmp_path / "k.cubin"
@@ -121,7 +127,7 @@ def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
             f"-DGAAC_SWIZZLE={int(kind == 2)}", f"-DGAAC_DYNAMIC={int(kind in (3, 4))}",
             f"-DGAAC_SPLITBAR={int(kind in (5, 6, 7, 8, 9))}", f"-DGAAC_EARLY_V={int(kind == 7)}",
             f"-DGAAC_PAIR={int(pair)}", f"-DVT_WORDS={2 if kind == 8 else c // 32}", f"-DGAAC_ROWS={int(kind == 10)}",
-            f"-DGAAC_FMA={int(kind == 11)}", f"-DGAAC_DENSE_SLOT={int(kind == 12)}",
+            f"-DGAAC_FMA={int(kind == 11)}", f"-DGAAC_DENSE_SLOT={int(kind in (12, 13))}",
             f"-DGAAC_STAGES={16 if ws else 2}", "-DGAAC_WARPS=4", f"-DGAAC_MIN_CTAS={1 if ws else 4 if pair else 3}",
             f"-DGAAC_WS={8 if ws else 0}"]
     subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", *defs, "-x", "cu",
@@ -276,10 +282,10 @@ def test_warp_specialized_compressed_equals_plain_twin(case):
         b, h, nrep, lengths, d, kind, cap, seed=sum(lengths) + d, pad=pad)
     scale = d ** -0.5
     ref = reference_attention(q.cpu(), k.cpu(), v.cpu(), kv_len.cpu(), None if mask is None else mask.cpu(), scale)
-    for ws, stages, mult in ((8, 16, None), (4, 3, 1), (3, 8, 2), (11, 22, None)):
+    for ws, stages, mult, dense in ((8, 16, None, True), (4, 4, 1, True), (3, 8, 2, False), (11, 22, None, False)):
         nsplit = None if mult is None else ws * mult
         pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, ws=ws,
-                  stages=stages)
+                  stages=stages, dense_slots=dense)
         pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, ws=ws, stages=stages)
         for _ in range(2):  # a second launch reuses nothing of the first
             got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)

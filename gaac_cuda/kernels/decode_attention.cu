@@ -1416,6 +1416,7 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
     const u32 sm_lane = (lane / (C / 16)) * SM_ROW + 16 * (lane % (C / 16));
     const int bf_row = lane / (C / 8), bf_col = 16 * (lane % (C / 8));
     const i64 row_bytes = 2 * p.kv_ss;
+    const bool bulk_plain = GAAC_PLAIN && p.kv_ss == C;  // plain blocks of 16 contiguous rows: one bulk copy each
     // table entries, 32 units per load (lane i: unit j0 + i), one batch ahead of the copies
     auto fetch = [&](int j0, int& ek, int& ev) {
       const int j = j0 + lane;
@@ -1445,31 +1446,38 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
 #pragma unroll
       for (int kv = 0; kv < 2; ++kv) {
         if (!GAAC_PLAIN && !tail && e[kv] >= 0) {
-          bytes += (u32)(p.slot_bytes - 16 * C);
+          bytes += (u32)(GAAC_DENSE_SLOT ? p.slot_bytes : p.slot_bytes - 16 * C);
           slots |= 1u << kv;
-        } else if (!GAAC_PLAIN && !tail) {
+        } else if (!tail && (!GAAC_PLAIN || bulk_plain)) {
           bytes += 32 * C;
         }
       }
+      // (no proxy fence: the stage's last reads happened before its consumer's arrival on the empty barrier, which
+      // this warp waited for; a fence here per unit serialized the producer on its copies in flight)
       if (lane == 0) kinds[st] = slots;
-      fence_async();
       const u32 bar = full + 8 * st;
       if (lane == 0) mbar_expect(bar, bytes);
 #pragma unroll
       for (int kv = 0; kv < 2; ++kv) {
         u8* dst = ring + (st * 2 + kv) * p.buf_bytes;
-        if (!GAAC_PLAIN && !tail && e[kv] >= 0) {  // a slot: sign+mantissa rows padded, then its group section
+        const u16* rows = (kv ? p.kv_v : p.kv_k) + (i64)b * p.kv_sb + (i64)hk * p.kv_sh +
+                          (GAAC_PLAIN ? (i64)16 * u * p.kv_ss : 0);
+        if (!GAAC_PLAIN && !tail && e[kv] >= 0) {
           const u8* src = p.slots + (i64)e[kv] * p.slot_bytes;
-          const u8* sl = src + 16 * lane;
-          const u32 dl = smem_u32(dst) + sm_lane;
+          if (GAAC_DENSE_SLOT) {  // the slot as stored, one bulk copy
+            if (lane == kv) bulk_copy(smem_u32(dst), src, (u32)p.slot_bytes, bar);
+          } else {  // sign+mantissa rows padded by 16-byte copies per lane, then the group section
+            const u8* sl = src + 16 * lane;
+            const u32 dl = smem_u32(dst) + sm_lane;
 #pragma unroll
-          for (int i = 0; i < C / 32; ++i) cp_async16(dl + i * SM_STEP, sl + 512 * i);
-          if (lane == kv) bulk_copy(smem_u32(dst + SM_SECTION), src + 16 * C, (u32)(p.slot_bytes - 16 * C), bar);
-        } else if (!GAAC_PLAIN && !tail) {  // a raw tile
-          if (lane == kv) bulk_copy(smem_u32(dst), p.raw + (i64)(-1 - e[kv]) * 16 * C, 32 * C, bar);
+            for (int i = 0; i < C / 32; ++i) cp_async16(dl + i * SM_STEP, sl + 512 * i);
+            if (lane == kv) bulk_copy(smem_u32(dst + SM_SECTION), src + 16 * C, (u32)(p.slot_bytes - 16 * C), bar);
+          }
+        } else if (!tail && (!GAAC_PLAIN || bulk_plain)) {  // a raw tile, or a plain block of contiguous rows
+          const void* src = GAAC_PLAIN ? static_cast<const void*>(rows)
+                                       : static_cast<const void*>(p.raw + (i64)(-1 - e[kv]) * 16 * C);
+          if (lane == kv) bulk_copy(smem_u32(dst), src, 32 * C, bar);
         } else {  // plain block rows, or the tail's: 16-byte copies per lane, rows past the valid ones zero-filled
-          const u16* rows = (kv ? p.kv_v : p.kv_k) + (i64)b * p.kv_sb + (i64)hk * p.kv_sh +
-                            (GAAC_PLAIN ? (i64)16 * u * p.kv_ss : 0);
           const u8* sl = reinterpret_cast<const u8*>(rows) + bf_row * row_bytes + bf_col;
 #pragma unroll
           for (int i = 0; i < C / 16; ++i) {
