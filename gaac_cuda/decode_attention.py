@@ -239,9 +239,10 @@ def _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, *, slot_bytes, 
         raise ValueError(f"the warp-specialized kernel supports head_dim 64 and 128, not {head_dim}")
     if not 1 <= rep <= MAX_GROUP_HEADS:
         raise ValueError(f"the CUDA decode kernel packs at most {MAX_GROUP_HEADS} query heads per kv-head, got {rep}")
-    if not 1 <= ws <= 15 or stages < ws:
-        # a consumer waits on a stage barrier by parity, so it may run at most one phase ahead: stages >= ws
-        raise ValueError(f"ws takes 1..15 consumer warps and at least as many stages, not ws={ws}, stages={stages}")
+    if not 1 <= ws <= 15 or stages < ws or stages % ws:
+        # a consumer waits on a stage barrier by parity, which is sound at most one phase ahead: with stages a
+        # multiple of ws every stage has one consumer, which sees its phases in order
+        raise ValueError(f"ws takes 1..15 consumer warps and a multiple of ws stages, not ws={ws}, stages={stages}")
     channels = head_dim
     raw_bytes = 2 * BLOCK * channels
     dense_slots = bool(dense_slots and not plain)

@@ -90,14 +90,15 @@ def test_plan_of_the_warp_specialized_kernel():
     assert p.smem == -(-(384 + 16 * 2 * 4096 + 8 * 14 * 128) // 128) * 128 and p.smem <= 227 * 1024
     twin = plan(2, 8, 4, 128, 65536, "cpu", nsplit=16 * 8, ws=8, plain=True)
     assert twin.smem == 384 + 16 * 2 * 4096 and "-DGAAC_PLAIN=1" in twin.options
-    assert plan(1, 8, 4, 64, 1024, "cpu", nsplit=6, ws=3, stages=5).options != plan(
+    assert plan(1, 8, 4, 64, 1024, "cpu", nsplit=6, ws=3, stages=3).options != plan(
         1, 8, 4, 64, 1024, "cpu", nsplit=6, ws=3, stages=6).options
     with pytest.raises(ValueError, match="multiple of ws"):
         plan(1, 8, 4, 128, 1024, "cpu", nsplit=12, ws=8)
     with pytest.raises(ValueError, match="head_dim 64 and 128"):
         plan(1, 8, 4, 256, 1024, "cpu", nsplit=8, ws=8)
-    with pytest.raises(ValueError, match="as many stages"):  # parity waits: a consumer at most one phase ahead
-        plan(1, 8, 4, 128, 1024, "cpu", nsplit=8, ws=8, stages=7)
+    for stages in (7, 12):  # parity waits: one consumer per stage, so stages is a multiple of ws
+        with pytest.raises(ValueError, match="multiple of ws stages"):
+            plan(1, 8, 4, 128, 1024, "cpu", nsplit=8, ws=8, stages=stages)
     # slots staged as stored by default (one bulk copy each), padded rows on request
     assert "-DGAAC_DENSE_SLOT=1" in p.options and p.buf_bytes == 4096
     assert "-DGAAC_DENSE_SLOT=0" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=8, ws=8, slot_bytes=4000,
@@ -276,13 +277,14 @@ def test_cuda_compressed_equals_plain_twin(case):
                          ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
 def test_warp_specialized_compressed_equals_plain_twin(case):
     """The warp-specialized kernel (producer warp + consumer warps, one ring per CTA): compressed KV bit-identical to
-    its twin planned alike, at ring depths below, at and above the consumer count, and close to fp64 attention."""
+    its twin planned alike, with one, two and three stages per consumer, and close to fp64 attention."""
     b, h, nrep, lengths, d, kind, cap, pad = case
     (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout = compressed_case(
         b, h, nrep, lengths, d, kind, cap, seed=sum(lengths) + d, pad=pad)
     scale = d ** -0.5
     ref = reference_attention(q.cpu(), k.cpu(), v.cpu(), kv_len.cpu(), None if mask is None else mask.cpu(), scale)
-    for ws, stages, mult, dense in ((8, 16, None, True), (4, 4, 1, True), (3, 8, 2, False), (11, 22, None, False)):
+    for ws, stages, mult, dense in ((8, 16, None, True), (4, 4, 1, True), (3, 9, 2, False), (11, 22, None, False),
+                                    (2, 4, 3, True)):
         nsplit = None if mult is None else ws * mult
         pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, ws=ws,
                   stages=stages, dense_slots=dense)

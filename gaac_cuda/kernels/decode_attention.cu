@@ -172,6 +172,10 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
+// 16 bytes from global memory, or 16 zero bytes when `full` is false (nothing read): completes like any cp.async
+__device__ __forceinline__ void cp_async16_or_zero(u32 dst, const void* src, bool full) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(full ? 16u : 0u) : "memory");
+}
 // arrive on the mbarrier once this thread's earlier cp.async copies have landed (counted in the barrier's init)
 __device__ __forceinline__ void cp_async_arrive(u32 bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
@@ -1335,6 +1339,9 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     GAAC_TRACE || GAAC_INTERLEAVE || GAAC_FMA
 #error "GAAC_WS: one tile per head (head_dim 64 or 128), one barrier per stage, static contiguous splits, no options"
 #endif
+#if GAAC_STAGES % GAAC_WS
+#error "GAAC_WS: GAAC_STAGES must be a multiple of GAAC_WS (one consumer per stage)"
+#endif
 #define WS_HDR ((20 * GAAC_STAGES + 127) / 128 * 128)  // full and empty barriers and slot bits of every stage
 
 // One unit (16 tokens of K and V, staged in kbuf / vbuf) into a consumer's online softmax and output: the body of
@@ -1382,6 +1389,8 @@ __device__ __forceinline__ void ws_unit(const Params& p, const u8* kbuf, const u
 // cp.async arrivals), refilling a stage as soon as its consumer releases it on its empty barrier, so the copies run
 // ahead of the decode by every free stage rather than by one unit per warp. Consumer w takes the range's units w,
 // w + GAAC_WS, ... and writes its partial as split cs * GAAC_WS + w: the bits depend on the split counts alone.
+// GAAC_STAGES is a multiple of GAAC_WS, so every stage has one consumer, which sees its phases in order (a parity
+// wait is only sound at most one phase ahead of the barrier).
 extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) gaac_decode_ws(const Params p) {
   extern __shared__ __align__(128) u8 smem[];
   constexpr int S = GAAC_STAGES, NC = GAAC_WS;
@@ -1478,12 +1487,13 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
                                        : static_cast<const void*>(p.raw + (i64)(-1 - e[kv]) * 16 * C);
           if (lane == kv) bulk_copy(smem_u32(dst), src, 32 * C, bar);
         } else {  // plain block rows, or the tail's: 16-byte copies per lane, rows past the valid ones zero-filled
+          // by the copy itself (a store of this warp's would not be ordered before the consumer's reads)
           const u8* sl = reinterpret_cast<const u8*>(rows) + bf_row * row_bytes + bf_col;
 #pragma unroll
           for (int i = 0; i < C / 16; ++i) {
-            u8* dl = dst + (bf_row + i * BF_ROWS) * 2 * C + bf_col;
-            if (bf_row + BF_ROWS * i < valid) cp_async16(smem_u32(dl), sl + i * BF_ROWS * row_bytes);
-            else *reinterpret_cast<uint4*>(dl) = make_uint4(0, 0, 0, 0);
+            const bool in = bf_row + BF_ROWS * i < valid;
+            cp_async16_or_zero(smem_u32(dst + (bf_row + i * BF_ROWS) * 2 * C + bf_col),
+                               in ? sl + i * BF_ROWS * row_bytes : sl, in);
           }
         }
       }
