@@ -273,10 +273,10 @@ def main():
                     key = f"stages{stages}_warps{warps}_minctas{min_ctas}_split{mult}x"
                     try:
                         pcs = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes,
-                                             stages=stages, warps=warps, min_ctas=min_ctas)
+                                             stages=stages, warps=warps, min_ctas=min_ctas, ws=0)
                         pcm = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes,
                                              stages=stages, warps=warps, min_ctas=min_ctas,
-                                             nsplit=max(1, int(pcs.nsplit * mult)))
+                                             nsplit=max(1, int(pcs.nsplit * mult)), ws=0)
                         us = (bench_graph if args.graphs else bench)(lambda i, pcm=pcm: gaac_cuda.decode_attention(
                             q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout,
                             pcm), args.buffers)
@@ -291,8 +291,11 @@ def main():
                 rows = {}
                 timer = bench_graph if args.graphs else bench
                 for on in (False, True):
-                    po = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, **{option: on})
-                    ppo = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, nsplit=po.nsplit, **{option: on})
+                    # (the one-warp kernel's options: its plans on and off)
+                    po = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, ws=0,
+                                        **{option: on})
+                    ppo = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, nsplit=po.nsplit, ws=0,
+                                         **{option: on})
                     go = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout,
                                                     po)
                     to = gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, ppo)
@@ -306,7 +309,7 @@ def main():
                            "twin_us": timer(lambda i, ppo=ppo: gaac_cuda.plain_decode_attention(
                                q, bufs[i][1], bufs[i][2], kv_len, None, scale, ppo), args.buffers)}
                     if SHAPES.index((name, hq, hkv, d, b, s)) == args.breakdown_shape:
-                        pv = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, skip=3,
+                        pv = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, skip=3, ws=0,
                                             **{option: on})
                         row["loads_only_us"] = timer(lambda i, pv=pv: gaac_cuda.decode_attention(
                             q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout, pv,
@@ -335,7 +338,7 @@ def main():
                                                 nsplit=int(po.nsplit * mult), **kw)
                         ppo = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, pair=True, nsplit=po.nsplit)
                         p1 = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes,
-                                            nsplit=po.nsplit)
+                                            nsplit=po.nsplit, ws=0)
                         go = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale,
                                                         layout, po)
                         to = gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, ppo)
@@ -422,7 +425,7 @@ def main():
                     key = f"stages{stages}_warps{warps}"
                     try:
                         ppv = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, stages=stages, warps=warps,
-                                             nsplit=pc.nsplit)
+                                             nsplit=pc.nsplit, ws=0)
                         same = torch.equal(gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, ppv)
                                            .view(torch.int16), twin.view(torch.int16))
                         us = (bench_graph if args.graphs else bench)(lambda i, ppv=ppv: gaac_cuda.plain_decode_attention(

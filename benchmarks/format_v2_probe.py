@@ -130,12 +130,12 @@ def main():
         p1, info1 = compress(k, v)
         l1 = TileLayout(tile_split(d)[1], info1["escape_capacity"])
         p2, l2, info2 = compress_v2(k, v)
-        pp = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True)
+        pp = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, ws=0)
         twin = gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, pp)
         row = {"shape": f"{hq}/{hkv}/{d} {b}x{s}", "bf16_bytes": 4 * k.numel()}
         for label, packed, layout, info, fmt in (("format_1", p1, l1, info1, 1), ("format_2_prototype", p2, l2, info2, 2)):
             pc = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, format_version=fmt,
-                                nsplit=pp.nsplit)
+                                nsplit=pp.nsplit, ws=0)
             got = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout, pc)
             bufs = [packed] + [tuple(x.clone() for x in packed) for _ in range(args.buffers - 1)]
 
@@ -151,7 +151,7 @@ def main():
             if (b, s, hq) == (1, 65536, 32):
                 for skip, key in ((1, "no_math_us"), (2, "no_reconstruction_us")):
                     pv = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes,
-                                        format_version=fmt, nsplit=pp.nsplit, skip=skip)
+                                        format_version=fmt, nsplit=pp.nsplit, skip=skip, ws=0)
                     entry[key] = bench_graph(lambda i, pv=pv: run(i, skip_plan=pv), args.buffers)
             row[label] = entry
         row["twin_us"] = bench_graph(lambda i: gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, pp),

@@ -38,8 +38,14 @@ DENSE_SLOTS = False  # compressed KV: slots staged as stored by one bulk copy (s
 FMA = False  # compressed KV: exponent codes by multiplies on the FMA pipe (see `plan`)
 ROWS = False  # compressed KV: slot tiles rebuilt into BF16 rows before the mma (see `plan`)
 PAIR_SPLITS_PER_SM = 8  # `plan(pair=True)`: splits (warp pairs) resident per SM, 4 CTAs of 2 pairs under 128 registers
-WS_CTAS_PER_SM = 1  # `plan(ws=n)`: CTAs of n consumer warps + 1 producer warp per SM
-WS_DENSE_SLOTS = True  # `plan(ws=n)`: slots staged as stored, one bulk copy each (the producer's issue rate)
+# The warp-specialized kernel (`plan(ws=n)`), the default at head_dim 64/128 without one-warp options: CTAs of WS
+# consumer warps + 1 producer warp, WS_STAGES ring stages, WS_CTAS_PER_SM CTAs per SM. Session 10 on the H200
+# (benchmarks/results/attention_cuda.md): its twin 0.93-0.97x cuDNN at batch 1 (one-warp kernel 0.85-0.88x), the
+# compressed kernel within -7..+10% of the one-warp kernel, loads alone 54-56 us at 1x64K (one-warp: 62.7)
+WS = 2
+WS_STAGES = 4
+WS_CTAS_PER_SM = 4
+WS_DENSE_SLOTS = True  # slots staged as stored, one bulk copy each (the producer's issue rate)
 
 
 class _Params(ctypes.Structure):  # mirrors `struct Params` in the kernel source
@@ -128,7 +134,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
          interleave: bool = INTERLEAVE, format_version: int = 1, swizzle: bool = SWIZZLE,
          dynamic: bool = DYNAMIC, split_barriers: bool | None = None, early_v: bool = False,
          pair: bool = False, v_words: int | None = None, rows: bool = ROWS, fma: bool = FMA,
-         dense_slots: bool | None = None, ws: int = 0) -> DecodePlan:
+         dense_slots: bool | None = None, ws: int | None = None) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
@@ -154,10 +160,23 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     path's exponent codes brought down by multiplies (FMA pipe) instead of funnel shifts (ALU pipe); same bits.
     `dense_slots` (compressed KV): stage each slot as stored, by one bulk copy, instead of its sign+mantissa rows padded
     against bank conflicts by 16-byte copies per lane (fewer copy instructions, 2-way conflicts; same bits; prepared
-    in session 8, not yet timed). `ws` (head_dim 64/128, no other option): the warp-specialized kernel, CTAs of `ws`
-    consumer warps and one producer warp that streams the CTA's units through a ring of `stages` stages shared by
-    the CTA (default 2 * ws); `nsplit` then counts consumer warps per kv-head (a multiple of `ws`); same bits for
-    compressed KV and its twin planned alike, not the one-warp kernel's."""
+    in session 8, not yet timed). `ws` (head_dim 64/128, none of the options above): the warp-specialized kernel,
+    CTAs of `ws` consumer warps and one producer warp that streams the CTA's units through a ring of `stages` stages
+    (a multiple of ws; default 2 ws) shared by the CTA; `nsplit` then counts consumer warps per kv-head (a multiple
+    of ws). Default: WS consumers at head_dim 64/128 when no one-warp option is asked for, else 0 (the one-warp
+    kernel). Same bits for compressed KV and its twin planned alike; other bits than the one-warp kernel's."""
+    one_warp = bool(interleave or dynamic or split_barriers or early_v or pair or rows or fma or trace or
+                    format_version != 1 or (swizzle and plain) or warps != 4)
+    if ws is None:
+        ws = 0 if one_warp or head_dim not in (64, 128) else WS
+        if ws and stages is None:
+            stages = WS_STAGES
+        if ws and min_ctas is None:
+            min_ctas = WS_CTAS_PER_SM
+    elif ws and one_warp:
+        raise ValueError("ws (the warp-specialized kernel) takes head_dim 64/128 and none of the one-warp kernel's "
+                         "options (interleave, dynamic, split_barriers, early_v, pair, rows, fma, trace, format 2, "
+                         "swizzle, warps)")
     if ws:
         return _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, slot_bytes=slot_bytes, plain=plain,
                         nsplit=nsplit, ws=ws, stages=2 * ws if stages is None else stages, min_ctas=min_ctas,

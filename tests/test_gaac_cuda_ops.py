@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gaac_cuda import available, decode_attention, plain_decode_attention, plan
-from gaac_cuda.decode_attention import _SOURCE_FILE
+from gaac_cuda.decode_attention import _SOURCE_FILE, WS, WS_CTAS_PER_SM, WS_STAGES
 from gaac_hf.format import TileLayout
 from gaac_triton_cases import compress_kv, realistic_kv
 
@@ -31,54 +31,56 @@ def bits(x):
 
 def test_plan_rejects_shapes_the_kernel_does_not_cover():
     with pytest.raises(ValueError, match="head_dim"):
-        plan(1, 8, 4, 80, 1024, "cpu", nsplit=4)
+        plan(1, 8, 4, 80, 1024, "cpu", nsplit=4, ws=0)
     with pytest.raises(ValueError, match="query heads per kv-head"):
-        plan(1, 2, 9, 128, 1024, "cpu", nsplit=4)
+        plan(1, 2, 9, 128, 1024, "cpu", nsplit=4, ws=0)
     with pytest.raises(ValueError, match="slot format 3"):
-        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, format_version=3)
-    p = plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, slot_bytes=2928)
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, format_version=3, ws=0)
+    p = plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, slot_bytes=2928, ws=0)
     assert (p.items, p.grid, p.buf_bytes) == (2 * 8 * 33, -(-2 * 8 * 33 // p.warps), 4096)
     assert p.smem <= 227 * 1024
     # the split layout and the slot format are compile-time options: they key the kernel cache
-    options = {plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, interleave=i, format_version=f).options
+    options = {plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, interleave=i, format_version=f, ws=0).options
                for i in (False, True) for f in (1, 2)}
     assert len(options) == 4
     # the swizzled staging is a plain-KV option: it keys the twin's kernel, not the compressed one
-    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, swizzle=True).options != \
-        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True).options
-    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, swizzle=True).options == plan(1, 8, 4, 128, 1024, "cpu",
-                                                                                   nsplit=4).options
+    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, swizzle=True, ws=0).options != \
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, ws=0).options
+    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, swizzle=True, ws=0).options == plan(
+        1, 8, 4, 128, 1024, "cpu", nsplit=4, ws=0).options
     # split barriers: the plain twin's default (measured faster), not the compressed kernel's; never dynamic
-    assert "-DGAAC_SPLITBAR=1" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True).options
-    assert "-DGAAC_SPLITBAR=0" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4).options
-    assert "-DGAAC_SPLITBAR=0" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, dynamic=True).options
+    assert "-DGAAC_SPLITBAR=1" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, ws=0).options
+    assert "-DGAAC_SPLITBAR=0" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, ws=0).options
+    assert "-DGAAC_SPLITBAR=0" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, dynamic=True,
+                                       ws=0).options
     with pytest.raises(ValueError, match="static schedule"):
-        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, split_barriers=True, dynamic=True)
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, split_barriers=True, dynamic=True, ws=0)
     # early V: plain KV with split barriers only; ignored for compressed KV (like swizzle)
-    assert "-DGAAC_EARLY_V=1" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, early_v=True).options
-    assert "-DGAAC_EARLY_V=0" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, early_v=True).options
+    assert "-DGAAC_EARLY_V=1" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, early_v=True, ws=0).options
+    assert "-DGAAC_EARLY_V=0" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, early_v=True, ws=0).options
     with pytest.raises(ValueError, match="split_barriers"):
-        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, early_v=True, split_barriers=False)
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, early_v=True, split_barriers=False, ws=0)
     # two warps per split: split barriers implied, two splits per 4-warp CTA, a scratch per role plus the P ring
-    one, two = plan(1, 8, 4, 128, 1024, "cpu", nsplit=4), plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, pair=True)
+    one = plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, ws=0)
+    two = plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, pair=True, ws=0)
     assert "-DGAAC_PAIR=1" in two.options and "-DGAAC_SPLITBAR=1" in two.options and "-DVT_WORDS=2" in two.options
     assert two.splits_per_cta == 2 and two.grid == 16 and one.grid == 8
     assert two.warp_bytes >= one.warp_bytes + 14 * 128 + 1024 and two.smem == 2 * two.warp_bytes
     for bad in ({"dynamic": True}, {"split_barriers": False}, {"warps": 3}, {"stages": 5}):
         with pytest.raises(ValueError):
-            plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, pair=True, **bad)
+            plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, pair=True, ws=0, **bad)
     # slot tiles rebuilt into BF16 rows: a compressed-KV option (the twin's plan ignores it), one warp per split
     assert "-DGAAC_ROWS=1" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, rows=True).options
     assert "-DGAAC_ROWS=0" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, rows=True).options
-    assert "-DGAAC_FMA=1" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, fma=True).options
-    assert "-DGAAC_FMA=0" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, fma=True).options
-    dense = plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=3200, dense_slots=True)
+    assert "-DGAAC_FMA=1" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, fma=True, ws=0).options
+    assert "-DGAAC_FMA=0" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, fma=True, ws=0).options
+    dense = plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=3200, dense_slots=True, ws=0)
     assert "-DGAAC_DENSE_SLOT=1" in dense.options and dense.buf_bytes == 4096  # no row padding: the raw tile's size
-    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=4000).buf_bytes == 4256
+    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=4000, ws=0).buf_bytes == 4256
     with pytest.raises(ValueError, match="rows"):
         plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, rows=True, pair=True)
     with pytest.raises(ValueError, match="v_words"):
-        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, v_words=3)
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, v_words=3, ws=0)
 
 
 def test_plan_of_the_warp_specialized_kernel():
@@ -96,6 +98,15 @@ def test_plan_of_the_warp_specialized_kernel():
         plan(1, 8, 4, 128, 1024, "cpu", nsplit=12, ws=8)
     with pytest.raises(ValueError, match="head_dim 64 and 128"):
         plan(1, 8, 4, 256, 1024, "cpu", nsplit=8, ws=8)
+    # the default: the warp-specialized kernel at head_dim 64/128 (WS consumers, WS_STAGES stages, WS_CTAS_PER_SM),
+    # the one-warp kernel at 256 or with any of its options; asking for both is an error
+    d = plan(1, 8, 4, 128, 65536, "cpu", nsplit=4 * WS, slot_bytes=2928)
+    assert d.ws == WS and f"-DGAAC_STAGES={WS_STAGES}" in d.options and f"-DGAAC_MIN_CTAS={WS_CTAS_PER_SM}" in d.options
+    assert plan(1, 8, 4, 64, 65536, "cpu", nsplit=2 * WS, plain=True).ws == WS
+    assert plan(1, 8, 4, 256, 65536, "cpu", nsplit=3).ws == 0
+    assert plan(1, 8, 4, 128, 65536, "cpu", nsplit=3, split_barriers=True).ws == 0
+    with pytest.raises(ValueError, match="one-warp kernel's options"):
+        plan(1, 8, 4, 128, 65536, "cpu", nsplit=8, ws=8, interleave=True)
     for stages in (7, 12):  # parity waits: one consumer per stage, so stages is a multiple of ws
         with pytest.raises(ValueError, match="multiple of ws stages"):
             plan(1, 8, 4, 128, 1024, "cpu", nsplit=8, ws=8, stages=stages)
@@ -208,22 +219,23 @@ def test_cuda_compressed_equals_plain_twin(case):
     for nsplit in (1, 3, None):
         for interleave in (False, True):  # contiguous block ranges per split, or blocks s, s + nsplit, ...
             pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit,
-                      interleave=interleave)
-            pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, interleave=interleave)
+                      interleave=interleave, ws=0)
+            pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, interleave=interleave,
+                      ws=0)
             got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
             twin = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
             assert torch.equal(bits(got), bits(twin)), f"compressed != twin (nsplit {pc.nsplit}, {interleave=})"
             # the twin with its BF16 rows staged swizzled (bank-conflict-free loads): the same bits
             pps = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, interleave=interleave,
-                       swizzle=True)
+                       swizzle=True, ws=0)
             twin_s = plain_decode_attention(q, k, v, kv_len, mask, scale, pps)
             assert torch.equal(bits(twin_s), bits(twin)), f"swizzled twin differs (nsplit {pc.nsplit}, {interleave=})"
             # warps claiming splits from a counter: the same bits as the static schedule at the same split count,
             # and again on a second launch (the kernel puts its counters back to zero)
             pcd = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit,
-                       interleave=interleave, dynamic=True)
+                       interleave=interleave, dynamic=True, ws=0)
             ppd = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pcd.nsplit, interleave=interleave,
-                       dynamic=True)
+                       dynamic=True, ws=0)
             for _ in range(2):
                 got_d = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pcd)
                 twin_d = plain_decode_attention(q, k, v, kv_len, mask, scale, ppd)
@@ -234,9 +246,9 @@ def test_cuda_compressed_equals_plain_twin(case):
             # V warp; P through shared memory), 2 and 3 stages: the same bits for compressed KV and for the twin
             for option, stages in itertools.product(("split_barriers", "pair"), (2, 3)):
                 pco = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=pc.nsplit,
-                           interleave=interleave, stages=stages, **{option: True})
+                           interleave=interleave, stages=stages, ws=0, **{option: True})
                 ppo = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, interleave=interleave,
-                           stages=stages, **{option: True})
+                           stages=stages, ws=0, **{option: True})
                 got_o = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pco)
                 twin_o = plain_decode_attention(q, k, v, kv_len, mask, scale, ppo)
                 assert torch.equal(bits(got_o), bits(got)), f"{option} changed the bits ({stages=}, {interleave=})"
@@ -251,13 +263,13 @@ def test_cuda_compressed_equals_plain_twin(case):
             # exponent codes by multiplies on the FMA pipe, slots staged as stored: the same bits
             for option in ("fma", "dense_slots"):
                 pcf = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=pc.nsplit,
-                           interleave=interleave, **{option: True})
+                           interleave=interleave, ws=0, **{option: True})
                 got_f = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pcf)
                 assert torch.equal(bits(got_f), bits(got)), f"{option} changed the bits ({interleave=})"
             # the twin's V words read before the softmax (its stage's V half re-issued then): the same bits
             if d <= 128:
                 ppe = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, interleave=interleave,
-                           early_v=True)
+                           early_v=True, ws=0)
                 assert "-DGAAC_EARLY_V=1" in ppe.options
                 twin_e = plain_decode_attention(q, k, v, kv_len, mask, scale, ppe)
                 assert torch.equal(bits(twin_e), bits(twin)), f"early-V twin differs ({interleave=})"
@@ -266,7 +278,7 @@ def test_cuda_compressed_equals_plain_twin(case):
     # rows further apart than head_dim (a view into wider rows): the same bits as contiguous rows
     kw, vw = (torch.zeros(*x.shape[:3], d + 64, dtype=x.dtype, device=x.device) for x in (k, v))
     kw[..., :d], vw[..., :d] = k, v
-    pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True)
+    pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, ws=0)
     strided = plain_decode_attention(q, kw[..., :d], vw[..., :d], kv_len, mask, scale, pp)
     assert torch.equal(bits(strided), bits(plain_decode_attention(q, k, v, kv_len, mask, scale, pp)))
 
@@ -306,8 +318,8 @@ def test_combine_over_many_splits_and_empty_ones():
         b, h, nrep, [4000], d, "mixed", 32, seed=3)
     scale = d ** -0.5
     for nsplit in (300, 997):  # > 256 splits: two or more rounds per warp; 997 over 250 units: most are empty
-        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit)
-        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=nsplit)
+        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, ws=0)
+        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=nsplit, ws=0)
         got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, None, scale, layout, pc)
         twin = plain_decode_attention(q, k, v, kv_len, None, scale, pp)
         assert torch.equal(bits(got), bits(twin)), nsplit

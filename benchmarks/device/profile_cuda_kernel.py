@@ -27,7 +27,7 @@ packed, info = compress(k, v)
 layout = TileLayout(128, info["escape_capacity"])
 q = torch.randn(1, 32, 128, device=dev).to(torch.bfloat16)
 kv_len = torch.full((1,), 65536, dtype=torch.int32, device=dev)
-p = gaac_cuda.plan(1, 8, 4, 128, 65536, dev, slot_bytes=layout.slot_bytes, skip=skip, plain=plain)
+p = gaac_cuda.plan(1, 8, 4, 128, 65536, dev, slot_bytes=layout.slot_bytes, skip=skip, plain=plain, ws=0)
 for _ in range(3):
     if plain:
         gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, 128 ** -0.5, p)
