@@ -393,6 +393,8 @@ def main():
                         kc, kp = pw.kernels(dev)[0], ppw.kernels(dev)[0]
                         row = {"nsplit": pw.nsplit, "grid": pw.grid, "smem_per_cta": pw.smem,
                                "bit_identical_to_twin": torch.equal(gw.view(torch.int16), tw.view(torch.int16)),
+                               "bit_identical_to_one_warp": torch.equal(gw.view(torch.int16),
+                                                                        got_c.view(torch.int16)),
                                "rel_err_vs_fp32": ((gw.float() - ref).norm() / ref.norm()).item(),
                                "twin_rel_err_vs_fp32": ((tw.float() - ref).norm() / ref.norm()).item(),
                                "registers": kc.registers, "local_bytes": kc.local_bytes,

@@ -38,13 +38,14 @@ DENSE_SLOTS = False  # compressed KV: slots staged as stored by one bulk copy (s
 FMA = False  # compressed KV: exponent codes by multiplies on the FMA pipe (see `plan`)
 ROWS = False  # compressed KV: slot tiles rebuilt into BF16 rows before the mma (see `plan`)
 PAIR_SPLITS_PER_SM = 8  # `plan(pair=True)`: splits (warp pairs) resident per SM, 4 CTAs of 2 pairs under 128 registers
-# The warp-specialized kernel (`plan(ws=n)`), the default at head_dim 64/128 without one-warp options: CTAs of WS
-# consumer warps + 1 producer warp, WS_STAGES ring stages, WS_CTAS_PER_SM CTAs per SM. Session 10 on the H200
-# (benchmarks/results/attention_cuda.md): its twin 0.93-0.97x cuDNN at batch 1 (one-warp kernel 0.85-0.88x), the
-# compressed kernel within -7..+10% of the one-warp kernel, loads alone 54-56 us at 1x64K (one-warp: 62.7)
-WS = 2
-WS_STAGES = 4
-WS_CTAS_PER_SM = 4
+# The warp-specialized kernel (`plan(ws=n)`): CTAs of n consumer warps + 1 producer warp, the consumers holding
+# the one-warp kernel's splits (same unit ranges, same arithmetic: the same bits at the same split count). The
+# default for plain KV at head_dim 64/128 without one-warp options (the twin: WS_TWIN consumers, 2 stages each,
+# WS_TWIN_CTAS_PER_SM CTAs per SM, as many consumer warps per SM as the one-warp kernel has warps); compressed KV
+# keeps the one-warp kernel (session 10 on the H200, benchmarks/results/attention_cuda.md: the warp-specialized
+# twin 0.93-0.97x cuDNN at batch 1 against 0.85-0.88x; compressed KV on it 4-8% slower at 64K-128K)
+WS_TWIN = 6
+WS_TWIN_CTAS_PER_SM = 2
 WS_DENSE_SLOTS = True  # slots staged as stored, one bulk copy each (the producer's issue rate)
 
 
@@ -108,6 +109,8 @@ class DecodePlan:
 
     @property
     def grid(self) -> int:
+        if self.ws:  # CTAs of ws splits of one (row, kv-head)
+            return self.batch * self.kv_heads * -(-self.nsplit // self.ws)
         return -(-self.items // self.splits_per_cta)
 
     @property
@@ -161,18 +164,16 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     `dense_slots` (compressed KV): stage each slot as stored, by one bulk copy, instead of its sign+mantissa rows padded
     against bank conflicts by 16-byte copies per lane (fewer copy instructions, 2-way conflicts; same bits; prepared
     in session 8, not yet timed). `ws` (head_dim 64/128, none of the options above): the warp-specialized kernel,
-    CTAs of `ws` consumer warps and one producer warp that streams the CTA's units through a ring of `stages` stages
-    (a multiple of ws; default 2 ws) shared by the CTA; `nsplit` then counts consumer warps per kv-head (a multiple
-    of ws). Default: WS consumers at head_dim 64/128 when no one-warp option is asked for, else 0 (the one-warp
-    kernel). Same bits for compressed KV and its twin planned alike; other bits than the one-warp kernel's."""
+    CTAs of `ws` consumer warps, each holding one of the one-warp kernel's splits (the same bits at the same split
+    count), and one producer warp that streams the CTA's units through a ring of `stages` stages (a multiple of
+    ws; default 2 ws) shared by the CTA. Default: WS_TWIN for plain KV at head_dim 64/128 without one-warp options,
+    else 0 (the one-warp kernel)."""
     one_warp = bool(interleave or dynamic or split_barriers or early_v or pair or rows or fma or trace or
                     format_version != 1 or (swizzle and plain) or warps != 4)
     if ws is None:
-        ws = 0 if one_warp or head_dim not in (64, 128) else WS
-        if ws and stages is None:
-            stages = WS_STAGES
+        ws = WS_TWIN if plain and not one_warp and head_dim in (64, 128) else 0
         if ws and min_ctas is None:
-            min_ctas = WS_CTAS_PER_SM
+            min_ctas = WS_TWIN_CTAS_PER_SM
     elif ws and one_warp:
         raise ValueError("ws (the warp-specialized kernel) takes head_dim 64/128 and none of the one-warp kernel's "
                          "options (interleave, dynamic, split_barriers, early_v, pair, rows, fma, trace, format 2, "
@@ -247,6 +248,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         per_sm = PAIR_SPLITS_PER_SM if pair else SPLITS_PER_SM
         per_sm = per_sm if tiles == 1 else per_sm // 3  # two tiles per stage: one CTA fits
         want = max(1, sms * per_sm * (DYNAMIC_SPLITS if dynamic else 1) // (batch * kv_heads))
+        if tiles == 1 and not (pair or dynamic) and want >= WS_TWIN:
+            want -= want % WS_TWIN  # whole CTAs of the warp-specialized twin (one wave of them too)
         nsplit = max(1, min(want, math.ceil(units / MIN_UNITS_PER_SPLIT)))
     return DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes, options,
                       dynamic, pair)
@@ -269,19 +272,15 @@ def _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, *, slot_bytes, 
     scratch = 0 if plain else 14 * channels
     header = -(-20 * stages // 128) * 128
     cta_bytes = -(-(header + stages * 2 * buf + ws * scratch) // 128) * 128
-    ctas = WS_CTAS_PER_SM if min_ctas is None else min_ctas
+    ctas = 1 if min_ctas is None else min_ctas
     options = (f"-DGAAC_C={channels}", "-DGAAC_TILES=1", f"-DGAAC_PLAIN={int(plain)}", f"-DGAAC_STAGES={stages}",
                "-DGAAC_WARPS=4", f"-DGAAC_MIN_CTAS={ctas}", f"-DGAAC_WS={ws}", f"-DVT_WORDS={channels // 32}",
                f"-DGAAC_DENSE_SLOT={int(dense_slots)}")
     if skip:
         options += (f"-DGAAC_SKIP={skip}",)
-    if nsplit is None:  # CTA splits per kv-head: one wave of CTAs (a function of the shape, as the twin must split alike)
-        units = max(1, -(-max_tokens // BLOCK))
-        sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
-        csplits = max(1, min(sms * ctas // (batch * kv_heads), math.ceil(units / (MIN_UNITS_PER_SPLIT * ws))))
-        nsplit = csplits * ws
-    if nsplit % ws:
-        raise ValueError(f"nsplit ({nsplit}) counts consumer warps: a multiple of ws ({ws})")
+    if nsplit is None:  # the one-warp kernel's split count (compressed KV and its twin must split alike)
+        nsplit = plan(batch, kv_heads, rep, head_dim, max_tokens, device, slot_bytes=slot_bytes, plain=plain,
+                      ws=0).nsplit
     return DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, ws + 1, stages, buf, cta_bytes, options,
                       ws=ws)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gaac_cuda import available, decode_attention, plain_decode_attention, plan
-from gaac_cuda.decode_attention import _SOURCE_FILE, WS, WS_CTAS_PER_SM, WS_STAGES
+from gaac_cuda.decode_attention import _SOURCE_FILE, WS_TWIN, WS_TWIN_CTAS_PER_SM
 from gaac_hf.format import TileLayout
 from gaac_triton_cases import compress_kv, realistic_kv
 
@@ -84,8 +84,9 @@ def test_plan_rejects_shapes_the_kernel_does_not_cover():
 
 
 def test_plan_of_the_warp_specialized_kernel():
-    """ws: CTAs of ws consumer warps + 1 producer warp, one ring per CTA (2 ws stages by default); nsplit counts
-    consumer warps, so the grid is one CTA per ws splits."""
+    """ws: CTAs of ws consumer warps (each one of the one-warp kernel's splits) + 1 producer warp, one ring per CTA
+    (2 ws stages by default); the default for plain KV at head_dim 64/128 (WS_TWIN consumers), with the one-warp
+    kernel's split count, so a compressed plan and its twin split alike."""
     p = plan(2, 8, 4, 128, 65536, "cpu", nsplit=16 * 8, slot_bytes=2928, ws=8)
     assert "-DGAAC_WS=8" in p.options and "-DGAAC_STAGES=16" in p.options and p.warps == 9
     assert (p.items, p.grid, p.splits_per_cta) == (2 * 8 * 128, 2 * 8 * 16, 8)
@@ -94,17 +95,18 @@ def test_plan_of_the_warp_specialized_kernel():
     assert twin.smem == 384 + 16 * 2 * 4096 and "-DGAAC_PLAIN=1" in twin.options
     assert plan(1, 8, 4, 64, 1024, "cpu", nsplit=6, ws=3, stages=3).options != plan(
         1, 8, 4, 64, 1024, "cpu", nsplit=6, ws=3, stages=6).options
-    with pytest.raises(ValueError, match="multiple of ws"):
-        plan(1, 8, 4, 128, 1024, "cpu", nsplit=12, ws=8)
+    odd = plan(1, 8, 4, 128, 1024, "cpu", nsplit=13, ws=6, plain=True)  # the last CTA of a head holds one split
+    assert odd.grid == 8 * 3 and odd.items == 8 * 13
     with pytest.raises(ValueError, match="head_dim 64 and 128"):
         plan(1, 8, 4, 256, 1024, "cpu", nsplit=8, ws=8)
-    # the default: the warp-specialized kernel at head_dim 64/128 (WS consumers, WS_STAGES stages, WS_CTAS_PER_SM),
-    # the one-warp kernel at 256 or with any of its options; asking for both is an error
-    d = plan(1, 8, 4, 128, 65536, "cpu", nsplit=4 * WS, slot_bytes=2928)
-    assert d.ws == WS and f"-DGAAC_STAGES={WS_STAGES}" in d.options and f"-DGAAC_MIN_CTAS={WS_CTAS_PER_SM}" in d.options
-    assert plan(1, 8, 4, 64, 65536, "cpu", nsplit=2 * WS, plain=True).ws == WS
-    assert plan(1, 8, 4, 256, 65536, "cpu", nsplit=3).ws == 0
-    assert plan(1, 8, 4, 128, 65536, "cpu", nsplit=3, split_barriers=True).ws == 0
+    # the default: the twin on the warp-specialized kernel, compressed KV (and head_dim 256, or any one-warp option)
+    # on the one-warp kernel; asking for ws with a one-warp option is an error
+    t = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, plain=True)
+    assert t.ws == WS_TWIN and f"-DGAAC_STAGES={2 * WS_TWIN}" in t.options
+    assert f"-DGAAC_MIN_CTAS={WS_TWIN_CTAS_PER_SM}" in t.options and t.grid == 8 * -(-198 // WS_TWIN)
+    assert plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, slot_bytes=2928).ws == 0
+    assert plan(1, 8, 4, 256, 65536, "cpu", nsplit=3, plain=True).ws == 0
+    assert plan(1, 8, 4, 128, 65536, "cpu", nsplit=3, plain=True, split_barriers=True).ws == 0
     with pytest.raises(ValueError, match="one-warp kernel's options"):
         plan(1, 8, 4, 128, 65536, "cpu", nsplit=8, ws=8, interleave=True)
     for stages in (7, 12):  # parity waits: one consumer per stage, so stages is a multiple of ws
@@ -288,25 +290,33 @@ def test_cuda_compressed_equals_plain_twin(case):
 @pytest.mark.parametrize("case", [c for c in GPU_CASES if c[4] in (64, 128)],
                          ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
 def test_warp_specialized_compressed_equals_plain_twin(case):
-    """The warp-specialized kernel (producer warp + consumer warps, one ring per CTA): compressed KV bit-identical to
-    its twin planned alike, with one, two and three stages per consumer, and close to fp64 attention."""
+    """The warp-specialized kernel (producer warp + consumer warps, one ring per CTA) holds the one-warp kernel's
+    splits: compressed and plain KV on it, at one, two and three stages per consumer and CTAs of 2-11 consumers,
+    give the one-warp kernel's bits at the same split count (so the default twin matches compressed KV)."""
     b, h, nrep, lengths, d, kind, cap, pad = case
     (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout = compressed_case(
         b, h, nrep, lengths, d, kind, cap, seed=sum(lengths) + d, pad=pad)
     scale = d ** -0.5
     ref = reference_attention(q.cpu(), k.cpu(), v.cpu(), kv_len.cpu(), None if mask is None else mask.cpu(), scale)
-    for ws, stages, mult, dense in ((8, 16, None, True), (4, 4, 1, True), (3, 9, 2, False), (11, 22, None, False),
-                                    (2, 4, 3, True)):
-        nsplit = None if mult is None else ws * mult
-        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, ws=ws,
-                  stages=stages, dense_slots=dense)
-        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, ws=ws, stages=stages)
-        for _ in range(2):  # a second launch reuses nothing of the first
-            got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
-            twin = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
-            assert torch.equal(bits(got), bits(twin)), f"ws {ws}, stages {stages}, nsplit {pc.nsplit}"
+    for nsplit in (1, 5, None):
+        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit)
+        assert pc.ws == 0
+        got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
+        twin = plain_decode_attention(q, k, v, kv_len, mask, scale)  # the default twin plan: warp-specialized
+        if nsplit is None:
+            assert torch.equal(bits(got), bits(twin)), "default plans: compressed != twin"
+        for ws, stages, dense in ((WS_TWIN, 2 * WS_TWIN, True), (2, 2, True), (3, 9, False), (11, 22, False),
+                                  (4, 8, True)):
+            pw = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=pc.nsplit, ws=ws,
+                      stages=stages, dense_slots=dense)
+            pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, ws=ws, stages=stages)
+            for _ in range(2):  # a second launch reuses nothing of the first
+                got_w = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pw)
+                twin_w = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
+                assert torch.equal(bits(got_w), bits(got)), f"ws {ws}/{stages}, nsplit {pc.nsplit}: compressed"
+                assert torch.equal(bits(twin_w), bits(got)), f"ws {ws}/{stages}, nsplit {pc.nsplit}: twin"
         err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
-        assert err < 1e-2, (err, ws, stages, pc.nsplit)
+        assert err < 1e-2, (err, pc.nsplit)
 
 
 @gpu

@@ -1382,23 +1382,23 @@ __device__ __forceinline__ void ws_unit(const Params& p, const u8* kbuf, const u
   }
 }
 
-// Warp-specialized split kernel: GAAC_WS consumer warps and one producer warp per CTA. A CTA takes a contiguous
-// range of units of one (row, kv-head) (CTA split cs of p.nsplit / GAAC_WS per head). Its producer warp streams the
-// range in order through one ring of GAAC_STAGES stages shared by the CTA (a stage: one unit's K and V tiles,
-// staged as the one-warp kernel stages them, on a full barrier that completes on lane 0's expect_tx plus the 32 lanes'
-// cp.async arrivals), refilling a stage as soon as its consumer releases it on its empty barrier, so the copies run
-// ahead of the decode by every free stage rather than by one unit per warp. Consumer w takes the range's units w,
-// w + GAAC_WS, ... and writes its partial as split cs * GAAC_WS + w: the bits depend on the split counts alone.
-// GAAC_STAGES is a multiple of GAAC_WS, so every stage has one consumer, which sees its phases in order (a parity
-// wait is only sound at most one phase ahead of the barrier).
+// Warp-specialized split kernel: GAAC_WS consumer warps and one producer warp per CTA. CTA c of a (row, kv-head)
+// holds splits c * GAAC_WS .. c * GAAC_WS + GAAC_WS - 1 of its p.nsplit (consumer w: split c * GAAC_WS + w, the
+// same contiguous unit range as the one-warp kernel's split, so both kernels give the same bits at the same split
+// count). The producer warp streams the CTA's units through one ring of GAAC_STAGES stages, round-robin over its
+// consumers (slot j = k * GAAC_WS + w: consumer w's k-th unit, stage j % GAAC_STAGES, a stage as the one-warp kernel
+// stages it, on a full barrier that completes on lane 0's expect_tx plus the 32 lanes' cp.async arrivals), and
+// refills a stage as soon as its consumer releases it on its empty barrier. GAAC_STAGES is a multiple of GAAC_WS, so
+// every stage has one consumer, which sees its phases in order (a parity wait is only sound at most one phase ahead
+// of the barrier).
 extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) gaac_decode_ws(const Params p) {
   extern __shared__ __align__(128) u8 smem[];
   constexpr int S = GAAC_STAGES, NC = GAAC_WS;
   constexpr int SCRATCH = GAAC_PLAIN ? 0 : 7 * G;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int csplits = p.nsplit / NC;
-  const int b = blockIdx.x / (p.heads * csplits), hk = (blockIdx.x / csplits) % p.heads, cs = blockIdx.x % csplits;
+  const int ctas = (p.nsplit + NC - 1) / NC;  // CTAs per (row, kv-head)
+  const int b = blockIdx.x / (p.heads * ctas), hk = (blockIdx.x / ctas) % p.heads, cs = blockIdx.x % ctas;
   const u32 full = smem_u32(smem), empty = full + 8 * S;
   volatile u32* kinds = reinterpret_cast<volatile u32*>(smem + 16 * S);
   u8* ring = smem + WS_HDR;
@@ -1414,8 +1414,13 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
   const int len = p.kv_len[b];
   const int nb = len >> 4, tl = len & 15;
   const int units = nb + (tl > 0 ? 1 : 0);
-  const int per = (units + csplits - 1) / csplits;
-  const int u0 = min(units, cs * per), n = min(units, u0 + per) - u0;
+  const int per = (units + p.nsplit - 1) / p.nsplit;  // units per split, as in the one-warp kernel
+  // split (cs * NC + w)'s first unit and unit count
+  auto range = [&](int w, int& u0, int& n) {
+    const int split = cs * NC + w;
+    u0 = min(units, split * per);
+    n = split < p.nsplit ? min(units, u0 + per) - u0 : 0;
+  };
 
   if (warp == NC) {  // the producer
     const int* trow = p.table + (i64)b * p.table_sb;
@@ -1426,12 +1431,26 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
     const int bf_row = lane / (C / 8), bf_col = 16 * (lane % (C / 8));
     const i64 row_bytes = 2 * p.kv_ss;
     const bool bulk_plain = GAAC_PLAIN && p.kv_ss == C;  // plain blocks of 16 contiguous rows: one bulk copy each
-    // table entries, 32 units per load (lane i: unit j0 + i), one batch ahead of the copies
+    int cu0[NC], cn[NC];  // the consumers' ranges
+#pragma unroll
+    for (int w = 0; w < NC; ++w) range(w, cu0[w], cn[w]);
+    int lu0 = 0, ln = 0;  // lane l's consumer l % NC (for the table loads)
+#pragma unroll
+    for (int w = 0; w < NC; ++w)
+      if ((lane % NC) == w) lu0 = cu0[w], ln = cn[w];
+    const int slots_total = per * NC;
+    // table entries, 32 slots per load (lane l: slot j0 + l), one batch ahead of the copies
     auto fetch = [&](int j0, int& ek, int& ev) {
-      const int j = j0 + lane;
+      const int j = j0 + lane, k = j / NC;  // ((j0 + lane) % NC == lane % NC when 32 % NC == 0; else recomputed)
+      int u0w = lu0, nw = ln;
+      if (32 % NC) {
+#pragma unroll
+        for (int w = 0; w < NC; ++w)
+          if (j % NC == w) u0w = cu0[w], nw = cn[w];
+      }
       ek = ev = 0;
-      if (!GAAC_PLAIN && j < n && u0 + j < nb) {
-        const int* e = trow + (i64)(u0 + j) * tstride + hk;
+      if (!GAAC_PLAIN && k < nw && u0w + k < nb) {
+        const int* e = trow + (i64)(u0w + k) * tstride + hk;
         ek = e[0];
         ev = e[p.heads];
       }
@@ -1440,15 +1459,21 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
     fetch(0, ek, ev);
     fetch(32, ek2, ev2);
 #pragma unroll 1
-    for (int j = 0; j < n; ++j) {
+    for (int j = 0; j < slots_total; ++j) {
       if (j && (j & 31) == 0) {
         ek = ek2, ev = ev2;
         fetch(j + 32, ek2, ev2);
       }
-      const int st = j % S;
-      if (j >= S) mbar_wait(empty + 8 * st, ((j / S) + 1) & 1);  // unit j - S's consumer is done with the stage
+      const int w = j % NC, k = j / NC;
+      int u0w = 0, nw = 0;
+#pragma unroll
+      for (int i = 0; i < NC; ++i)
+        if (w == i) u0w = cu0[i], nw = cn[i];
       const int e[2] = {__shfl_sync(0xffffffffu, ek, j & 31), __shfl_sync(0xffffffffu, ev, j & 31)};
-      const int u = u0 + j;
+      if (k >= nw) continue;  // consumer w's range is done (its stages see no more phases)
+      const int st = j % S;
+      if (j >= S) mbar_wait(empty + 8 * st, ((j / S) + 1) & 1);  // slot j - S's consumer (also w) is done
+      const int u = u0w + k;
       const bool tail = u >= nb;
       const int valid = tail ? tl : 16;
       u32 bytes = 0, slots = 0;
@@ -1499,9 +1524,14 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
       }
       cp_async_arrive(bar);
     }
-    // leave once the consumers have read the last stages (none of this warp's copies still in flight)
+    // leave once the consumers have read their last stages (none of this warp's copies still in flight)
+#pragma unroll
+    for (int w = 0; w < NC; ++w)
 #pragma unroll 1
-    for (int j = max(0, n - S); j < n; ++j) mbar_wait(empty + 8 * (j % S), (j / S) & 1);
+      for (int k = max(0, cn[w] - S / NC); k < cn[w]; ++k) {
+        const int j = k * NC + w;
+        mbar_wait(empty + 8 * (j % S), (j / S) & 1);
+      }
     return;
   }
 
@@ -1521,9 +1551,11 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
 #pragma unroll
     for (int c = 0; c < 4; ++c) o[0][n2][c] = 0.f;
   const u8* mrow = p.mask ? p.mask + (i64)b * p.mask_sb : nullptr;
+  int u0, n;
+  range(warp, u0, n);
 #pragma unroll 1
-  for (int j = warp; j < n; j += NC) {
-    const int st = j % S, u = u0 + j;
+  for (int k = 0; k < n; ++k) {
+    const int j = k * NC + warp, st = j % S, u = u0 + k;
     mbar_wait(full + 8 * st, (j / S) & 1);
     const u8* kbuf = ring + st * 2 * p.buf_bytes;
     ws_unit(p, kbuf, kbuf + p.buf_bytes, kinds[st], scr, lane, g, t, qb[0], b3, b4, u >= nb ? tl : 16,
@@ -1531,6 +1563,7 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
     __syncwarp();  // every lane has read the stage
     if (lane == 0) mbar_arrive(empty + 8 * st);
   }
+  if (cs * NC + warp >= p.nsplit) return;  // (the last CTA of a head may hold fewer splits)
   const int item = (b * p.heads + hk) * p.nsplit + cs * NC + warp;
   write_ml(p, item, g, t, m, l);
   write_o(p, item, g, t, o);
