@@ -22,6 +22,9 @@
 // common path).
 //
 // Plain BF16 KV (GAAC_PLAIN) runs the same code from the fragment registers on: the bit-exact twin.
+// gaac_decode_ws (GAAC_WS consumer warps, built only when GAAC_WS > 0) runs the same unit code in consumer warps fed
+// by one producer warp per CTA through a shared ring; each consumer holds one split of gaac_decode_split's layout, so
+// both kernels give the same bits at the same split count (the launcher runs the twin on it by default).
 // Bitstream: docs/format.md; offsets come from the launcher (gaac_hf/format.py is the one definition).
 //
 // Compile-time configuration (NVRTC -D): GAAC_C (64|128 channels per tile), GAAC_TILES (tiles per head: 1|2),
@@ -30,10 +33,11 @@
 // (K and V halves of a stage on their own barriers), GAAC_EARLY_V (plain KV: V words read before the softmax),
 // GAAC_PAIR (two warps per split), GAAC_ROWS (compressed KV: slot tiles rebuilt into BF16 rows first), VT_WORDS (V words
 // per vector load), GAAC_FMA (compressed KV: exponent codes by multiplies), GAAC_DENSE_SLOT (compressed KV: slots
-// staged as stored), and for the benchmarks GAAC_SKIP (leave-one-stage-out breakdown; bit 0: no tensor-core math, bit 1: no reconstruction),
-// GAAC_TRACE (globaltimer stamps, benchmarks/cuda_stream_probe.py) and GAAC_FORMAT (2: the byte-split slot prototype
-// of benchmarks/format_v2_probe.py). The options are measured alternatives (benchmarks/results/attention_cuda.md);
-// the launcher's defaults are the fastest.
+// staged as stored), GAAC_WS (the warp-specialized kernel's consumer warps), and for the benchmarks GAAC_SKIP
+// (leave-one-stage-out breakdown; bit 0: no tensor-core math, bit 1: no reconstruction), GAAC_TRACE (globaltimer
+// stamps, benchmarks/cuda_stream_probe.py) and GAAC_FORMAT (2: the byte-split slot prototype of
+// benchmarks/format_v2_probe.py). The options are measured alternatives (benchmarks/results/attention_cuda.md); the
+// launcher's defaults are the fastest.
 #ifndef GAAC_SKIP
 #define GAAC_SKIP 0
 #endif
