@@ -285,6 +285,15 @@ def main():
                         sweep[key] = f"{type(e).__name__}: {e}"[:120]
                 cuda_info["sweep_us"] = sweep
                 print("cuda sweep", sweep, flush=True)
+            def time_pair(pc_, pp_):
+                """Graph-replayed (--graphs) or do_bench µs of GAAC planned `pc_` and of its twin planned `pp_`."""
+                timer = bench_graph if args.graphs else bench
+                return {"gaac_us": timer(lambda i: gaac_cuda.decode_attention(
+                            q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout, pc_),
+                            args.buffers),
+                        "twin_us": timer(lambda i: gaac_cuda.plain_decode_attention(
+                            q, bufs[i][1], bufs[i][2], kv_len, None, scale, pp_), args.buffers)}
+
             def option_sweep(option):
                 """GAAC and its twin planned with `option` off and on (the twin with the same split count): same
                 bits, error, registers, both times, and the loads-only variant at the breakdown shape."""
@@ -303,11 +312,7 @@ def main():
                            "bit_identical_to_twin": torch.equal(go.view(torch.int16), to.view(torch.int16)),
                            "rel_err_vs_fp32": ((go.float() - ref).norm() / ref.norm()).item(),
                            "registers": po.kernels(dev)[0].registers,
-                           "gaac_us": timer(lambda i, po=po: gaac_cuda.decode_attention(
-                               q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout, po),
-                               args.buffers),
-                           "twin_us": timer(lambda i, ppo=ppo: gaac_cuda.plain_decode_attention(
-                               q, bufs[i][1], bufs[i][2], kv_len, None, scale, ppo), args.buffers)}
+                           **time_pair(po, ppo)}
                     if SHAPES.index((name, hq, hkv, d, b, s)) == args.breakdown_shape:
                         pv = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, skip=3, ws=0,
                                             **{option: on})
@@ -399,12 +404,7 @@ def main():
                                "twin_rel_err_vs_fp32": ((tw.float() - ref).norm() / ref.norm()).item(),
                                "registers": kc.registers, "local_bytes": kc.local_bytes,
                                "twin_registers": kp.registers,
-                               "ctas_per_sm": kc.blocks_per_sm(pw.warps * 32, pw.smem),
-                               "gaac_us": timer(lambda i, pw=pw: gaac_cuda.decode_attention(
-                                   q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout, pw),
-                                   args.buffers),
-                               "twin_us": timer(lambda i, ppw=ppw: gaac_cuda.plain_decode_attention(
-                                   q, bufs[i][1], bufs[i][2], kv_len, None, scale, ppw), args.buffers)}
+                               "ctas_per_sm": kc.blocks_per_sm(pw.warps * 32, pw.smem), **time_pair(pw, ppw)}
                         if SHAPES.index((name, hq, hkv, d, b, s)) == args.breakdown_shape:
                             for label, skip in (("no_math", 1), ("no_reconstruction", 2), ("loads_only", 3)):
                                 pv = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes,

@@ -194,6 +194,15 @@ def compressed_case(b, h, nrep, lengths, d, kind, capacity, seed, pad=0):
     return t, (k.to(dev), v.to(dev)), None if mask is None else mask.to(dev), layout
 
 
+def case_with_reference(case):
+    """A GPU case's tensors (see compressed_case), its softmax scale and the fp64 reference attention."""
+    b, h, nrep, lengths, d, kind, cap, pad = case
+    tensors, (k, v), mask, layout = compressed_case(b, h, nrep, lengths, d, kind, cap, seed=sum(lengths) + d, pad=pad)
+    q, kv_len, scale = tensors[0], tensors[-1], d ** -0.5
+    ref = reference_attention(q.cpu(), k.cpu(), v.cpu(), kv_len.cpu(), None if mask is None else mask.cpu(), scale)
+    return tensors, (k, v), mask, layout, scale, ref
+
+
 GPU_CASES = [  # (batch, kv heads, q heads per kv head, lengths, head_dim, mode mix, capacity, left pad)
     (1, 1, 1, [1], 64, "mixed", 32, 0),
     (2, 2, 3, [15, 9], 64, "mixed", 32, 3),
@@ -213,11 +222,8 @@ GPU_CASES = [  # (batch, kv heads, q heads per kv head, lengths, head_dim, mode 
 @gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
 def test_cuda_compressed_equals_plain_twin(case):
-    b, h, nrep, lengths, d, kind, cap, pad = case
-    (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout = compressed_case(
-        b, h, nrep, lengths, d, kind, cap, seed=sum(lengths) + d, pad=pad)
-    scale = d ** -0.5
-    ref = reference_attention(q.cpu(), k.cpu(), v.cpu(), kv_len.cpu(), None if mask is None else mask.cpu(), scale)
+    b, h, nrep, _, d, _, _, _ = case
+    (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case)
     for nsplit in (1, 3, None):
         for interleave in (False, True):  # contiguous block ranges per split, or blocks s, s + nsplit, ...
             pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit,
@@ -293,11 +299,8 @@ def test_warp_specialized_compressed_equals_plain_twin(case):
     """The warp-specialized kernel (producer warp + consumer warps, one ring per CTA) holds the one-warp kernel's
     splits: compressed and plain KV on it, at one, two and three stages per consumer and CTAs of 2-11 consumers,
     give the one-warp kernel's bits at the same split count (so the default twin matches compressed KV)."""
-    b, h, nrep, lengths, d, kind, cap, pad = case
-    (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout = compressed_case(
-        b, h, nrep, lengths, d, kind, cap, seed=sum(lengths) + d, pad=pad)
-    scale = d ** -0.5
-    ref = reference_attention(q.cpu(), k.cpu(), v.cpu(), kv_len.cpu(), None if mask is None else mask.cpu(), scale)
+    b, h, nrep, _, d, _, _, _ = case
+    (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case)
     for nsplit in (1, 5, None):
         pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit)
         assert pc.ws == 0
