@@ -1435,23 +1435,12 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
     const int bf_row = lane / (C / 8), bf_col = 16 * (lane % (C / 8));
     const i64 row_bytes = 2 * p.kv_ss;
     const bool bulk_plain = GAAC_PLAIN && p.kv_ss == C;  // plain blocks of 16 contiguous rows: one bulk copy each
-    int cu0[NC], cn[NC];  // the consumers' ranges
-#pragma unroll
-    for (int w = 0; w < NC; ++w) range(w, cu0[w], cn[w]);
-    int lu0 = 0, ln = 0;  // lane l's consumer l % NC (for the table loads)
-#pragma unroll
-    for (int w = 0; w < NC; ++w)
-      if ((lane % NC) == w) lu0 = cu0[w], ln = cn[w];
     const int slots_total = per * NC;
     // table entries, 32 slots per load (lane l: slot j0 + l), one batch ahead of the copies
     auto fetch = [&](int j0, int& ek, int& ev) {
-      const int j = j0 + lane, k = j / NC;  // ((j0 + lane) % NC == lane % NC when 32 % NC == 0; else recomputed)
-      int u0w = lu0, nw = ln;
-      if (32 % NC) {
-#pragma unroll
-        for (int w = 0; w < NC; ++w)
-          if (j % NC == w) u0w = cu0[w], nw = cn[w];
-      }
+      const int j = j0 + lane, k = j / NC;
+      int u0w, nw;
+      range(j % NC, u0w, nw);
       ek = ev = 0;
       if (!GAAC_PLAIN && k < nw && u0w + k < nb) {
         const int* e = trow + (i64)(u0w + k) * tstride + hk;
@@ -1469,10 +1458,8 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
         fetch(j + 32, ek2, ev2);
       }
       const int w = j % NC, k = j / NC;
-      int u0w = 0, nw = 0;
-#pragma unroll
-      for (int i = 0; i < NC; ++i)
-        if (w == i) u0w = cu0[i], nw = cn[i];
+      int u0w, nw;
+      range(w, u0w, nw);
       const int e[2] = {__shfl_sync(0xffffffffu, ek, j & 31), __shfl_sync(0xffffffffu, ev, j & 31)};
       if (k >= nw) continue;  // consumer w's range is done (its stages see no more phases)
       const int st = j % S;
@@ -1529,13 +1516,16 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
       cp_async_arrive(bar);
     }
     // leave once the consumers have read their last stages (none of this warp's copies still in flight)
-#pragma unroll
-    for (int w = 0; w < NC; ++w)
 #pragma unroll 1
-      for (int k = max(0, cn[w] - S / NC); k < cn[w]; ++k) {
+    for (int w = 0; w < NC; ++w) {
+      int u0w, nw;
+      range(w, u0w, nw);
+#pragma unroll 1
+      for (int k = max(0, nw - S / NC); k < nw; ++k) {
         const int j = k * NC + w;
         mbar_wait(empty + 8 * (j % S), (j / S) & 1);
       }
+    }
     return;
   }
 
