@@ -42,8 +42,8 @@ PAIR_SPLITS_PER_SM = 8  # `plan(pair=True)`: splits (warp pairs) resident per SM
 # the one-warp kernel's splits (same unit ranges, same arithmetic: the same bits at the same split count). The
 # default for plain KV at head_dim 64/128 without one-warp options (the twin: WS_TWIN consumers, 2 stages each,
 # WS_TWIN_CTAS_PER_SM CTAs per SM, as many consumer warps per SM as the one-warp kernel has warps); compressed KV
-# keeps the one-warp kernel (session 10 on the H200, benchmarks/results/attention_cuda.md: the warp-specialized
-# twin 0.93-0.97x cuDNN at batch 1 against 0.85-0.88x; compressed KV on it 4-8% slower at 64K-128K)
+# keeps the one-warp kernel (session 10 on the H200, benchmarks/results/attention_cuda.md: this twin 0.90 / 0.94 /
+# 0.91x cuDNN at 1x64K / 1x128K / 4x64K against 0.85 / 0.88 / 0.86x; compressed KV on it 2-7% slower there)
 WS_TWIN = 6
 WS_TWIN_CTAS_PER_SM = 2
 WS_DENSE_SLOTS = True  # slots staged as stored, one bulk copy each (the producer's issue rate)
@@ -168,6 +168,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     count), and one producer warp that streams the CTA's units through a ring of `stages` stages (a multiple of
     ws; default 2 ws) shared by the CTA. Default: WS_TWIN for plain KV at head_dim 64/128 without one-warp options,
     else 0 (the one-warp kernel)."""
+    if not 1 <= rep <= MAX_GROUP_HEADS:
+        raise ValueError(f"the CUDA decode kernel packs at most {MAX_GROUP_HEADS} query heads per kv-head, got {rep}")
     one_warp = bool(interleave or dynamic or split_barriers or early_v or pair or rows or fma or trace or
                     format_version != 1 or (swizzle and plain) or warps != 4)
     if ws is None:
@@ -210,13 +212,9 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         raise ValueError(f"slot format {format_version}: the kernel reads format 1 (and the version-2 prototype)")
     if head_dim not in (64, 128, 256):
         raise ValueError(f"the CUDA decode kernel supports head_dim 64, 128 and 256, not {head_dim}")
-    if not 1 <= rep <= MAX_GROUP_HEADS:
-        raise ValueError(f"the CUDA decode kernel packs at most {MAX_GROUP_HEADS} query heads per kv-head, got {rep}")
     channels = min(head_dim, 128)
     tiles = head_dim // channels
-    raw_bytes = 2 * BLOCK * channels
-    # a slot's buffer: sign+mantissa rows padded by 16 bytes each (256 bytes in all), then its group section
-    buf = raw_bytes if plain else max(raw_bytes, -(-(slot_bytes + (0 if dense_slots else 16 * 16)) // 16) * 16)
+    buf = _stage_buffer(channels, slot_bytes, plain, dense_slots)
     scratch = 0 if plain else 14 * channels  # per-group bases, planes 3..7 and raw masks of one slot
     header = 128 if split_barriers else 64  # stage barriers and slot bits (the kernel's HDR)
     # per warp, or with `pair` per split: a scratch per role and the P ring (2 entries x 32 lanes x 16 bytes)
@@ -240,35 +238,43 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     if skip:  # benchmark-only variants of the leave-one-stage-out breakdown (wrong results by design)
         options += (f"-DGAAC_SKIP={skip}",)
     if nsplit is None:
-        # a function of the shape alone, never of the variant's occupancy: compressed KV and its plain twin must
-        # split alike to give the same bits
-        units = max(1, -(-max_tokens // BLOCK))
-        sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
-        # splits that fit in one wave of warps (a few more would run as a second wave: twice the time)
-        per_sm = PAIR_SPLITS_PER_SM if pair else SPLITS_PER_SM
-        per_sm = per_sm if tiles == 1 else per_sm // 3  # two tiles per stage: one CTA fits
-        want = max(1, sms * per_sm * (DYNAMIC_SPLITS if dynamic else 1) // (batch * kv_heads))
-        if tiles == 1 and not (pair or dynamic) and want >= WS_TWIN:
-            want -= want % WS_TWIN  # whole CTAs of the warp-specialized twin (one wave of them too)
-        nsplit = max(1, min(want, math.ceil(units / MIN_UNITS_PER_SPLIT)))
+        nsplit = _default_nsplit(batch, kv_heads, max_tokens, device, tiles, pair, dynamic)
     return DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes, options,
                       dynamic, pair)
+
+
+def _default_nsplit(batch, kv_heads, max_tokens, device, tiles=1, pair=False, dynamic=False) -> int:
+    """Splits per (row, kv-head): a function of the shape alone, never of the variant's occupancy (compressed KV and
+    its plain twin must split alike to give the same bits); the splits that fit in one wave of warps (a few more
+    would run as a second wave: twice the time)."""
+    units = max(1, -(-max_tokens // BLOCK))
+    sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+    per_sm = PAIR_SPLITS_PER_SM if pair else SPLITS_PER_SM
+    per_sm = per_sm if tiles == 1 else per_sm // 3  # two tiles per stage: one CTA fits
+    want = max(1, sms * per_sm * (DYNAMIC_SPLITS if dynamic else 1) // (batch * kv_heads))
+    if tiles == 1 and not (pair or dynamic) and want >= WS_TWIN:
+        want -= want % WS_TWIN  # whole CTAs of the warp-specialized twin (one wave of them too)
+    return max(1, min(want, math.ceil(units / MIN_UNITS_PER_SPLIT)))
+
+
+def _stage_buffer(channels: int, slot_bytes: int, plain: bool, dense_slots: bool) -> int:
+    """Bytes of one tile buffer in a ring stage: a BF16 tile, or a slot (its sign+mantissa rows padded by 16 bytes
+    each unless staged as stored), whichever is larger."""
+    raw_bytes = 2 * BLOCK * channels
+    return raw_bytes if plain else max(raw_bytes, -(-(slot_bytes + (0 if dense_slots else 16 * 16)) // 16) * 16)
 
 
 def _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, *, slot_bytes, plain, nsplit, ws, stages, min_ctas,
              skip, dense_slots) -> DecodePlan:
     if head_dim not in (64, 128):
         raise ValueError(f"the warp-specialized kernel supports head_dim 64 and 128, not {head_dim}")
-    if not 1 <= rep <= MAX_GROUP_HEADS:
-        raise ValueError(f"the CUDA decode kernel packs at most {MAX_GROUP_HEADS} query heads per kv-head, got {rep}")
     if not 1 <= ws <= 15 or stages < ws or stages % ws:
         # a consumer waits on a stage barrier by parity, which is sound at most one phase ahead: with stages a
         # multiple of ws every stage has one consumer, which sees its phases in order
         raise ValueError(f"ws takes 1..15 consumer warps and a multiple of ws stages, not ws={ws}, stages={stages}")
     channels = head_dim
-    raw_bytes = 2 * BLOCK * channels
     dense_slots = bool(dense_slots and not plain)
-    buf = raw_bytes if plain else max(raw_bytes, -(-(slot_bytes + (0 if dense_slots else 16 * 16)) // 16) * 16)
+    buf = _stage_buffer(channels, slot_bytes, plain, dense_slots)
     scratch = 0 if plain else 14 * channels
     header = -(-20 * stages // 128) * 128
     cta_bytes = -(-(header + stages * 2 * buf + ws * scratch) // 128) * 128
@@ -279,8 +285,7 @@ def _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, *, slot_bytes, 
     if skip:
         options += (f"-DGAAC_SKIP={skip}",)
     if nsplit is None:  # the one-warp kernel's split count (compressed KV and its twin must split alike)
-        nsplit = plan(batch, kv_heads, rep, head_dim, max_tokens, device, slot_bytes=slot_bytes, plain=plain,
-                      ws=0).nsplit
+        nsplit = _default_nsplit(batch, kv_heads, max_tokens, device)
     return DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, ws + 1, stages, buf, cta_bytes, options,
                       ws=ws)
 
