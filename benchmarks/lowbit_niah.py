@@ -45,6 +45,9 @@ CACHES = {
                                                                                                  model_config=cfg)),
     # the K2V2 default's 4-bit budget spent on the retrieval heads (ranked on other cases than these)
     "K2V2 top-8 retrieval heads K4V4 + 11 key heads": lambda cfg: LowBitCache(cfg, _retrieval(cfg, 8)),
+    "K2V2 top-8 retrieval heads K4V4 + 11 key heads + pre-RoPE keys": lambda cfg: LowBitCache(
+        cfg, _retrieval(cfg, 8).replace(pre_rope_keys=True)),
+    "K2V2 default + pre-RoPE keys": lambda cfg: LowBitCache(cfg, "K2V2", pre_rope_keys=True),
 }
 RANKING = Path(__file__).resolve().parent / "results" / "lowbit_retrieval_heads_2k.json"
 

@@ -27,6 +27,8 @@ another config. Probes:
 * `niah-key-groups` (with `--task niah`): the K2V2 default with smaller key groups or FP8 key outliers, on top of
   its budget and within it (the least sensitive measured 4-bit key heads dropped).
 * `niah-rotation` (with `--task niah`): the K2V2 default with its keys unrotated, or a seeded random rotation.
+* `niah-pre-rope` (with `--task niah`): the K2V2 default with pre-RoPE keys (`pre_rope_keys=True`), with and
+  without the Hadamard rotation of the keys (and with `--ranking`, the retrieval-head table of `niah-retrieval`).
 * `niah-combined` (with `--task niah --ranking`): the top 8 retrieval heads at K4V4 with FP8 key outliers, in budget.
 * `options`: named configs (`options()` below): the statistic formats, outliers, per-layer and per-head 4-bit
   keys, and the chosen default.
@@ -48,6 +50,7 @@ from transformers.cache_utils import DynamicLayer
 
 from dgap_hf import LowBitCache, LowBitConfig
 from dgap_hf.cache import LowBitLayer
+from dgap_hf.rope_frame import rope_inv_freq
 from gaac_hf.corpus import DEBIAN_REFERENCE, read_text_files, token_prompts
 from gaac_hf.default_model import load_default_model
 from gaac_hf.model_layers import cache_kwarg
@@ -58,7 +61,12 @@ def probe_cache(model, base: LowBitConfig, layers: dict | None = None):
     a `LowBitConfig` -> a `LowBitLayer` of that config."""
     cache = LowBitCache(model.config, base)
     for i, what in (layers or {}).items():
-        cache.layers[i] = DynamicLayer() if what == "fp" else LowBitLayer(config=what, layer_idx=i)
+        freq = None
+        if what != "fp" and what.pre_rope_keys:
+            tc = model.config
+            freq = rope_inv_freq(tc, getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
+        cache.layers[i] = DynamicLayer() if what == "fp" else LowBitLayer(config=what, layer_idx=i,
+                                                                          rope_inv_freq=freq)
     return cache
 
 
@@ -198,6 +206,16 @@ def probes(names, n_layers, base, model_config=None, layers_arg=(), n_heads=0, r
         out["keys not rotated (rotate='v')"] = (default.replace(rotate="v"), {})
         out["seeded random rotation"] = (default.replace(rotation="random"), {})
         out["no rotation"] = (default.replace(rotation="none"), {})
+    if "niah-pre-rope" in names:
+        default = LowBitConfig.default("K2V2", model_config=model_config)
+        out["K2V2 default"] = (default, {})
+        out["pre-RoPE keys, Hadamard"] = (default.replace(pre_rope_keys=True), {})
+        out["pre-RoPE keys, not rotated"] = (default.replace(pre_rope_keys=True, rotate="v"), {})
+        out["pre-RoPE keys, seeded random rotation"] = (default.replace(pre_rope_keys=True, rotation="random"), {})
+        if ranking is not None:
+            for label, (cfg, layers) in retrieval_configs(model_config, ranking, tops=(8,)).items():
+                if "(budget)" in label:
+                    out[f"pre-RoPE keys; {label}"] = (cfg.replace(pre_rope_keys=True), layers)
     if "niah-combined" in names:
         if ranking is None:
             raise SystemExit("--probe niah-combined needs --ranking (a lowbit_retrieval_heads.py JSON)")
@@ -283,7 +301,7 @@ def main():
     ap.add_argument("--probe", nargs="+", default=["kv"],
                     choices=("kv", "layers", "layers-v", "heads", "niah-layers", "niah-heads", "niah-retrieval",
                              "niah-upgrade-layers", "niah-key-axis", "niah-key-groups", "niah-rotation",
-                             "niah-combined", "options"))
+                             "niah-pre-rope", "niah-combined", "options"))
     ap.add_argument("--ranking", help="retrieval-head ranking JSON (benchmarks/lowbit_retrieval_heads.py)")
     ap.add_argument("--case-seed", help="NIAH case seed (default: multikey-<tokens>, the cases lowbit_niah.py "
                                         "scores; choose heads on other cases, e.g. multikey-<tokens>-heads)")

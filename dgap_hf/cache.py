@@ -19,11 +19,10 @@ The options (group sizes, sinks, rotation, non-uniform levels, outliers) are a `
 (`dgap_hf.lowbit_config`). With a rotation the layer quantizes `x @ R` and returns `x_hat @ R.T` (post-RoPE keys;
 the attention needs no change).
 
-Pre-RoPE keys are out of reach without patching models: `cache.update` receives post-RoPE keys and neither the
-position embeddings (`cos`, `sin`) nor the `position_ids` (transformers 5.x passes only the attention kwargs). A
-cache could invert RoPE itself from the config's rope parameters at its own token counts, but that is only exact for
-rows without left padding and for the `rotate_half` layout; a robust version needs `cos`/`sin` in the update's
-`cache_kwargs` (as transformers 4.x passed them).
+Pre-RoPE keys (`pre_rope_keys=True`): `cache.update` receives post-RoPE keys and no positions, so the layer turns
+each quantized key back by the RoPE angle of its own cache index (the model's frequencies) and forward again after
+dequantizing (`dgap_hf.rope_frame`: exact as a map whatever the padding; the angles only decide how well the keys
+quantize).
 
 `update()` returns K/V `[B, H_kv, S, D]` in the input dtype: the quantized prefix dequantized, then the residual and
 the new tokens at full precision (tokens flushed in this very update are returned at full precision once, as
@@ -45,6 +44,7 @@ from .precision import format_precision
 from .quantize import (
     QuantizedGroups, check_bits, dequantize_keys, dequantize_values, quantize_keys, quantize_keys_by_head,
     quantize_values, quantize_values_by_head)
+from .rope_frame import rope_inv_freq, rope_rotate
 from .rotation import rotation_matrix
 
 
@@ -57,7 +57,7 @@ class LowBitLayer(RowSelectionMixin, CacheLayerMixin):
 
     def __init__(self, key_bits: int = 2, value_bits: int = 2, group_size: int = 32, residual_length: int = 128,
                  one_bit_mode: str = "sign", layer_idx: int | None = None, sink_length: int = 0, *,
-                 config: LowBitConfig | None = None):
+                 config: LowBitConfig | None = None, rope_inv_freq: torch.Tensor | None = None):
         if config is None:
             if residual_length < 0:
                 raise ValueError(f"residual_length must be >= 0, not {residual_length}")
@@ -69,6 +69,10 @@ class LowBitLayer(RowSelectionMixin, CacheLayerMixin):
         if (config.layer_key_bits or config.layer_value_bits) and layer_idx is None:
             raise ValueError("a config with layer_key_bits / layer_value_bits needs the layer index of each layer "
                              "(build the cache with the model's config: LowBitCache(model.config, ...))")
+        if config.pre_rope_keys and rope_inv_freq is None:
+            raise ValueError("pre_rope_keys needs the model's RoPE frequencies (build the cache with the model's "
+                             "config: LowBitCache(model.config, ...))")
+        self.rope_inv_freq = rope_inv_freq if config.pre_rope_keys else None
         self.head_bits = config.head_key_bits(layer_idx)  # {kv_head: key bits} where they differ from the layer's
         self.head_value_bits = config.head_value_bits(layer_idx)  # the same for the values
         self.config = config = config.for_layer(layer_idx)
@@ -150,10 +154,21 @@ class LowBitLayer(RowSelectionMixin, CacheLayerMixin):
         r = self._rot.T if inverse else self._rot
         return (x.float() @ r).to(x.dtype)
 
-    def _dequantize(self, qk: QuantizedGroups, qv: QuantizedGroups, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, k: torch.Tensor, start: int, inverse: bool) -> torch.Tensor:
+        """Keys `[B, H, S, D]` (float32) whose first token is quantized token `start`: turned back by their RoPE
+        angle (`inverse`, before quantization) or forward again (after dequantization); as they are without
+        `pre_rope_keys`. The sink precedes the quantized tokens, so quantized token i sits at cache index
+        `sink_length + i`."""
+        if self.rope_inv_freq is None:
+            return k
+        return rope_rotate(k, self.sink_length + start, self.rope_inv_freq, inverse=inverse)
+
+    def _dequantize(self, qk: QuantizedGroups, qv: QuantizedGroups, dtype,
+                    start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         per_token = self.config.key_axis == "token"
         k = self._rotate((dequantize_values if per_token else dequantize_keys)(qk, torch.float32), "k",
-                         inverse=True).to(dtype)
+                         inverse=True)
+        k = self._rope(k, start, inverse=False).to(dtype)
         v = self._rotate(dequantize_values(qv, torch.float32), "v", inverse=True).to(dtype)
         return k, v
 
@@ -184,7 +199,8 @@ class LowBitLayer(RowSelectionMixin, CacheLayerMixin):
         c = self.config
         fmt = dict(scale_dtype=c.key_scale_dtype, zero_dtype=c.key_zero_dtype, outlier_dtype=c.outlier_dtype)
         per_token = c.key_axis == "token"  # keys grouped like the values (per token over value_group_size channels)
-        qk = self._groups(self._rotate(k.float(), "k"), self.head_bits, c.key_bits, per_token,
+        k = self._rope(k.float(), self._n_quant, inverse=True)
+        qk = self._groups(self._rotate(k, "k"), self.head_bits, c.key_bits, per_token,
                           c.value_group_size if per_token else c.key_group_size, c.key_outliers, fmt)
         vfmt = dict(scale_dtype=c.value_scale_dtype, zero_dtype=c.value_zero_dtype, outlier_dtype=c.outlier_dtype)
         qv = self._groups(self._rotate(v.float(), "v"), self.head_value_bits, c.value_bits, True, c.value_group_size,
@@ -268,7 +284,8 @@ class LowBitLayer(RowSelectionMixin, CacheLayerMixin):
         groups, rest = divmod(new_len, g)
         if rest:
             k, v = self._dequantize(self._qk.map(lambda t: t[:, :, groups * kg:(groups + 1) * kg]),
-                                    self._qv.map(lambda t: t[:, :, groups * g:(groups + 1) * g]), self.dtype)
+                                    self._qv.map(lambda t: t[:, :, groups * g:(groups + 1) * g]), self.dtype,
+                                    start=groups * g)
             k, v = k[:, :, :rest], v[:, :, :rest]
         else:
             k, v = self._res_k[:, :, :0], self._res_v[:, :, :0]
@@ -386,10 +403,14 @@ class LowBitCache(Cache):
             if quant.layer_key_bits or quant.layer_value_bits:
                 raise ValueError("a per-layer bits table (layer_key_bits / layer_value_bits) needs the model's "
                                  "config: LowBitCache(model.config, ...)")
+            if quant.pre_rope_keys:
+                raise ValueError("pre_rope_keys needs the model's RoPE frequencies: LowBitCache(model.config, ...)")
             super().__init__(layer_class_to_replicate=functools.partial(LowBitLayer, config=quant),
                              offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
             return
-        layers = full_attention_layers(config, lambda i: LowBitLayer(config=quant, layer_idx=i))
+        inv_freq = rope_inv_freq(config, head_dim) if quant.pre_rope_keys else None
+        layers = full_attention_layers(config, lambda i: LowBitLayer(config=quant, layer_idx=i,
+                                                                      rope_inv_freq=inv_freq))
         super().__init__(layers=layers, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
 
     @property

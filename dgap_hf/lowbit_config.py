@@ -47,6 +47,8 @@ class LowBitConfig:
     * `levels`: `"uniform"` or `"normal"` (Lloyd-Max levels of a Gaussian) for 2- and 4-bit groups.
     * `rotation`: `"none"`, `"hadamard"` or `"random"` (seeded by `rotation_seed`), applied post-RoPE to the
       keys and/or values (`rotate`: `"kv"`, `"k"`, `"v"`) before quantization and undone on dequantization.
+    * `pre_rope_keys`: keys turned back by their RoPE angle (the model's frequencies at the token's cache index)
+      before quantization and forward again after (`dgap_hf.rope_frame`; needs the model config), then rotated.
     * `key_outliers` / `value_outliers`: elements per group kept in `outlier_dtype` (dense-and-sparse).
     * `key_scale_dtype`, `key_zero_dtype`, `value_scale_dtype`, `value_zero_dtype`, `outlier_dtype`: formats of
       the group statistics, `"bfloat16"` or `"float8_e4m3fn"` (`dgap_hf.quantize`); a zero dtype `"none"` stores
@@ -68,6 +70,7 @@ class LowBitConfig:
     rotation: str = "none"
     rotate: str = "kv"
     rotation_seed: int = 0
+    pre_rope_keys: bool = False
     key_outliers: int = 0
     value_outliers: int = 0
     key_scale_dtype: str = "bfloat16"
@@ -88,6 +91,8 @@ class LowBitConfig:
         for name in ("residual_length", "sink_length", "key_outliers", "value_outliers", "rotation_seed"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an integer >= 0, not {getattr(self, name)!r}")
+        if not isinstance(self.pre_rope_keys, bool):
+            raise ValueError(f"pre_rope_keys must be True or False, not {self.pre_rope_keys!r}")
         if self.key_axis not in KEY_AXES:
             raise ValueError(f"key_axis must be one of {KEY_AXES}, not {self.key_axis!r}")
         if self.one_bit_mode not in ONE_BIT_MODES:
@@ -243,7 +248,8 @@ class LowBitConfig:
             "normal": "levels='normal': Lloyd-Max levels of N(0,1), zero/scale refitted by least squares",
             "sink": "the first sink_length tokens stay in the model dtype",
             "rotation_doc": "x @ R before quantization, x_hat @ R.T after (post-RoPE); R from rotation, "
-                            "rotation_seed, head_dim",
+                            "rotation_seed, head_dim; with pre_rope_keys the keys are first turned back by the "
+                            "RoPE angle of their cache index (the model's frequencies) and forward after",
             "outliers_doc": "per group, the elements farthest from the mean kept in outlier_dtype with a uint8 index",
             "stat_dtypes_doc": "scale/zero formats: bfloat16 or float8_e4m3fn (saturating at +/-448); zero 'none': "
                                "symmetric groups",
