@@ -101,13 +101,14 @@ struct Params {
   float* part_ml;      // [items, rep, 2]
   u16* out;            // [B, Hq, D]
   unsigned long long* trace;  // GAAC_TRACE: [items, 4] split stamps (entry, first unit ready, done, SM), combine starts
-  int* work;           // GAAC_DYNAMIC: [2] zeroed counters (items claimed, warps done), zero again after the launch
+  void* spare0;        // unused: spare0 and spare1 keep the offsets of the fields after them, and with them the
+                       // code of every build as measured (dropping them changes register allocation)
   i64 slot_bytes;
   i64 table_sb;        // table stride per batch row, in int32
   i64 kv_sb, kv_sh, kv_ss;  // strides of kv_k / kv_v in elements
   i64 mask_sb;
   int batch, heads, rep, nsplit;
-  int nwarps;          // GAAC_DYNAMIC: warps in the grid
+  int spare1;          // unused (see spare0)
   int buf_bytes;       // bytes of one tile buffer in the ring
   int warp_bytes;      // shared memory per warp
   int planes_off, tags_off, esc_off;  // slot layout (format.py)
@@ -771,8 +772,8 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   constexpr int SM_STEP = (32 / (C / 16)) * SM_ROW;  // buffer bytes between a lane's sign+mantissa chunks
   constexpr int BF_ROWS = 32 / (C / 8);              // BF16 rows between a lane's chunks
   const int bf_row = lane / (C / 8), bf_col = 16 * (lane % (C / 8));
-  // SWZ: the lane's chunk of BF16 row bf_row + BF_ROWS i lands at swo[i % 4] + i BF_ROWS 2C (the swizzle depends on
-  // the row's 3 low bits, which repeat with i % 4); the fragment loads' offsets likewise
+  // SWZ: the fragment loads' swizzled offsets (sw), and the lane's chunk of BF16 row bf_row + BF_ROWS i lands at
+  // swo[i % 4] + i BF_ROWS 2C (the swizzle depends on the row's 3 low bits, which repeat with i % 4)
   RowSwizzle sw;
 #pragma unroll
   for (int s4 = 0; s4 < 2; ++s4)
