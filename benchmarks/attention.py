@@ -34,9 +34,7 @@ SHAPES = [  # (name, query heads, kv heads, head_dim, batch, context)
 
 
 # the `gaac_cuda.plan` options with an off/on sweep, and their command-line flags (args attribute)
-SWEEP_FLAGS = {"interleave": "interleave_sweep", "dynamic": "dynamic_sweep", "swizzle": "swizzle_sweep",
-               "split_barriers": "splitbar_sweep", "early_v": "earlyv_sweep", "fma": "fma_sweep",
-               "dense_slots": "dense_slots_sweep", "rows": "rows_sweep"}
+SWEEP_FLAGS = {"swizzle": "swizzle_sweep", "dense_slots": "dense_slots_sweep"}
 
 
 def real_kv(pool: torch.Tensor, batch: int, heads: int, length: int, head_dim: int, gen) -> tuple:
@@ -145,26 +143,11 @@ def main():
                    "(each needs a torch.compile)")
     p.add_argument("--breakdown-shape", type=int, default=2, help="shape for the leave-one-stage-out breakdown")
     p.add_argument("--cuda-sweep", action="store_true", help="sweep the CUDA kernel's ring depth, warps and splits")
-    p.add_argument("--interleave-sweep", action="store_true", help="time contiguous and interleaved split layouts")
     p.add_argument("--twin-sweep", action="store_true", help="sweep the CUDA twin's ring depth and warps per CTA")
-    p.add_argument("--dynamic-sweep", action="store_true",
-                   help="time the CUDA kernel and its twin with static splits and with warps claiming splits")
     p.add_argument("--swizzle-sweep", action="store_true",
                    help="time the CUDA twin with plain and swizzled BF16 rows in shared memory")
-    p.add_argument("--splitbar-sweep", action="store_true",
-                   help="time the CUDA kernel and its twin with one barrier per stage and with K and V on their own "
-                        "barriers, each re-issued as soon as its tile is read")
-    p.add_argument("--earlyv-sweep", action="store_true",
-                   help="time the CUDA twin with its V words read before the softmax (its stage's V half re-issued "
-                        "then) and without")
     p.add_argument("--dense-slots-sweep", action="store_true",
                    help="time the CUDA kernel with slots staged as stored (one bulk copy) and with padded rows")
-    p.add_argument("--fma-sweep", action="store_true",
-                   help="time the CUDA kernel with its exponent codes by multiplies (FMA pipe) and by funnel shifts")
-    p.add_argument("--rows-sweep", action="store_true",
-                   help="time the CUDA kernel with slot tiles rebuilt into BF16 rows (bit-plane transpose) and without")
-    p.add_argument("--pair-sweep", action="store_true",
-                   help="time the CUDA kernel and its twin with two warps per split (K warp and V warp) against one")
     p.add_argument("--ws-sweep", default="", help="warp-specialized kernel configs to time beside the default, as "
                    "ws:stages:ctas_per_sm,... (e.g. 8:16:1,11:22:1)")
     p.add_argument("--no-triton", action="store_true", help="skip the Triton kernel (fused, twin, breakdown)")
@@ -324,61 +307,10 @@ def main():
                 print(option, rows, flush=True)
 
             # one option off and on, GAAC and its twin alike (plain-KV options leave the compressed plans as they are,
-            # compressed-KV options the twin's): interleaved split layout, dynamic splits, swizzled twin rows, split
-            # barriers, early V, FMA-pipe codes, slots staged as stored, slot tiles rebuilt into BF16 rows
+            # compressed-KV options the twin's): swizzled twin rows, slots staged as stored
             for option, flag in SWEEP_FLAGS.items():
                 if getattr(args, flag):
                     option_sweep(option)
-            if args.pair_sweep:
-                # two warps per split (K: scores and softmax; V: output), P handed over in shared memory; the same
-                # bits as one warp per split at the same split count, checked against both
-                timer = bench_graph if args.graphs else bench
-                pairs = {}
-                for key, kw, mult in (("pair", {}, None), ("pair_vwords_full", {"v_words": min(d, 128) // 32}, None),
-                                      ("pair_minctas3", {"min_ctas": 3}, None), ("pair_splits_1.5x", {}, 1.5)):
-                    try:
-                        po = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, pair=True, **kw)
-                        if mult:
-                            po = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, pair=True,
-                                                nsplit=int(po.nsplit * mult), **kw)
-                        ppo = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, pair=True, nsplit=po.nsplit)
-                        p1 = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes,
-                                            nsplit=po.nsplit, ws=0)
-                        go = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale,
-                                                        layout, po)
-                        to = gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, ppo)
-                        g1 = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale,
-                                                        layout, p1)
-                        kc, kp = po.kernels(dev)[0], ppo.kernels(dev)[0]
-                        row = {"nsplit": po.nsplit,
-                               "bit_identical_to_twin": torch.equal(go.view(torch.int16), to.view(torch.int16)),
-                               "bit_identical_to_one_warp_per_split": torch.equal(go.view(torch.int16),
-                                                                                 g1.view(torch.int16)),
-                               "rel_err_vs_fp32": ((go.float() - ref).norm() / ref.norm()).item(),
-                               "registers": kc.registers, "twin_registers": kp.registers,
-                               "ctas_per_sm": kc.blocks_per_sm(po.warps * 32, po.smem),
-                               "twin_ctas_per_sm": kp.blocks_per_sm(ppo.warps * 32, ppo.smem),
-                               "smem_per_cta": po.smem,
-                               "gaac_us": timer(lambda i, po=po: gaac_cuda.decode_attention(
-                                   q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout, po),
-                                   args.buffers),
-                               "twin_us": timer(lambda i, ppo=ppo: gaac_cuda.plain_decode_attention(
-                                   q, bufs[i][1], bufs[i][2], kv_len, None, scale, ppo), args.buffers),
-                               "one_warp_same_splits_us": timer(lambda i, p1=p1: gaac_cuda.decode_attention(
-                                   q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout, p1),
-                                   args.buffers)}
-                        if key == "pair" and SHAPES.index((name, hq, hkv, d, b, s)) == args.breakdown_shape:
-                            for label, skip in (("no_math", 1), ("no_reconstruction", 2), ("loads_only", 3)):
-                                pv = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes,
-                                                    pair=True, skip=skip)
-                                row[f"{label}_us"] = timer(lambda i, pv=pv: gaac_cuda.decode_attention(
-                                    q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout, pv,
-                                    combine=False), args.buffers)
-                        pairs[key] = row
-                    except Exception as e:  # noqa: BLE001 - a variant may not fit
-                        pairs[key] = f"{type(e).__name__}: {e}"[:200]
-                cuda_info["pair_us"] = pairs
-                print("pair", pairs, flush=True)
             if args.ws_sweep:
                 # the warp-specialized kernel (one producer warp + ws consumer warps per CTA, one shared ring):
                 # GAAC and its twin planned alike must give the same bits; times, registers and (at the breakdown

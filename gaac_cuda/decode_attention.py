@@ -26,18 +26,8 @@ MAX_GROUP_HEADS = 8  # query heads per kv-head: the n dimension of the mma tile
 MIN_UNITS_PER_SPLIT = 4
 SPLITS_PER_SM = 12  # warps (= splits) resident per SM at head_dim 64/128 (3 CTAs of 4 warps); 256: 4 (1 CTA)
 COMBINE_THREADS = 512  # COMBINE_WARPS * 32 in the kernel source
-INTERLEAVE = False  # default split layout: contiguous block ranges (see `plan`)
 SWIZZLE = False  # plain KV: BF16 rows staged with an XOR swizzle against bank conflicts (see `plan`)
-DYNAMIC = False  # one wave of warps claiming splits from a counter (see `plan`)
-DYNAMIC_SPLITS = 2  # splits per resident warp when dynamic
-# K and V of a stage on their own barriers, each re-issued once read (see `plan`), by default for plain KV only: the
-# twin 1x64K 86.5 -> 77.7 us, the compressed kernel 94.3 -> 97.9 (issue-bound: the longer stream costs more than the
-# copies in flight gain; benchmarks/results/attention_cuda.md, session 7)
-SPLIT_BARRIERS = {"plain": True, "compressed": False}
 DENSE_SLOTS = False  # compressed KV: slots staged as stored by one bulk copy (see `plan`)
-FMA = False  # compressed KV: exponent codes by multiplies on the FMA pipe (see `plan`)
-ROWS = False  # compressed KV: slot tiles rebuilt into BF16 rows before the mma (see `plan`)
-PAIR_SPLITS_PER_SM = 8  # `plan(pair=True)`: splits (warp pairs) resident per SM, 4 CTAs of 2 pairs under 128 registers
 # The warp-specialized kernel (`plan(ws=n)`): CTAs of n consumer warps + 1 producer warp, the consumers holding
 # the one-warp kernel's splits (same unit ranges, same arithmetic: the same bits at the same split count). The
 # default for plain KV at head_dim 64/128 without one-warp options (the twin: WS_TWIN consumers, 2 stages each,
@@ -51,9 +41,9 @@ WS_DENSE_SLOTS = True  # slots staged as stored, one bulk copy each (the produce
 
 class _Params(ctypes.Structure):  # mirrors `struct Params` in the kernel source
     _fields_ = ([(n, ctypes.c_void_p) for n in ("q", "slots", "raw", "table", "kv_k", "kv_v", "base3", "base4",
-                                                 "kv_len", "mask", "part_o", "part_ml", "out", "trace", "work")]
+                                                 "kv_len", "mask", "part_o", "part_ml", "out", "trace", "spare0")]
                 + [(n, ctypes.c_longlong) for n in ("slot_bytes", "table_sb", "kv_sb", "kv_sh", "kv_ss", "mask_sb")]
-                + [(n, ctypes.c_int) for n in ("batch", "heads", "rep", "nsplit", "nwarps", "buf_bytes", "warp_bytes",
+                + [(n, ctypes.c_int) for n in ("batch", "heads", "rep", "nsplit", "spare1", "buf_bytes", "warp_bytes",
                                                "planes_off", "tags_off", "esc_off")]
                 + [("qk_scale", ctypes.c_float)])
 
@@ -65,8 +55,6 @@ def _source() -> str:
 
 
 _kernels: dict = {}
-_waves: dict = {}  # (plan, device) -> CTAs of one wave (dynamic plans)
-_work: dict = {}  # (device, stream) -> the dynamic plans' counters (int32 [2], zero between launches)
 
 
 def available(device: torch.device | str | int | None = None) -> bool:
@@ -95,8 +83,6 @@ class DecodePlan:
     buf_bytes: int
     warp_bytes: int
     options: tuple
-    dynamic: bool = False  # warps claim splits from a counter (`plan(dynamic=True)`)
-    pair: bool = False  # two warps per split (`plan(pair=True)`); warp_bytes is then per split
     ws: int = 0  # consumer warps of the warp-specialized kernel (`plan(ws=n)`); warp_bytes is then per CTA
 
     @property
@@ -105,7 +91,7 @@ class DecodePlan:
 
     @property
     def splits_per_cta(self) -> int:
-        return self.ws if self.ws else self.warps // 2 if self.pair else self.warps
+        return self.ws if self.ws else self.warps
 
     @property
     def grid(self) -> int:
@@ -133,53 +119,37 @@ class DecodePlan:
 
 def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, device, *, slot_bytes: int = 0,
          plain: bool = False, nsplit: int | None = None, warps: int = 4, stages: int | None = None,
-         min_ctas: int | None = None, skip: int = 0, trace: bool = False,
-         interleave: bool = INTERLEAVE, format_version: int = 1, swizzle: bool = SWIZZLE,
-         dynamic: bool = DYNAMIC, split_barriers: bool | None = None, early_v: bool = False,
-         pair: bool = False, v_words: int | None = None, rows: bool = ROWS, fma: bool = FMA,
-         dense_slots: bool | None = None, ws: int | None = None) -> DecodePlan:
+         min_ctas: int | None = None, skip: int = 0, trace: bool = False, format_version: int = 1,
+         swizzle: bool = SWIZZLE, v_words: int | None = None, dense_slots: bool | None = None,
+         ws: int | None = None) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
     `trace` (benchmarks): the kernels write globaltimer stamps into a `trace` tensor (see `trace_size`).
-    `interleave`: split s reads blocks s, s + nsplit, ... instead of a contiguous range (the bits depend on it:
-    compressed KV and its twin must be planned alike, as the default does). `format_version` 2: the byte-split
-    slot prototype of `benchmarks/format_v2_probe.py` (bases passed halved), not a format the caches write.
-    `swizzle` (plain KV): stage BF16 rows with an XOR swizzle of their 16-byte chunks, so the fragment loads are free
-    of shared-memory bank conflicts (the bits do not change). `dynamic`: launch one wave of warps that claim
-    splits from a global counter (DYNAMIC_SPLITS splits per resident warp), so heads and SMs that run faster take
-    more splits; the bits depend on the split count only (compressed KV and its twin: plan both alike).
-    `split_barriers`: K and V of a ring stage complete on their own barriers and each is re-issued with the unit
-    `stages` ahead as soon as its tile is read, so K copies are in flight while V is consumed (same bits; default:
-    `SPLIT_BARRIERS` of the storage, static schedules only). `early_v` (plain KV, head_dim <= 128, with split
-    barriers): read a stage's V words into registers before the softmax and re-issue its V half then (same bits;
-    measured in session 8: 0.5-2% slower). `pair`: two warps per split, one streaming K (scores, softmax), the other
-    V (output mma), P^T and the rescale factors handed over through shared memory (same bits at the same split
-    count; split barriers implied, static schedule, no early V; its own default split count, PAIR_SPLITS_PER_SM).
+    `format_version` 2: the byte-split slot prototype of `benchmarks/format_v2_probe.py` (bases passed halved), not a
+    format the caches write. `swizzle` (plain KV): stage BF16 rows with an XOR swizzle of their 16-byte chunks, so the
+    fragment loads are free of shared-memory bank conflicts (the bits do not change). The one-warp kernel over plain
+    KV completes K and V of a ring stage on their own barriers and re-issues each with the unit `stages` ahead as soon
+    as its tile is read, so K copies are in flight while V is consumed (same bits; measured faster for the twin only:
+    1x64K 86.5 -> 77.7 us, compressed KV 94.3 -> 97.9, benchmarks/results/attention_cuda.md, session 7).
     `v_words` (compressed KV): V words rebuilt per vector load in the output tile, head_dim / 32 (default) or 2
-    (fewer registers: the default with `pair`). `rows` (compressed KV, one warp per split): each slot tile is rebuilt
-    in place in shared memory into BF16 rows by a bit-plane transpose (8 tokens per lane and word), then read like
-    the twin's rows, instead of straight into the mma fragments (same bits). `fma` (compressed KV): the fragment
-    path's exponent codes brought down by multiplies (FMA pipe) instead of funnel shifts (ALU pipe); same bits.
-    `dense_slots` (compressed KV): stage each slot as stored, by one bulk copy, instead of its sign+mantissa rows padded
-    against bank conflicts by 16-byte copies per lane (fewer copy instructions, 2-way conflicts; same bits; prepared
-    in session 8, not yet timed). `ws` (head_dim 64/128, none of the options above): the warp-specialized kernel,
-    CTAs of `ws` consumer warps, each holding one of the one-warp kernel's splits (the same bits at the same split
-    count), and one producer warp that streams the CTA's units through a ring of `stages` stages (a multiple of
-    ws; default 2 ws) shared by the CTA. Default: WS_TWIN for plain KV at head_dim 64/128 without one-warp options,
-    else 0 (the one-warp kernel)."""
+    (fewer registers). `dense_slots` (compressed KV): stage each slot as stored, by one bulk copy, instead of its
+    sign+mantissa rows padded against bank conflicts by 16-byte copies per lane (fewer copy instructions, 2-way
+    conflicts; same bits; prepared in session 8, not yet timed). `ws` (head_dim 64/128; not with `trace`, format 2,
+    `swizzle` or `warps`, the one-warp kernel's options): the warp-specialized kernel, CTAs of `ws` consumer warps,
+    each holding one of the one-warp kernel's splits (the same bits at the same split count), and one producer warp
+    that streams the CTA's units through a ring of `stages` stages (a multiple of ws; default 2 ws) shared by the
+    CTA. Default: WS_TWIN for plain KV at head_dim 64/128 without one-warp options, else 0 (the one-warp kernel)."""
     if not 1 <= rep <= MAX_GROUP_HEADS:
         raise ValueError(f"the CUDA decode kernel packs at most {MAX_GROUP_HEADS} query heads per kv-head, got {rep}")
-    one_warp = bool(interleave or dynamic or split_barriers or early_v or pair or rows or fma or trace or
-                    format_version != 1 or (swizzle and plain) or warps != 4)
+    one_warp = bool(trace or format_version != 1 or (swizzle and plain) or warps != 4)
     if ws is None:
         ws = WS_TWIN if plain and not one_warp and head_dim in (64, 128) else 0
         if ws and min_ctas is None:
             min_ctas = WS_TWIN_CTAS_PER_SM
     elif ws and one_warp:
         raise ValueError("ws (the warp-specialized kernel) takes head_dim 64/128 and none of the one-warp kernel's "
-                         "options (interleave, dynamic, split_barriers, early_v, pair, rows, fma, trace, format 2, "
-                         "swizzle, warps)")
+                         "options (trace, format 2, swizzle, warps)")
     if ws:
         return _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, slot_bytes=slot_bytes, plain=plain,
                         nsplit=nsplit, ws=ws, stages=2 * ws if stages is None else stages, min_ctas=min_ctas,
@@ -188,26 +158,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         stages = 2
     if dense_slots is None:
         dense_slots = DENSE_SLOTS
-    rows = bool(rows and not plain)  # a compressed-KV option, like swizzle for plain KV
-    fma = bool(fma and not plain)
-    dense_slots = bool(dense_slots and not plain)
-    if rows and (pair or format_version != 1):
-        raise ValueError("rows reads format 1 with one warp per split (pair=False)")
-    if pair:
-        if dynamic or early_v or split_barriers is False:
-            raise ValueError("pair runs the static schedule with split barriers and without early_v")
-        if warps % 2:
-            raise ValueError(f"pair needs an even warp count per CTA, not {warps}")
-        if stages > 4:
-            raise ValueError("pair keeps at most 4 ring stages")
-        split_barriers = True
-    if split_barriers is None:
-        split_barriers = SPLIT_BARRIERS["plain" if plain else "compressed"] and not dynamic
-    if split_barriers and dynamic:
-        raise ValueError("split_barriers runs the static schedule only (dynamic=False)")
-    early_v = bool(early_v and plain and head_dim <= 128)  # a plain-KV option, like swizzle
-    if early_v and not split_barriers:
-        raise ValueError("early_v re-issues a stage's V half on its own barrier: it needs split_barriers=True")
+    dense_slots = bool(dense_slots and not plain)  # a compressed-KV option, like swizzle for plain KV
     if format_version not in (1, 2):
         raise ValueError(f"slot format {format_version}: the kernel reads format 1 (and the version-2 prototype)")
     if head_dim not in (64, 128, 256):
@@ -216,43 +167,37 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     tiles = head_dim // channels
     buf = _stage_buffer(channels, slot_bytes, plain, dense_slots)
     scratch = 0 if plain else 14 * channels  # per-group bases, planes 3..7 and raw masks of one slot
-    header = 128 if split_barriers else 64  # stage barriers and slot bits (the kernel's HDR)
-    # per warp, or with `pair` per split: a scratch per role and the P ring (2 entries x 32 lanes x 16 bytes)
-    warp_bytes = -(-(header + stages * 2 * tiles * buf + (2 * scratch + 1024 if pair else scratch)) // 128) * 128
+    header = 128 if plain else 64  # stage barriers (K and V apart for plain KV) and slot bits: the kernel's HDR
+    warp_bytes = -(-(header + stages * 2 * tiles * buf + scratch) // 128) * 128
     if v_words is None:
-        v_words = 2 if pair and not plain else channels // 32
+        v_words = channels // 32
     if v_words not in (channels // 32, 2):
         raise ValueError(f"v_words is {channels // 32} or 2 at head_dim {head_dim}, not {v_words}")
     if min_ctas is None:  # register cap: 3 CTAs of 4 warps per SM (what shared memory allows at head_dim 128)
-        min_ctas = 1 if tiles == 2 else (16 // warps if pair else 12 // warps)
+        min_ctas = 1 if tiles == 2 else 12 // warps
     options = (f"-DGAAC_C={channels}", f"-DGAAC_TILES={tiles}",
                f"-DGAAC_PLAIN={int(plain)}", f"-DGAAC_STAGES={stages}", f"-DGAAC_WARPS={warps}",
-               f"-DGAAC_MIN_CTAS={min_ctas}", f"-DGAAC_INTERLEAVE={int(interleave)}",
-               f"-DGAAC_FORMAT={format_version}", f"-DGAAC_SWIZZLE={int(swizzle and plain)}",
-               f"-DGAAC_DYNAMIC={int(dynamic)}", f"-DGAAC_SPLITBAR={int(split_barriers)}",
-               f"-DGAAC_EARLY_V={int(early_v)}", f"-DGAAC_PAIR={int(pair)}", f"-DVT_WORDS={v_words}",
-               f"-DGAAC_ROWS={int(rows)}", f"-DGAAC_FMA={int(fma)}",
+               f"-DGAAC_MIN_CTAS={min_ctas}", f"-DGAAC_FORMAT={format_version}",
+               f"-DGAAC_SWIZZLE={int(swizzle and plain)}", f"-DVT_WORDS={v_words}",
                f"-DGAAC_DENSE_SLOT={int(dense_slots)}")
     if trace:
         options += ("-DGAAC_TRACE=1",)
     if skip:  # benchmark-only variants of the leave-one-stage-out breakdown (wrong results by design)
         options += (f"-DGAAC_SKIP={skip}",)
     if nsplit is None:
-        nsplit = _default_nsplit(batch, kv_heads, max_tokens, device, tiles, pair, dynamic)
-    return DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes, options,
-                      dynamic, pair)
+        nsplit = _default_nsplit(batch, kv_heads, max_tokens, device, tiles)
+    return DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes, options)
 
 
-def _default_nsplit(batch, kv_heads, max_tokens, device, tiles=1, pair=False, dynamic=False) -> int:
+def _default_nsplit(batch, kv_heads, max_tokens, device, tiles=1) -> int:
     """Splits per (row, kv-head): a function of the shape alone, never of the variant's occupancy (compressed KV and
     its plain twin must split alike to give the same bits); the splits that fit in one wave of warps (a few more
     would run as a second wave: twice the time)."""
     units = max(1, -(-max_tokens // BLOCK))
     sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
-    per_sm = PAIR_SPLITS_PER_SM if pair else SPLITS_PER_SM
-    per_sm = per_sm if tiles == 1 else per_sm // 3  # two tiles per stage: one CTA fits
-    want = max(1, sms * per_sm * (DYNAMIC_SPLITS if dynamic else 1) // (batch * kv_heads))
-    if tiles == 1 and not (pair or dynamic) and want >= WS_TWIN:
+    per_sm = SPLITS_PER_SM if tiles == 1 else SPLITS_PER_SM // 3  # two tiles per stage: one CTA fits
+    want = max(1, sms * per_sm // (batch * kv_heads))
+    if tiles == 1 and want >= WS_TWIN:
         want -= want % WS_TWIN  # whole CTAs of the warp-specialized twin (one wave of them too)
     return max(1, min(want, math.ceil(units / MIN_UNITS_PER_SPLIT)))
 
@@ -304,26 +249,6 @@ def trace_size(p: DecodePlan) -> int:
     return 4 * p.items + p.batch * p.kv_heads * p.rep * (p.head_dim // 32)
 
 
-def _wave(p: DecodePlan, kernel, dev) -> int:
-    """CTAs of a dynamic plan's grid: one wave (every CTA resident at once), at most the static grid."""
-    key = (p, dev)
-    if key not in _waves:
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        _waves[key] = max(1, min(p.grid, sms * max(1, kernel.blocks_per_sm(p.warps * 32, p.smem))))
-    return _waves[key]
-
-
-def _counters(dev) -> torch.Tensor:
-    """The dynamic kernel's two counters for the current stream. The kernel leaves them at zero; launches on one
-    stream never overlap, so a stream needs one pair. Made once per stream (under graph capture: in the graph's pool,
-    zeroed by a node of that graph)."""
-    key = (dev, torch.cuda.current_stream(dev).cuda_stream)
-    t = _work.get(key)
-    if t is None:
-        t = _work[key] = torch.zeros(2, dtype=torch.int32, device=dev)
-    return t
-
-
 def _run(p: DecodePlan, query, kv_len, mask, scale, fill, combine_too: bool = True,
          trace: torch.Tensor | None = None) -> torch.Tensor:
     b, hq, d = query.shape
@@ -355,12 +280,8 @@ def _run(p: DecodePlan, query, kv_len, mask, scale, fill, combine_too: bool = Tr
         prm.trace = trace.data_ptr()
     keep = fill(prm)  # tensors the launch reads must outlive it
     split_kernel, combine = p.kernels(dev)
-    grid = p.grid
-    if p.dynamic:
-        grid = _wave(p, split_kernel, dev)
-        prm.nwarps, prm.work = grid * p.warps, _counters(dev).data_ptr()
     with torch.cuda.device(dev):
-        split_kernel.launch(grid, p.warps * 32, p.smem, prm)
+        split_kernel.launch(p.grid, p.warps * 32, p.smem, prm)
         if combine_too:
             combine.launch(b * hq * (d // 32), COMBINE_THREADS, 0, prm)  # a block per (row, query head, 32 channels)
     del keep

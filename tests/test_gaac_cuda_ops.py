@@ -1,7 +1,6 @@
 """The CUDA C++ decode-attention kernel (`gaac_cuda`): bit-exact twin checks on the GPU, compile checks anywhere
 `nvcc` is installed, plan validation on the CPU."""
 
-import itertools
 import os
 import re
 import shutil
@@ -39,46 +38,20 @@ def test_plan_rejects_shapes_the_kernel_does_not_cover():
     p = plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, slot_bytes=2928, ws=0)
     assert (p.items, p.grid, p.buf_bytes) == (2 * 8 * 33, -(-2 * 8 * 33 // p.warps), 4096)
     assert p.smem <= 227 * 1024
-    # the split layout and the slot format are compile-time options: they key the kernel cache
-    options = {plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, interleave=i, format_version=f, ws=0).options
-               for i in (False, True) for f in (1, 2)}
-    assert len(options) == 4
+    # the slot format is a compile-time option: it keys the kernel cache
+    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, format_version=2, ws=0).options != plan(
+        1, 8, 4, 128, 1024, "cpu", nsplit=4, ws=0).options
     # the swizzled staging is a plain-KV option: it keys the twin's kernel, not the compressed one
     assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, swizzle=True, ws=0).options != \
         plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, ws=0).options
     assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, swizzle=True, ws=0).options == plan(
         1, 8, 4, 128, 1024, "cpu", nsplit=4, ws=0).options
-    # split barriers: the plain twin's default (measured faster), not the compressed kernel's; never dynamic
-    assert "-DGAAC_SPLITBAR=1" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, ws=0).options
-    assert "-DGAAC_SPLITBAR=0" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, ws=0).options
-    assert "-DGAAC_SPLITBAR=0" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, dynamic=True,
-                                       ws=0).options
-    with pytest.raises(ValueError, match="static schedule"):
-        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, split_barriers=True, dynamic=True, ws=0)
-    # early V: plain KV with split barriers only; ignored for compressed KV (like swizzle)
-    assert "-DGAAC_EARLY_V=1" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, early_v=True, ws=0).options
-    assert "-DGAAC_EARLY_V=0" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, early_v=True, ws=0).options
-    with pytest.raises(ValueError, match="split_barriers"):
-        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, early_v=True, split_barriers=False, ws=0)
-    # two warps per split: split barriers implied, two splits per 4-warp CTA, a scratch per role plus the P ring
-    one = plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, ws=0)
-    two = plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, pair=True, ws=0)
-    assert "-DGAAC_PAIR=1" in two.options and "-DGAAC_SPLITBAR=1" in two.options and "-DVT_WORDS=2" in two.options
-    assert two.splits_per_cta == 2 and two.grid == 16 and one.grid == 8
-    assert two.warp_bytes >= one.warp_bytes + 14 * 128 + 1024 and two.smem == 2 * two.warp_bytes
-    for bad in ({"dynamic": True}, {"split_barriers": False}, {"warps": 3}, {"stages": 5}):
-        with pytest.raises(ValueError):
-            plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, pair=True, ws=0, **bad)
-    # slot tiles rebuilt into BF16 rows: a compressed-KV option (the twin's plan ignores it), one warp per split
-    assert "-DGAAC_ROWS=1" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, rows=True).options
-    assert "-DGAAC_ROWS=0" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, rows=True).options
-    assert "-DGAAC_FMA=1" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, fma=True, ws=0).options
-    assert "-DGAAC_FMA=0" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, fma=True, ws=0).options
+    # the one-warp kernel over plain KV keeps K and V of a stage on their own barriers: a 128-byte header (64 else)
+    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, ws=0).warp_bytes == 128 + 2 * 2 * 4096
+    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, ws=0).warp_bytes == -(-(64 + 2 * 2 * 4096 + 14 * 128) // 128) * 128
     dense = plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=3200, dense_slots=True, ws=0)
     assert "-DGAAC_DENSE_SLOT=1" in dense.options and dense.buf_bytes == 4096  # no row padding: the raw tile's size
     assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=4000, ws=0).buf_bytes == 4256
-    with pytest.raises(ValueError, match="rows"):
-        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, rows=True, pair=True)
     with pytest.raises(ValueError, match="v_words"):
         plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, v_words=3, ws=0)
 
@@ -106,9 +79,9 @@ def test_plan_of_the_warp_specialized_kernel():
     assert f"-DGAAC_MIN_CTAS={WS_TWIN_CTAS_PER_SM}" in t.options and t.grid == 8 * -(-198 // WS_TWIN)
     assert plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, slot_bytes=2928).ws == 0
     assert plan(1, 8, 4, 256, 65536, "cpu", nsplit=3, plain=True).ws == 0
-    assert plan(1, 8, 4, 128, 65536, "cpu", nsplit=3, plain=True, split_barriers=True).ws == 0
+    assert plan(1, 8, 4, 128, 65536, "cpu", nsplit=3, plain=True, swizzle=True).ws == 0
     with pytest.raises(ValueError, match="one-warp kernel's options"):
-        plan(1, 8, 4, 128, 65536, "cpu", nsplit=8, ws=8, interleave=True)
+        plan(1, 8, 4, 128, 65536, "cpu", nsplit=8, ws=8, trace=True)
     for stages in (7, 12):  # parity waits: one consumer per stage, so stages is a multiple of ws
         with pytest.raises(ValueError, match="multiple of ws stages"):
             plan(1, 8, 4, 128, 1024, "cpu", nsplit=8, ws=8, stages=stages)
@@ -121,28 +94,19 @@ def test_plan_of_the_warp_specialized_kernel():
 @pytest.mark.skipif(shutil.which("nvcc") is None or CUOBJDUMP is None or not os.path.isfile(CUOBJDUMP or ""),
                     reason="needs nvcc (CUDA 12.8+) and triton's cuobjdump")
 @pytest.mark.parametrize("config", [(128, 1, 0), (128, 1, 1), (64, 1, 0), (64, 1, 1), (128, 1, 2), (64, 1, 2),
-                                    (128, 1, 3), (128, 1, 4), (128, 1, 5), (128, 1, 6), (64, 1, 5), (128, 1, 7),
-                                    (64, 1, 7), (128, 1, 8), (64, 1, 8), (128, 1, 9), (64, 1, 9), (128, 1, 10),
-                                    (64, 1, 10), (128, 1, 11), (64, 1, 11), (128, 1, 12), (64, 1, 12), (128, 1, 13),
-                                    (64, 1, 13), (128, 1, 14), (64, 1, 14)])
+                                    (128, 1, 3), (64, 1, 3), (128, 1, 4), (64, 1, 4), (128, 1, 5), (64, 1, 5)])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     """The sm_90a build of every head_dim-64/128 variant, at the plan's default register cap (3 CTAs of 4 warps per
     SM), keeps its state in registers: no stack, no local memory."""
-    # kind 0 compressed, 1 plain, 2 plain with swizzled rows, 3/4 compressed/plain dynamic, 5/6 compressed/plain with
-    # split barriers, 7 plain with split barriers and early V, 8/9 compressed/plain with two warps per split (their
-    # cap: 4 CTAs of 4 warps, 128 registers), 10 compressed with slot tiles rebuilt into BF16 rows, 11 compressed with
-    # the exponent codes by multiplies, 12 compressed with slots staged as stored, 13/14 the warp-specialized kernel
-    # (8 consumer warps + 1 producer per CTA, one CTA per SM; slots staged as stored), compressed/plain
+    # kind 0 compressed, 1 plain (K and V of a stage on their own barriers), 2 plain with swizzled rows, 3 compressed
+    # with slots staged as stored, 4/5 the warp-specialized kernel (8 consumer warps + 1 producer per CTA, one CTA per
+    # SM; slots staged as stored), compressed/plain
     c, tiles, kind = config
-    ws = kind in (13, 14)
+    ws = kind in (4, 5)
     out = tmp_path / "k.cubin"
-    pair = kind in (8, 9)
-    defs = [f"-DGAAC_C={c}", f"-DGAAC_TILES={tiles}", f"-DGAAC_PLAIN={int(kind in (1, 2, 4, 6, 7, 9, 14))}",
-            f"-DGAAC_SWIZZLE={int(kind == 2)}", f"-DGAAC_DYNAMIC={int(kind in (3, 4))}",
-            f"-DGAAC_SPLITBAR={int(kind in (5, 6, 7, 8, 9))}", f"-DGAAC_EARLY_V={int(kind == 7)}",
-            f"-DGAAC_PAIR={int(pair)}", f"-DVT_WORDS={2 if kind == 8 else c // 32}", f"-DGAAC_ROWS={int(kind == 10)}",
-            f"-DGAAC_FMA={int(kind == 11)}", f"-DGAAC_DENSE_SLOT={int(kind in (12, 13))}",
-            f"-DGAAC_STAGES={16 if ws else 2}", "-DGAAC_WARPS=4", f"-DGAAC_MIN_CTAS={1 if ws else 4 if pair else 3}",
+    defs = [f"-DGAAC_C={c}", f"-DGAAC_TILES={tiles}", f"-DGAAC_PLAIN={int(kind in (1, 2, 5))}",
+            f"-DGAAC_SWIZZLE={int(kind == 2)}", f"-DVT_WORDS={c // 32}", f"-DGAAC_DENSE_SLOT={int(kind in (3, 4))}",
+            f"-DGAAC_STAGES={16 if ws else 2}", "-DGAAC_WARPS=4", f"-DGAAC_MIN_CTAS={1 if ws else 3}",
             f"-DGAAC_WS={8 if ws else 0}"]
     subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", *defs, "-x", "cu",
                     _SOURCE_FILE, "-o", str(out)], check=True, capture_output=True)
@@ -151,7 +115,7 @@ def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     fn = usage.split("gaac_decode_ws" if ws else "gaac_decode_split")[1]
     regs = int(re.search(r"REG:(\d+)", fn).group(1))
     assert int(re.search(r"STACK:(\d+)", fn).group(1)) == 0 and int(re.search(r"LOCAL:(\d+)", fn).group(1)) == 0, split
-    assert regs <= (224 if ws else 128 if pair else 168), split  # 4 (pair) or 3 CTAs of 4 warps, or 9 warps per SM
+    assert regs <= (224 if ws else 168), split  # 3 CTAs of 4 warps, or 9 warps per SM
 
 
 def reference_attention(q, k, v, kv_len, mask, scale):
@@ -225,64 +189,22 @@ def test_cuda_compressed_equals_plain_twin(case):
     b, h, nrep, _, d, _, _, _ = case
     (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case)
     for nsplit in (1, 3, None):
-        for interleave in (False, True):  # contiguous block ranges per split, or blocks s, s + nsplit, ...
-            pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit,
-                      interleave=interleave, ws=0)
-            pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, interleave=interleave,
-                      ws=0)
-            got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
-            twin = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
-            assert torch.equal(bits(got), bits(twin)), f"compressed != twin (nsplit {pc.nsplit}, {interleave=})"
-            # the twin with its BF16 rows staged swizzled (bank-conflict-free loads): the same bits
-            pps = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, interleave=interleave,
-                       swizzle=True, ws=0)
-            twin_s = plain_decode_attention(q, k, v, kv_len, mask, scale, pps)
-            assert torch.equal(bits(twin_s), bits(twin)), f"swizzled twin differs (nsplit {pc.nsplit}, {interleave=})"
-            # warps claiming splits from a counter: the same bits as the static schedule at the same split count,
-            # and again on a second launch (the kernel puts its counters back to zero)
-            pcd = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit,
-                       interleave=interleave, dynamic=True, ws=0)
-            ppd = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pcd.nsplit, interleave=interleave,
-                       dynamic=True, ws=0)
-            for _ in range(2):
-                got_d = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pcd)
-                twin_d = plain_decode_attention(q, k, v, kv_len, mask, scale, ppd)
-                assert torch.equal(bits(got_d), bits(twin_d)), f"dynamic: compressed != twin (nsplit {pcd.nsplit})"
-            if pcd.nsplit == pc.nsplit:
-                assert torch.equal(bits(got_d), bits(got)), f"dynamic schedule changed the bits (nsplit {pc.nsplit})"
-            # K and V of a stage on their own barriers, each re-issued once read, and two warps per split (K warp,
-            # V warp; P through shared memory), 2 and 3 stages: the same bits for compressed KV and for the twin
-            for option, stages in itertools.product(("split_barriers", "pair"), (2, 3)):
-                pco = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=pc.nsplit,
-                           interleave=interleave, stages=stages, ws=0, **{option: True})
-                ppo = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, interleave=interleave,
-                           stages=stages, ws=0, **{option: True})
-                got_o = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pco)
-                twin_o = plain_decode_attention(q, k, v, kv_len, mask, scale, ppo)
-                assert torch.equal(bits(got_o), bits(got)), f"{option} changed the bits ({stages=}, {interleave=})"
-                assert torch.equal(bits(twin_o), bits(twin)), f"{option}: twin differs ({stages=}, {interleave=})"
-            # slot tiles rebuilt into BF16 rows by the bit-plane transpose, then read like the twin's: the same bits
-            # (with one barrier per stage and with split barriers)
-            for splitbar in (False, True):
-                pcr = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=pc.nsplit,
-                           interleave=interleave, rows=True, split_barriers=splitbar)
-                got_r = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pcr)
-                assert torch.equal(bits(got_r), bits(got)), f"rows changed the bits ({splitbar=}, {interleave=})"
-            # exponent codes by multiplies on the FMA pipe, slots staged as stored: the same bits
-            for option in ("fma", "dense_slots"):
-                pcf = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=pc.nsplit,
-                           interleave=interleave, ws=0, **{option: True})
-                got_f = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pcf)
-                assert torch.equal(bits(got_f), bits(got)), f"{option} changed the bits ({interleave=})"
-            # the twin's V words read before the softmax (its stage's V half re-issued then): the same bits
-            if d <= 128:
-                ppe = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, interleave=interleave,
-                           early_v=True, ws=0)
-                assert "-DGAAC_EARLY_V=1" in ppe.options
-                twin_e = plain_decode_attention(q, k, v, kv_len, mask, scale, ppe)
-                assert torch.equal(bits(twin_e), bits(twin)), f"early-V twin differs ({interleave=})"
-            err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
-            assert err < 1e-2, (err, pc.nsplit, interleave)
+        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, ws=0)
+        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, ws=0)
+        got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
+        twin = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
+        assert torch.equal(bits(got), bits(twin)), f"compressed != twin (nsplit {pc.nsplit})"
+        # the twin with its BF16 rows staged swizzled (bank-conflict-free loads): the same bits
+        pps = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, swizzle=True, ws=0)
+        twin_s = plain_decode_attention(q, k, v, kv_len, mask, scale, pps)
+        assert torch.equal(bits(twin_s), bits(twin)), f"swizzled twin differs (nsplit {pc.nsplit})"
+        # slots staged as stored (one bulk copy each): the same bits
+        pcd = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=pc.nsplit, ws=0,
+                   dense_slots=True)
+        got_d = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pcd)
+        assert torch.equal(bits(got_d), bits(got)), f"dense_slots changed the bits (nsplit {pc.nsplit})"
+        err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, (err, pc.nsplit)
     # rows further apart than head_dim (a view into wider rows): the same bits as contiguous rows
     kw, vw = (torch.zeros(*x.shape[:3], d + 64, dtype=x.dtype, device=x.device) for x in (k, v))
     kw[..., :d], vw[..., :d] = k, v

@@ -28,16 +28,13 @@
 // Bitstream: docs/format.md; offsets come from the launcher (gaac_hf/format.py is the one definition).
 //
 // Compile-time configuration (NVRTC -D): GAAC_C (64|128 channels per tile), GAAC_TILES (tiles per head: 1|2),
-// GAAC_PLAIN (0|1), GAAC_STAGES (ring depth), GAAC_WARPS, GAAC_MIN_CTAS (register budget), GAAC_INTERLEAVE (split
-// layout), GAAC_SWIZZLE (plain KV: swizzled BF16 rows), GAAC_DYNAMIC (warps claim splits from a counter), GAAC_SPLITBAR
-// (K and V halves of a stage on their own barriers), GAAC_EARLY_V (plain KV: V words read before the softmax),
-// GAAC_PAIR (two warps per split), GAAC_ROWS (compressed KV: slot tiles rebuilt into BF16 rows first), VT_WORDS (V words
-// per vector load), GAAC_FMA (compressed KV: exponent codes by multiplies), GAAC_DENSE_SLOT (compressed KV: slots
-// staged as stored), GAAC_WS (the warp-specialized kernel's consumer warps), and for the benchmarks GAAC_SKIP
-// (leave-one-stage-out breakdown; bit 0: no tensor-core math, bit 1: no reconstruction), GAAC_TRACE (globaltimer
-// stamps, benchmarks/cuda_stream_probe.py) and GAAC_FORMAT (2: the byte-split slot prototype of
-// benchmarks/format_v2_probe.py). The options are measured alternatives (benchmarks/results/attention_cuda.md); the
-// launcher's defaults are the fastest.
+// GAAC_PLAIN (0|1), GAAC_STAGES (ring depth), GAAC_WARPS, GAAC_MIN_CTAS (register budget), GAAC_SWIZZLE (plain KV:
+// swizzled BF16 rows), VT_WORDS (V words per vector load), GAAC_DENSE_SLOT (compressed KV: slots staged as stored),
+// GAAC_WS (the warp-specialized kernel's consumer warps), and for the benchmarks GAAC_SKIP (leave-one-stage-out
+// breakdown; bit 0: no tensor-core math, bit 1: no reconstruction), GAAC_TRACE (globaltimer stamps,
+// benchmarks/cuda_stream_probe.py) and GAAC_FORMAT (2: the byte-split slot prototype of benchmarks/format_v2_probe.py).
+// The options are measured alternatives (benchmarks/results/attention_cuda.md; the rejected ones, removed in session
+// 11, are in git history); the launcher's defaults are the fastest.
 #ifndef GAAC_SKIP
 #define GAAC_SKIP 0
 #endif
@@ -47,9 +44,6 @@
 #ifndef GAAC_FORMAT  // slot format: 1 (docs/format.md) or 2 (the byte-split prototype of benchmarks/format_v2_probe.py)
 #define GAAC_FORMAT 1
 #endif
-#ifndef GAAC_INTERLEAVE  // split s reads units s, s + nsplit, ... (1) or a contiguous range (0)
-#define GAAC_INTERLEAVE 0
-#endif
 #ifndef GAAC_MIN_CTAS  // register budget: CTAs of GAAC_WARPS warps that must fit on one SM
 #define GAAC_MIN_CTAS 1
 #endif
@@ -57,41 +51,18 @@
 #define GAAC_SWIZZLE 0
 #endif
 #define SWZ (GAAC_PLAIN && GAAC_SWIZZLE)
-#ifndef GAAC_DYNAMIC  // warps claim splits from a global counter (1) or run one split each (0)
-#define GAAC_DYNAMIC 0
+#ifndef GAAC_WS  // consumer warps of the warp-specialized kernel gaac_decode_ws (0: that kernel is not built)
+#define GAAC_WS 0
 #endif
-#ifndef GAAC_SPLITBAR  // K and V of a stage on their own barriers, each re-issued as soon as its tile is read (1)
-#define GAAC_SPLITBAR 0
-#endif
-#if GAAC_SPLITBAR && GAAC_DYNAMIC
-#error "GAAC_SPLITBAR runs the static schedule only"
-#endif
-#ifndef GAAC_EARLY_V  // plain KV, one tile per head, split barriers: V words read into registers before the softmax
-#define GAAC_EARLY_V 0   // and the stage's V half re-issued then (1)
-#endif
-#if GAAC_EARLY_V && !(GAAC_PLAIN && GAAC_SPLITBAR && GAAC_TILES == 1)
-#error "GAAC_EARLY_V needs GAAC_PLAIN, GAAC_SPLITBAR and GAAC_TILES == 1"
-#endif
-#ifndef GAAC_PAIR  // two warps per split (1): one streams K and runs the scores and the softmax, the other streams V
-#define GAAC_PAIR 0    // and runs the output mma; P and the rescale factors pass between them in shared memory
-#endif
-#if GAAC_PAIR && (GAAC_DYNAMIC || GAAC_EARLY_V || GAAC_TRACE || !GAAC_SPLITBAR || GAAC_STAGES > 4 || GAAC_WARPS % 2)
-#error "GAAC_PAIR runs the static schedule with split barriers, at most 4 stages and an even warp count"
-#endif
-#ifndef GAAC_ROWS  // compressed KV: slot tiles rebuilt in place into k-paired BF16 rows by a bit-plane transpose (1)
-#define GAAC_ROWS 0    // instead of straight into the mma fragments (0)
-#endif
-#if GAAC_ROWS && (GAAC_FORMAT != 1 || GAAC_PAIR)
-#error "GAAC_ROWS reads format 1 with one warp per split"
-#endif
-#ifndef GAAC_FMA  // compressed KV, fragment path: exponent codes moved down by multiplies on the FMA pipe (1)
-#define GAAC_FMA 0    // instead of funnel shifts on the ALU pipe (0)
-#endif
-#define HDR (GAAC_SPLITBAR ? 128 : 64)  // per-warp header: stage barriers and slot bits, then the ring
+// The one-warp kernel over plain KV (the twin at head_dim 256, or when asked for): K and V of a stage on their own
+// barriers, each re-issued as soon as its tile is read (measured faster for the twin, slower for compressed KV:
+// benchmarks/results/attention_cuda.md, session 7). A warp-specialized build's one-warp kernel is never launched and
+// keeps one barrier per stage.
+#define SPLITBAR (GAAC_PLAIN && !GAAC_WS)
+#define HDR (SPLITBAR ? 128 : 64)  // per-warp header: stage barriers and slot bits, then the ring
 #ifndef VT_WORDS  // V words decoded per vector load in v_tile (all NVW at once, or halves)
 #define VT_WORDS NVW
 #endif
-#define PAIR_BARS 96                     // GAAC_PAIR: the P ring's barriers (full 0, 1, empty 0, 1) in the header
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -130,13 +101,14 @@ struct Params {
   float* part_ml;      // [items, rep, 2]
   u16* out;            // [B, Hq, D]
   unsigned long long* trace;  // GAAC_TRACE: [items, 4] split stamps (entry, first unit ready, done, SM), combine starts
-  int* work;           // GAAC_DYNAMIC: [2] zeroed counters (items claimed, warps done), zero again after the launch
+  void* spare0;        // unused: spare0 and spare1 keep the offsets of the fields after them, and with them the
+                       // code of every build as measured (dropping them changes register allocation)
   i64 slot_bytes;
   i64 table_sb;        // table stride per batch row, in int32
   i64 kv_sb, kv_sh, kv_ss;  // strides of kv_k / kv_v in elements
   i64 mask_sb;
   int batch, heads, rep, nsplit;
-  int nwarps;          // GAAC_DYNAMIC: warps in the grid
+  int spare1;          // unused (see spare0)
   int buf_bytes;       // bytes of one tile buffer in the ring
   int warp_bytes;      // shared memory per warp
   int planes_off, tags_off, esc_off;  // slot layout (format.py)
@@ -269,9 +241,6 @@ __device__ __forceinline__ int swz(int row, int chunk) {
 struct RowSwizzle {  // per-thread byte offsets of its swizzled fragment chunks (SWZ), fixed for the whole split
   u32 k[2][2];       // k_tile: [k-slice group s4][chunk of the pair], rows g (+ 8 h as an immediate)
   u32 v[2][2];       // v_tile: [row 2t + r][chunk of the pair], (+ 8 h rows as an immediate)
-  // GAAC_FMA: the thread's multipliers, powers of two held in registers (a run-time 1 shifted, so ptxas keeps the
-  // multiplies): 2^(7 - token) for k_tile's token g and v_tile's 2t, 2t + 1; 2^(25 + p) for plane p
-  u32 up_k, up_v0, up_v1, mh[4];
 };
 
 // Byte mask (0xFF per set bit) of the 4 low bits of n, one bit per byte lane.
@@ -426,24 +395,12 @@ struct GroupWords {
     }
     ldv<N>(s.base + g0, base);
   }
-  // exponent bytes of word i for token bit `bit` (GAAC_FMA: `up` = 2^(7 - bit), `mh` = 2^(25 + p))
-  __device__ __forceinline__ u32 exponents(int i, int bit, u32 up = 0, const u32* mh = nullptr) const {
-    if (GAAC_FMA && GAAC_FORMAT == 1) {
-      // bit `bit` of each byte to bit 7 (a multiply: no byte's other bits reach bit 7 of any byte), masked, then to
-      // bit p by a high multiply that adds the running sum (the planes' bits are disjoint): base + code
-      u32 acc = base[i];
+  // exponent bytes of word i for token bit `bit`
+  __device__ __forceinline__ u32 exponents(int i, int bit) const {
+    u32 w[8];
 #pragma unroll
-      for (int j = 0; j < NP; ++j) {
-        const u32 z = (pl[j][i] * up) & 0x80808080u;
-        asm("mad.hi.u32 %0, %1, %2, %0;" : "+r"(acc) : "r"(z), "r"(mh[j]));
-      }
-      return acc;
-    } else {
-      u32 w[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) w[j] = pl[j][i];
-      return codes<NP>(w, bit) + base[i];
-    }
+    for (int j = 0; j < 8; ++j) w[j] = pl[j][i];
+    return codes<NP>(w, bit) + base[i];
   }
   // raw groups of word i (byte mask `rm`): the full 8-bit code from planes 0..7 (base 0). Rare, so kept off the
   // common path: a lane branches here only when one of its groups is raw.
@@ -459,7 +416,7 @@ struct GroupWords {
 
 // Scores of one tile: k-slice s of thread (g, t) is word w = t*NKS + s (channels 4w..4w+3) of tokens g and g+8
 // (operand A rows g, g+8) and of query head g (operand B column g). KIND 0: BF16 rows (raw tile, plain block,
-// tail); 2: BF16 rows stored k-paired (a slot rebuilt by decode_rows); 4: slot (raw groups, if any, patched per word).
+// tail); 4: slot (raw groups, if any, patched per word).
 template <int KIND>
 __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
                                        const u32 (&qb)[NKS][2], float (&sc)[2][4], bool any_raw,
@@ -472,9 +429,9 @@ __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scr
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int tok = 8 * h + g;
-      if (KIND == 0 || KIND == 2) {
+      if (KIND == 0) {
         u32 r[2 * NV];
-        if (SWZ && KIND == 0) {
+        if (SWZ) {
           u32 a[4], c[4];
           ldv<4>(buf + h * 8 * 2 * C + sw.k[s4 % 2][0], a);
           ldv<4>(buf + h * 8 * 2 * C + sw.k[s4 % 2][1], c);
@@ -484,17 +441,14 @@ __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scr
           ldv<2 * NV>(buf + tok * 2 * C + 8 * w0, r);
         }
 #pragma unroll
-        for (int i = 0; i < NV; ++i) {
-          if (KIND == 2) lo[h][i] = r[2 * i], hi[h][i] = r[2 * i + 1];  // rows stored k-paired (decode_rows)
-          else kpairs(r[2 * i], r[2 * i + 1], lo[h][i], hi[h][i]);
-        }
+        for (int i = 0; i < NV; ++i) kpairs(r[2 * i], r[2 * i + 1], lo[h][i], hi[h][i]);
       } else {
         const int g0 = h * C + 4 * w0;
         const GroupWords<4, NV> gw(p, buf, s, g0);
         u32 sm[NV], e[NV];
         ldv<NV>(buf + tok * SM_ROW + 4 * w0, sm);
 #pragma unroll
-        for (int i = 0; i < NV; ++i) e[i] = gw.exponents(i, g, sw.up_k, sw.mh);
+        for (int i = 0; i < NV; ++i) e[i] = gw.exponents(i, g);
         if (any_raw) {
           u32 rm[NV];
           ldv<NV>(s.raw + g0, rm);
@@ -518,8 +472,7 @@ __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scr
 
 // A BF16-row V tile (raw tile, plain block, tail) in two steps: v_load reads thread (g, t)'s words of tokens
 // 8h + 2t, 8h + 2t + 1 (channels 4w..4w+3, w = g*NVW + j) into registers, v_math pairs them into operand A (V^T, two
-// tokens of one channel per register) and runs the output mma. GAAC_EARLY_V (plain KV) calls them apart, so the
-// stage's V half can be re-issued before the softmax.
+// tokens of one channel per register) and runs the output mma.
 __device__ __forceinline__ void v_load(const u8* buf, int g, int t, const RowSwizzle& sw, u32 (&ra)[2][2 * NVW],
                                        u32 (&rc)[2][2 * NVW]) {
   const int w0 = g * NVW;
@@ -544,9 +497,6 @@ __device__ __forceinline__ void v_load(const u8* buf, int g, int t, const RowSwi
     }
   }
 }
-// PAIRED: the rows are stored k-paired (words (c0, c2), (c1, c3): decode_rows), so channel c1 sits in the second
-// word's low half and c2 in the first word's high half; the operands are the same.
-template <bool PAIRED = false>
 __device__ __forceinline__ void v_math(const u32 (&ra)[2][2 * NVW], const u32 (&rc)[2][2 * NVW], const u32 (&pb)[2],
                                        float (&o)[NVM][4]) {
   u32 vb[2][NVW][4];  // [half][word][channel c0..c3]: tokens (ta, ta + 1) of one channel
@@ -555,8 +505,8 @@ __device__ __forceinline__ void v_math(const u32 (&ra)[2][2 * NVW], const u32 (&
 #pragma unroll
     for (int j = 0; j < NVW; ++j) {
       vb[h][j][0] = prmt(ra[h][2 * j], rc[h][2 * j], 0x5410u);
-      vb[h][j][PAIRED ? 2 : 1] = prmt(ra[h][2 * j], rc[h][2 * j], 0x7632u);
-      vb[h][j][PAIRED ? 1 : 2] = prmt(ra[h][2 * j + 1], rc[h][2 * j + 1], 0x5410u);
+      vb[h][j][1] = prmt(ra[h][2 * j], rc[h][2 * j], 0x7632u);
+      vb[h][j][2] = prmt(ra[h][2 * j + 1], rc[h][2 * j + 1], 0x5410u);
       vb[h][j][3] = prmt(ra[h][2 * j + 1], rc[h][2 * j + 1], 0x7632u);
     }
   // m-tile 2j + k: row g = channel 4w + 2k, row g + 8 = channel 4w + 2k + 1 of this thread group's word w
@@ -572,10 +522,10 @@ __device__ __forceinline__ void v_math(const u32 (&ra)[2][2 * NVW], const u32 (&
 template <int KIND>
 __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
                                        const u32 (&pb)[2], float (&o)[NVM][4], bool any_raw, const RowSwizzle& sw) {
-  if (KIND == 0 || KIND == 2) {
+  if (KIND == 0) {
     u32 ra[2][2 * NVW], rc[2][2 * NVW];
     v_load(buf, g, t, sw, ra, rc);
-    v_math<KIND == 2>(ra, rc, pb, o);
+    v_math(ra, rc, pb, o);
     return;
   }
   constexpr int NV = VT_WORDS;  // words per vector load
@@ -593,7 +543,7 @@ __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scr
       ldv<NV>(buf + (ta + 1) * SM_ROW + 4 * w0, sb);
 #pragma unroll
       for (int j = 0; j < NV; ++j)
-        ea[j] = gw.exponents(j, 2 * t, sw.up_v0, sw.mh), eb[j] = gw.exponents(j, 2 * t + 1, sw.up_v1, sw.mh);
+        ea[j] = gw.exponents(j, 2 * t), eb[j] = gw.exponents(j, 2 * t + 1);
       if (any_raw) {
         u32 rm[NV];
         ldv<NV>(s.raw + g0, rm);
@@ -629,105 +579,6 @@ __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scr
         mma(o[2 * (j0 + j) + k], vb[0][j][2 * k], vb[0][j][2 * k + 1], vb[1][j][2 * k], vb[1][j][2 * k + 1], pb[0],
             pb[1]);
   }
-}
-
-// GAAC_ROWS: the 8 tokens' codes of one word (4 groups, one byte each; bit i of plane p's byte = bit p of token
-// i's code) by a bit-matrix transpose in two swap stages: b[k] then holds the codes of tokens k (low nibble of each
-// byte) and k + 4 (high nibble). 20 operations for 32 codes, against 2 per plane and code word extracted per token.
-__device__ __forceinline__ void transpose_codes(u32 p0, u32 p1, u32 p2, u32 p3, u32 (&b)[4]) {
-  const u32 t = ((p0 >> 1) ^ p1) & 0x55555555u, u = ((p2 >> 1) ^ p3) & 0x55555555u;
-  const u32 a0 = p0 ^ (t << 1), a1 = p1 ^ t, a2 = p2 ^ (u << 1), a3 = p3 ^ u;  // a0/a1: bits 0-1 of tokens 2k/2k+1
-  const u32 v = ((a0 >> 2) ^ a2) & 0x33333333u, w = ((a1 >> 2) ^ a3) & 0x33333333u;
-  b[0] = a0 ^ (v << 2), b[2] = a2 ^ v, b[1] = a1 ^ (w << 2), b[3] = a3 ^ w;
-}
-
-// GAAC_ROWS: one slot tile in shared memory rebuilt in place into BF16 rows [16][C] (row r at r * 2C bytes), each
-// 4-channel word stored k-paired ((c0, c2), (c1, c3): what k_tile<2> / v_tile<2> read). Lane task `task` of the
-// tile's NT = C / 4: 8 groups (channels 8q .. 8q + 7 of half h: groups 8 task .. 8 task + 7, in group order) x 8
-// tokens; b3/b4: the lane's 8 channels' windows. Every lane first reads its inputs (rows, planes, tags, escapes) into
-// registers, then the warp syncs and the lanes write: a tile's lanes must all call it (`slot` false: no slot here, the
-// lane only takes part in the escape scan, which runs over the NT lanes of the tile).
-template <int NT>
-__device__ __forceinline__ void decode_rows(const Params& p, u8* buf, bool slot, int task, const u32 (&b3)[2],
-                                            const u32 (&b4)[2]) {
-  const int h = task / (C / 8), q = task % (C / 8);
-  const u8* sec = buf + SECTION_SHIFT;
-  u32 sm[8][2], pl[3][2], p3[2] = {0u, 0u}, hp[4][2] = {{0u, 0u}, {0u, 0u}, {0u, 0u}, {0u, 0u}};
-  u32 wb = 0, rb = 0;
-  if (slot) {
-#pragma unroll
-    for (int r = 0; r < 8; ++r) {
-      const uint2 x = *reinterpret_cast<const uint2*>(buf + (8 * h + r) * SM_ROW + 8 * q);
-      sm[r][0] = x.x, sm[r][1] = x.y;
-    }
-#pragma unroll
-    for (int pp = 0; pp < 3; ++pp) {
-      const uint2 x = *reinterpret_cast<const uint2*>(sec + p.planes_off + pp * G + 8 * task);
-      pl[pp][0] = x.x, pl[pp][1] = x.y;
-    }
-    wb = sec[p.tags_off + task];
-    rb = sec[p.tags_off + G / 8 + task];
-  }
-  // escape offset of the task's first group: exclusive scan of escape bytes over the tile's tasks
-  const u32 cnt = __popc(wb) + 4 * __popc(rb);
-  u32 incl = cnt;
-#pragma unroll
-  for (int d = 1; d < NT; d <<= 1) {
-    const u32 x = __shfl_up_sync(0xffffffffu, incl, d, NT);
-    if (task >= d) incl += x;
-  }
-  const int off = (int)(incl - cnt);
-  if (slot && wb) {
-    const u8* esc = sec + p.esc_off;
-    if (rb == 0) {  // plane-3 bytes of the wide groups
-      plane3_window(p, esc, wb, off, p3);
-    } else {  // a raw group among the task's: planes 3 (and 4..7 for raw groups) byte by byte (rare)
-      const int esc_max = p.buf_bytes - SECTION_SHIFT - p.esc_off - 5;
-      unsigned long long acc = 0, hi[4] = {0, 0, 0, 0};
-      for (u32 rem = wb; rem; rem &= rem - 1) {
-        const int k = __ffs(rem) - 1;
-        const u32 bl = (1u << k) - 1;
-        const int o = min(off + __popc(wb & bl) + 4 * __popc(rb & bl), esc_max);
-        acc |= (unsigned long long)esc[o] << (8 * k);
-        if ((rb >> k) & 1) {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) hi[j] |= (unsigned long long)esc[o + 1 + j] << (8 * k);
-        }
-      }
-#pragma unroll
-      for (int w = 0; w < 2; ++w) {
-        p3[w] = (u32)(acc >> (32 * w));
-#pragma unroll
-        for (int j = 0; j < 4; ++j) hp[j][w] = (u32)(hi[j] >> (32 * w));
-      }
-    }
-  }
-  __syncwarp();  // every lane holds its inputs: the tile's bytes may be overwritten
-  if (slot) {
-    u32 cb[2][4], base[2], rm[2];
-#pragma unroll
-    for (int w = 0; w < 2; ++w) {
-      const u32 wm = lane_mask((wb >> (4 * w)) & 0xF);
-      rm[w] = lane_mask((rb >> (4 * w)) & 0xF);
-      base[w] = bitsel(b4[w], b3[w], wm) & ~rm[w];
-      transpose_codes(pl[0][w], pl[1][w], pl[2][w], p3[w], cb[w]);
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      u32 out[4];
-#pragma unroll
-      for (int w = 0; w < 2; ++w) {
-        u32 e = ((i < 4 ? cb[w][i] : cb[w][i - 4] >> 4) & 0x0F0F0F0Fu) + base[w];
-        if (rm[w]) {  // raw groups: the whole exponent from planes 0..7 (base 0)
-          const u32 pw[8] = {pl[0][w], pl[1][w], pl[2][w], p3[w], hp[0][w], hp[1][w], hp[2][w], hp[3][w]};
-          e = (e & ~rm[w]) | (codes<8>(pw, i) & rm[w]);
-        }
-        merge(e, sm[i][w], out[2 * w], out[2 * w + 1]);
-      }
-      *reinterpret_cast<uint4*>(buf + (8 * h + i) * 2 * C + 16 * q) = make_uint4(out[0], out[1], out[2], out[3]);
-    }
-  }
-  __syncwarp();
 }
 
 __device__ __forceinline__ u32 transpose8x8(u32 x) {  // an 8x8 b16 fragment (row = lane/4) -> its transpose
@@ -856,492 +707,288 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int total = p.batch * p.heads * p.nsplit;
-  // GAAC_DYNAMIC: the grid holds one wave of warps (p.nwarps); warp w takes item w, then claims the next free item
-  // (p.nwarps + a global counter) as it issues the last copies of the current one, so warps whose items decode
-  // faster take more of them. An item is always the same split (same units, same partial): the bits do not depend
-  // on which warp ran it. The last warp to finish puts the counters back to zero for the next launch.
-  // GAAC_PAIR: warps 2i and 2i + 1 of a CTA share split i (its header, ring and P ring): role 0 reads K, role 1 V
-  const int role = GAAC_PAIR ? (warp & 1) : 0;
-  int item = blockIdx.x * (GAAC_WARPS >> GAAC_PAIR) + (warp >> GAAC_PAIR);
-  if (!GAAC_DYNAMIC && item >= total) return;
+  const int item = blockIdx.x * GAAC_WARPS + warp;
+  if (item >= total) return;
 
-  u8* ws = smem + (warp >> GAAC_PAIR) * p.warp_bytes;
+  u8* ws = smem + warp * p.warp_bytes;
   const u32 bars = smem_u32(ws);
   u8* ring = ws + HDR;
-  constexpr int SCRATCH = GAAC_PLAIN ? 0 : 7 * G;  // bytes of one scratch (bases, planes 3..7, raw masks)
-  Scratch scr;
-  scr.base = ring + GAAC_STAGES * 2 * TILES * p.buf_bytes + role * SCRATCH;  // GAAC_PAIR: one scratch per role
+  Scratch scr;  // bases, planes 3..7 and raw masks of the slot being read, after the ring
+  scr.base = ring + GAAC_STAGES * 2 * TILES * p.buf_bytes;
   scr.planes = scr.base + G;
   scr.raw = scr.planes + 5 * G;
-  if (lane == 0 && role == 0) {
+  if (lane == 0) {
 #pragma unroll
-    for (int st = 0; st < (GAAC_SPLITBAR ? 2 : 1) * GAAC_STAGES; ++st)
+    for (int st = 0; st < (SPLITBAR ? 2 : 1) * GAAC_STAGES; ++st)
       mbar_init(bars + 8 * st, 33);  // lane 0's expect_tx + 32 cp.async arrivals
-    if (GAAC_PAIR) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) mbar_init(bars + PAIR_BARS + 8 * k, 32);  // every lane of one role arrives
-    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  if (GAAC_PAIR) asm volatile("bar.sync %0, 64;" ::"r"(1 + (warp >> 1)) : "memory");  // the pair's barriers are set
-  else __syncwarp();
-  u32 phases = 0;  // parity of each stage's barrier, carried across the warp's items
+  __syncwarp();
+  u32 phases = 0;  // parity of each stage's barrier
 
-  while (item < total) {
-    int claimed = total;  // GAAC_DYNAMIC: the warp's next item (lane 0)
-    const int b = item / (p.heads * p.nsplit), hk = (item / p.nsplit) % p.heads, split = item % p.nsplit;
-    if (GAAC_TRACE && lane == 0) {
-      u32 sm;
-      asm volatile("mov.u32 %0, %smid;" : "=r"(sm));
-      p.trace[4 * item] = gtimer();
-      p.trace[4 * item + 3] = sm;
+  const int b = item / (p.heads * p.nsplit), hk = (item / p.nsplit) % p.heads, split = item % p.nsplit;
+  if (GAAC_TRACE && lane == 0) {
+    u32 sm;
+    asm volatile("mov.u32 %0, %smid;" : "=r"(sm));
+    p.trace[4 * item] = gtimer();
+    p.trace[4 * item + 3] = sm;
+  }
+
+  const int len = p.kv_len[b];
+  const int nb = len >> 4, tl = len & 15;
+  const int units = nb + (tl > 0 ? 1 : 0);
+  // the split's units: a contiguous range of ceil(units / nsplit), u0 .. u0 + n - 1
+  const int per = (units + p.nsplit - 1) / p.nsplit;
+  const int u0 = min(units, split * per), n = min(units, u0 + per) - u0;
+
+  u32 qb[TILES][NKS][2];
+  load_query(p, b, hk, g, t, qb);
+  u32 b3[2][TILES][GPL / 4], b4[2][TILES][GPL / 4];
+  load_bases(p, hk, lane, b3, b4);
+
+  // the lane's first sign+mantissa chunk in a slot's buffer (issue_kv's 16-byte copies)
+  const u32 sm_lane = (lane / (C / 16)) * SM_ROW + 16 * (lane % (C / 16));
+  const int* trow = p.table + (i64)b * p.table_sb;
+  const int tstride = 2 * p.heads * TILES;
+  // rows of a BF16 tile: plain blocks at row 16u of the plain KV; the compressed tail at row 0 of the tail
+  auto rows_src = [&](int kv, int u, int T) -> const u16* {
+    const u16* base = kv ? p.kv_v : p.kv_k;
+    const i64 row0 = GAAC_PLAIN ? (i64)16 * u : 0;
+    return base + (i64)b * p.kv_sb + (i64)hk * p.kv_sh + row0 * p.kv_ss + T * C;
+  };
+  // slot bits of each stage (SPLITBAR: K's, then V's); the barriers of stage st: bars + 8 st, and with
+  // SPLITBAR K's at bars + 8 st, V's at bars + 8 (STAGES + st)
+  volatile u32* kinds = reinterpret_cast<volatile u32*>(ws + 8 * (SPLITBAR ? 2 : 1) * GAAC_STAGES);
+  auto entry = [&](int u, int kv, int T) -> int {
+    return (GAAC_PLAIN || u >= nb) ? 0 : trow[(i64)u * tstride + (kv * p.heads + hk) * TILES + T];
+  };
+  // kind of a tile: 1 = slot, 0 = BF16 rows (raw tile, plain block, tail)
+  // Stage copies of unit u into ring stage st. A slot: its sign+mantissa rows by 16-byte cp.async into rows padded
+  // to C + 16 bytes (conflict-free fragment loads), its group section (planes, tags, escapes) by one bulk copy. A
+  // raw tile: one 16 x 2C-byte bulk copy. Plain blocks and the tail: 16-byte cp.async per lane, rows past the valid
+  // ones zero-filled. The stage's mbarrier completes on lane 0's expect_tx (bulk bytes) plus all 32 lanes' cp.async
+  // arrivals. Per-lane offsets are fixed: chunk c = lane + 32 i of a tile is sign+mantissa row c / (C/16), column
+  // c % (C/16), or BF16 row c / (C/8), column c % (C/8); the loops step by immediates.
+  constexpr int SM_STEP = (32 / (C / 16)) * SM_ROW;  // buffer bytes between a lane's sign+mantissa chunks
+  constexpr int BF_ROWS = 32 / (C / 8);              // BF16 rows between a lane's chunks
+  const int bf_row = lane / (C / 8), bf_col = 16 * (lane % (C / 8));
+  // SWZ: the fragment loads' swizzled offsets (sw), and the lane's chunk of BF16 row bf_row + BF_ROWS i lands at
+  // swo[i % 4] + i BF_ROWS 2C (the swizzle depends on the row's 3 low bits, which repeat with i % 4)
+  RowSwizzle sw;
+#pragma unroll
+  for (int s4 = 0; s4 < 2; ++s4)
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int ck = (t * NKS + 4 * s4) / 2 + k;  // k_tile's words t NKS + 4 s4 .. + 7 of row g
+      sw.k[s4][k] = SWZ ? (u32)(g * 2 * C + 16 * swz(g, ck % (C / 8))) : 0u;
+      const int row = 2 * t + s4;                 // v_tile's rows 2t, 2t + 1, chunks (8 g NVW) / 16 + k
+      const int cv = (g * NVW) / 2 + k;
+      sw.v[s4][k] = SWZ ? (u32)(row * 2 * C + 16 * swz(row, cv % (C / 8))) : 0u;
     }
-
-    const int len = p.kv_len[b];
-    const int nb = len >> 4, tl = len & 15;
-    const int units = nb + (tl > 0 ? 1 : 0);
-    // the split's units: u0, u0 + ustep, ... (n of them). GAAC_INTERLEAVE: split s takes units s, s + nsplit, ..., so
-    // the warps of a row stream neighbouring blocks at the same time; else a contiguous range of ceil(units / nsplit)
-#if GAAC_INTERLEAVE
-    const int u0 = split, ustep = p.nsplit, n = split < units ? (units - split + p.nsplit - 1) / p.nsplit : 0;
+  u32 swo[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int row = bf_row + BF_ROWS * i;
+    swo[i] = SWZ ? (u32)(row * 2 * C + 16 * swz(row, lane % (C / 8)) - i * BF_ROWS * 2 * C)
+                 : (u32)(bf_row * 2 * C + bf_col);
+  }
+  // copies of tensors kv0 .. kv1 - 1 (0 = K, 1 = V) of unit u into stage st, completing on barrier `bar`, slot bits
+  // into kinds[ki]
+  auto issue_kv = [&](int u, int st, const int (&e)[2][TILES], int kv0, int kv1, u32 bar, int ki) {
+    const bool tail = u >= nb;
+    const int valid = tail ? tl : 16;
+    // (plain blocks by bulk copy were measured slower than 16-byte cp.async per lane: 89.9 vs 87.0 us at 1x64K)
+    const bool bulk_rows = !GAAC_PLAIN && !tail;
+    u32 bytes = 0, slots = 0;
+#pragma unroll
+    for (int kv = kv0; kv < kv1; ++kv)
+#pragma unroll
+      for (int T = 0; T < TILES; ++T) {
+        if (!GAAC_PLAIN && !tail && e[kv][T] >= 0) {
+          bytes += (u32)(GAAC_DENSE_SLOT ? p.slot_bytes : p.slot_bytes - 16 * C);
+          slots |= 1u << (kv * TILES + T);
+        } else if (bulk_rows) {
+          bytes += 32 * C;
+        }
+      }
+    if (lane == 0) kinds[ki] = slots;  // read by the consumer after the stage's barrier (and a __syncwarp)
+    fence_async();
+    if (lane == 0) mbar_expect(bar, bytes);
+#pragma unroll
+    for (int kv = kv0; kv < kv1; ++kv)
+#pragma unroll
+      for (int T = 0; T < TILES; ++T) {
+        u8* dst = ring + (st * 2 * TILES + kv * TILES + T) * p.buf_bytes;
+        const int ent = e[kv][T];
+        if (!GAAC_PLAIN && !tail && ent >= 0) {
+          const u8* src = p.slots + (i64)ent * p.slot_bytes;
+          // (one bulk copy per sign+mantissa row, 16 lanes, was tried: a bulk copy takes uniform operands, so the
+          // compiler issues the 16 copies one lane at a time, ~8 instructions each)
+          if (GAAC_DENSE_SLOT) {  // the whole slot as stored (rows dense: 2-way conflicts in the fragment loads)
+            if (lane == kv * TILES + T) bulk_copy(smem_u32(dst), src, (u32)p.slot_bytes, bar);
+          } else {
+            const u8* sl = src + 16 * lane;
+            const u32 dl = smem_u32(dst) + sm_lane;
+#pragma unroll
+            for (int i = 0; i < C / 32; ++i) cp_async16(dl + i * SM_STEP, sl + 512 * i);
+            if (lane == kv * TILES + T)
+              bulk_copy(smem_u32(dst + SM_SECTION), src + 16 * C, (u32)(p.slot_bytes - 16 * C), bar);
+          }
+        } else if (bulk_rows) {
+          const u8* src = GAAC_PLAIN ? reinterpret_cast<const u8*>(rows_src(kv, u, T))
+                                     : reinterpret_cast<const u8*>(p.raw + (i64)(-1 - ent) * 16 * C);
+          if (lane == kv * TILES + T) bulk_copy(smem_u32(dst), src, 32 * C, bar);
+        } else {
+          const i64 row_bytes = 2 * p.kv_ss;
+          const u8* sl = reinterpret_cast<const u8*>(rows_src(kv, u, T)) + bf_row * row_bytes + bf_col;
+#pragma unroll
+          for (int i = 0; i < C / 16; ++i) {
+            u8* dl = dst + swo[i % 4] + i * BF_ROWS * 2 * C;
+            if (bf_row + BF_ROWS * i < valid) cp_async16(smem_u32(dl), sl + i * BF_ROWS * row_bytes);
+            else *reinterpret_cast<uint4*>(dl) = make_uint4(0, 0, 0, 0);
+          }
+        }
+      }
+    cp_async_arrive(bar);
+  };
+  // the whole stage on its one barrier, or (SPLITBAR) tensor kv's half on that half's barrier and slot bits
+#if SPLITBAR
+  auto issue_half = [&](int u, int st, const int (&e)[2][TILES], int kv) {
+    issue_kv(u, st, e, kv, kv + 1, bars + 8 * (kv * GAAC_STAGES + st), kv * GAAC_STAGES + st);
+  };
 #else
-    const int per = (units + p.nsplit - 1) / p.nsplit;
-    const int u0 = min(units, split * per), ustep = 1, n = min(units, u0 + per) - u0;
+  auto issue = [&](int u, int st, const int (&e)[2][TILES]) { issue_kv(u, st, e, 0, 2, bars + 8 * st, st); };
 #endif
 
-    u32 qb[TILES][NKS][2];
-    load_query(p, b, hk, g, t, qb);
-    u32 b3[2][TILES][GPL / 4], b4[2][TILES][GPL / 4];
-    load_bases(p, hk, lane, b3, b4);
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // of heads 2t, 2t+1 (l: this thread's tokens only)
+  float o[TILES][NVM][4];  // O^T: rows = channels, columns = heads 2t, 2t+1
+#pragma unroll
+  for (int T = 0; T < TILES; ++T)
+#pragma unroll
+    for (int n = 0; n < NVM; ++n)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) o[T][n][c] = 0.f;
 
-#if GAAC_ROWS
-    // the row decoder's windows: lane task lane % (C / 4) covers channels 8q .. 8q + 7 (q = task % (C / 8)) of each
-    // tile; C = 64: lanes 0-15 decode the K tile and lanes 16-31 the V tile (their windows in [0])
-    u32 rb3[2][TILES][2], rb4[2][TILES][2];
+  // table entries are loaded one issue ahead, so no issue waits on a global load
+  auto load_entries = [&](int j, int (&e)[2][TILES]) {  // of the split's j-th unit
 #pragma unroll
     for (int kv = 0; kv < 2; ++kv)
 #pragma unroll
-      for (int T = 0; T < TILES; ++T)
-#pragma unroll
-        for (int w = 0; w < 2; ++w) {
-          const int kvl = C == 64 ? (lane >> 4) : kv;
-          const i64 at = ((i64)kvl * p.heads + hk) * D + T * C + 8 * ((lane % (C / 4)) % (C / 8)) + 4 * w;
-          rb3[kv][T][w] = *reinterpret_cast<const u32*>(p.base3 + at);
-          rb4[kv][T][w] = *reinterpret_cast<const u32*>(p.base4 + at);
-        }
-#endif
-    const int* trow = p.table + (i64)b * p.table_sb;
-    const int tstride = 2 * p.heads * TILES;
-    // rows of a BF16 tile: plain blocks at row 16u of the plain KV; the compressed tail at row 0 of the tail
-    auto rows_src = [&](int kv, int u, int T) -> const u16* {
-      const u16* base = kv ? p.kv_v : p.kv_k;
-      const i64 row0 = GAAC_PLAIN ? (i64)16 * u : 0;
-      return base + (i64)b * p.kv_sb + (i64)hk * p.kv_sh + row0 * p.kv_ss + T * C;
-    };
-    // slot bits of each stage (GAAC_SPLITBAR: K's, then V's); the barriers of stage st: bars + 8 st, and with
-    // GAAC_SPLITBAR K's at bars + 8 st, V's at bars + 8 (STAGES + st)
-    volatile u32* kinds = reinterpret_cast<volatile u32*>(ws + 8 * (GAAC_SPLITBAR ? 2 : 1) * GAAC_STAGES);
-    auto entry = [&](int u, int kv, int T) -> int {
-      return (GAAC_PLAIN || u >= nb) ? 0 : trow[(i64)u * tstride + (kv * p.heads + hk) * TILES + T];
-    };
-    // kind of a tile: 1 = slot, 0 = BF16 rows (raw tile, plain block, tail)
-    // Stage copies of unit u into ring stage st. A slot: its sign+mantissa rows by 16-byte cp.async into rows padded
-    // to C + 16 bytes (conflict-free fragment loads), its group section (planes, tags, escapes) by one bulk copy. A
-    // raw tile: one 16 x 2C-byte bulk copy. Plain blocks and the tail: 16-byte cp.async per lane, rows past the valid
-    // ones zero-filled. The stage's mbarrier completes on lane 0's expect_tx (bulk bytes) plus all 32 lanes' cp.async
-    // arrivals. Per-lane offsets are fixed: chunk c = lane + 32 i of a tile is sign+mantissa row c / (C/16), column
-    // c % (C/16), or BF16 row c / (C/8), column c % (C/8); the loops step by immediates.
-    constexpr int SM_STEP = (32 / (C / 16)) * SM_ROW;  // buffer bytes between a lane's sign+mantissa chunks
-    constexpr int BF_ROWS = 32 / (C / 8);              // BF16 rows between a lane's chunks
-    const u32 sm_lane = (lane / (C / 16)) * SM_ROW + 16 * (lane % (C / 16));
-    const int bf_row = lane / (C / 8), bf_col = 16 * (lane % (C / 8));
-    // SWZ: the lane's chunk of BF16 row bf_row + BF_ROWS i lands at swo[i % 4] + i BF_ROWS 2C (the swizzle depends on
-    // the row's 3 low bits, which repeat with i % 4); the fragment loads' offsets likewise
-    RowSwizzle sw;
-    {
-      const u32 one = p.rep > 0 ? 1u : 0u;  // 1 at run time (rep >= 1), unknown to the compiler
-      sw.up_k = one << (7 - g), sw.up_v0 = one << (7 - 2 * t), sw.up_v1 = one << (6 - 2 * t);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) sw.mh[j] = one << (25 + j);
+      for (int T = 0; T < TILES; ++T) e[kv][T] = j < n ? entry(u0 + j, kv, T) : 0;
+  };
+  int ent[2][TILES];
+  load_entries(0, ent);
+#if SPLITBAR
+  // stage st's V half re-issued with the split's unit j + STAGES (its last reader is done)
+  auto reissue_v = [&](int j, int st) {
+    if (j + GAAC_STAGES < n) {
+      issue_half(u0 + (j + GAAC_STAGES), st, ent, 1);
+      load_entries(j + GAAC_STAGES + 1, ent);
     }
-    u32 swo[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int row = bf_row + BF_ROWS * i;
-      swo[i] = SWZ ? (u32)(row * 2 * C + 16 * swz(row, lane % (C / 8)) - i * BF_ROWS * 2 * C)
-                   : (u32)(bf_row * 2 * C + bf_col);
-    }
-#pragma unroll
-    for (int s4 = 0; s4 < 2; ++s4)
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        const int ck = (t * NKS + 4 * s4) / 2 + k;  // k_tile's words t NKS + 4 s4 .. + 7 of row g
-        sw.k[s4][k] = SWZ ? (u32)(g * 2 * C + 16 * swz(g, ck % (C / 8))) : 0u;
-        const int row = 2 * t + s4;                 // v_tile's rows 2t, 2t + 1, chunks (8 g NVW) / 16 + k
-        const int cv = (g * NVW) / 2 + k;
-        sw.v[s4][k] = SWZ ? (u32)(row * 2 * C + 16 * swz(row, cv % (C / 8))) : 0u;
-      }
-    // copies of tensors kv0 .. kv1 - 1 (0 = K, 1 = V) of unit u into stage st, completing on barrier `bar`, slot bits
-    // into kinds[ki]
-    auto issue_kv = [&](int u, int st, const int (&e)[2][TILES], int kv0, int kv1, u32 bar, int ki) {
-      const bool tail = u >= nb;
-      const int valid = tail ? tl : 16;
-      // (plain blocks by bulk copy were measured slower than 16-byte cp.async per lane: 89.9 vs 87.0 us at 1x64K)
-      const bool bulk_rows = !GAAC_PLAIN && !tail;
-      u32 bytes = 0, slots = 0;
-#pragma unroll
-      for (int kv = kv0; kv < kv1; ++kv)
-#pragma unroll
-        for (int T = 0; T < TILES; ++T) {
-          if (!GAAC_PLAIN && !tail && e[kv][T] >= 0) {
-            bytes += (u32)(GAAC_DENSE_SLOT ? p.slot_bytes : p.slot_bytes - 16 * C);
-            slots |= 1u << (kv * TILES + T);
-          } else if (bulk_rows) {
-            bytes += 32 * C;
-          }
-        }
-      if (lane == 0) kinds[ki] = slots;  // read by the consumer after the stage's barrier (and a __syncwarp)
-      fence_async();
-      if (lane == 0) mbar_expect(bar, bytes);
-#pragma unroll
-      for (int kv = kv0; kv < kv1; ++kv)
-#pragma unroll
-        for (int T = 0; T < TILES; ++T) {
-          u8* dst = ring + (st * 2 * TILES + kv * TILES + T) * p.buf_bytes;
-          const int ent = e[kv][T];
-          if (!GAAC_PLAIN && !tail && ent >= 0) {
-            const u8* src = p.slots + (i64)ent * p.slot_bytes;
-            // (one bulk copy per sign+mantissa row, 16 lanes, was tried: a bulk copy takes uniform operands, so the
-            // compiler issues the 16 copies one lane at a time, ~8 instructions each)
-            if (GAAC_DENSE_SLOT) {  // the whole slot as stored (rows dense: 2-way conflicts in the fragment loads)
-              if (lane == kv * TILES + T) bulk_copy(smem_u32(dst), src, (u32)p.slot_bytes, bar);
-            } else {
-              const u8* sl = src + 16 * lane;
-              const u32 dl = smem_u32(dst) + sm_lane;
-#pragma unroll
-              for (int i = 0; i < C / 32; ++i) cp_async16(dl + i * SM_STEP, sl + 512 * i);
-              if (lane == kv * TILES + T)
-                bulk_copy(smem_u32(dst + SM_SECTION), src + 16 * C, (u32)(p.slot_bytes - 16 * C), bar);
-            }
-          } else if (bulk_rows) {
-            const u8* src = GAAC_PLAIN ? reinterpret_cast<const u8*>(rows_src(kv, u, T))
-                                       : reinterpret_cast<const u8*>(p.raw + (i64)(-1 - ent) * 16 * C);
-            if (lane == kv * TILES + T) bulk_copy(smem_u32(dst), src, 32 * C, bar);
-          } else {
-            const i64 row_bytes = 2 * p.kv_ss;
-            const u8* sl = reinterpret_cast<const u8*>(rows_src(kv, u, T)) + bf_row * row_bytes + bf_col;
-#pragma unroll
-            for (int i = 0; i < C / 16; ++i) {
-              u8* dl = dst + swo[i % 4] + i * BF_ROWS * 2 * C;
-              if (bf_row + BF_ROWS * i < valid) cp_async16(smem_u32(dl), sl + i * BF_ROWS * row_bytes);
-              else *reinterpret_cast<uint4*>(dl) = make_uint4(0, 0, 0, 0);
-            }
-          }
-        }
-      cp_async_arrive(bar);
-    };
-    // the whole stage on its one barrier, or (GAAC_SPLITBAR) tensor kv's half on that half's barrier and slot bits
-#if GAAC_SPLITBAR
-    auto issue_half = [&](int u, int st, const int (&e)[2][TILES], int kv) {
-      issue_kv(u, st, e, kv, kv + 1, bars + 8 * (kv * GAAC_STAGES + st), kv * GAAC_STAGES + st);
-    };
-#else
-    auto issue = [&](int u, int st, const int (&e)[2][TILES]) { issue_kv(u, st, e, 0, 2, bars + 8 * st, st); };
+  };
 #endif
+  const u8* mrow = p.mask ? p.mask + (i64)b * p.mask_sb : nullptr;
+  constexpr bool DECODE = !GAAC_PLAIN && !(GAAC_SKIP & 2);
 
-    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // of heads 2t, 2t+1 (l: this thread's tokens only)
-#if !GAAC_PAIR  // (GAAC_PAIR: role 1 holds the output)
-    float o[TILES][NVM][4];  // O^T: rows = channels, columns = heads 2t, 2t+1
-#pragma unroll
-    for (int T = 0; T < TILES; ++T)
-#pragma unroll
-      for (int n = 0; n < NVM; ++n)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) o[T][n][c] = 0.f;
-#endif
-
-    // table entries are loaded one issue ahead, so no issue waits on a global load
-    auto load_entries = [&](int j, int (&e)[2][TILES]) {  // of the split's j-th unit
-#pragma unroll
-      for (int kv = 0; kv < 2; ++kv)
-#pragma unroll
-        for (int T = 0; T < TILES; ++T) e[kv][T] = j < n ? entry(u0 + j * ustep, kv, T) : 0;
-    };
-    int ent[2][TILES];
-    load_entries(0, ent);
-#if GAAC_SPLITBAR && !GAAC_PAIR
-    // stage st's V half re-issued with the split's unit j + STAGES (its last reader is done)
-    auto reissue_v = [&](int j, int st) {
-      if (j + GAAC_STAGES < n) {
-        issue_half(u0 + (j + GAAC_STAGES) * ustep, st, ent, 1);
-        load_entries(j + GAAC_STAGES + 1, ent);
-      }
-    };
-#endif
-    const u8* mrow = p.mask ? p.mask + (i64)b * p.mask_sb : nullptr;
-    constexpr bool DECODE = !GAAC_PLAIN && !(GAAC_SKIP & 2);
-
-#if GAAC_PAIR
-    // Role 0 streams the K halves of the ring and runs scores and softmax; role 1 the V halves and the output mma.
-    // Unit j's P^T fragments and rescale factors go through P-ring entry j % 2 (lane i writes and reads entry lane i:
-    // the fragment layouts of both roles are the same), on barriers full[j % 2] (role 0's lanes arrive) and
-    // empty[j % 2] (role 1's lanes arrive once read). Same arithmetic in the same order as one warp per split. The
-    // role branch is outside the unit loop, so each role's registers hold only its own state.
-    uint4* pring = reinterpret_cast<uint4*>(ring + GAAC_STAGES * 2 * TILES * p.buf_bytes + 2 * SCRATCH);
-    const u32 pfull = bars + PAIR_BARS, pempty = bars + PAIR_BARS + 16;
-    for (int i = 0; i < GAAC_STAGES && i < n; ++i) {
-      if (role == 0) issue_half(u0 + i * ustep, i, ent, 0);  // (a constant tensor index: ent stays in registers)
-      else issue_half(u0 + i * ustep, i, ent, 1);
-      load_entries(i + 1, ent);
-    }
-    LaneTags none;
-    none.wb = none.rb = 0;
-    // mode tags and escape offsets of this role's tiles of the unit in stage st
-    auto role_tags = [&](int st, u32 slots_here, LaneTags (&tg)[TILES]) {
-#pragma unroll
-      for (int T = 0; T < TILES; ++T) {
-        tg[T].wb = tg[T].rb = 0;
-        if (DECODE && ((slots_here >> (role * TILES + T)) & 1)) {
-          load_tags(p, ring + (st * 2 * TILES + role * TILES + T) * p.buf_bytes, lane, tg[T]);
-          if (role == 0) scan_tags(tg[T], none, lane);
-          else scan_tags(none, tg[T], lane);
-        }
-      }
-    };
-    if (role == 0) {
-      for (int j = 0; j < n; ++j) {
-        const int u = u0 + j * ustep;
-        const int st = j % GAAC_STAGES, k = j & 1;
-        if (!GAAC_PLAIN && lane == 0 && u + 8 * ustep < nb)
-          asm volatile("prefetch.global.L1 [%0];" ::"l"(trow + (i64)(u + 8 * ustep) * tstride));
-        mbar_wait(bars + 8 * st, (phases >> st) & 1);
-        phases ^= 1u << st;
-        const u32 slots_here = kinds[st];
-        LaneTags tg[TILES];
-        role_tags(st, slots_here, tg);
-        const bool tail = u >= nb;
-        const int valid = tail ? tl : 16;
-        float sc2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-        for (int T = 0; T < TILES; ++T) {
-          const u8* buf = ring + (st * 2 * TILES + T) * p.buf_bytes;
-          if (DECODE && ((slots_here >> T) & 1)) {
-            prepass(p, buf, scr, b3[0][T], b4[0][T], lane, tg[T]);
-            __syncwarp();
-            k_tile<4>(p, buf, scr, g, t, qb[T], sc2, tg[T].any_raw, sw);
-            __syncwarp();
-          } else {
-            k_tile<0>(p, buf, scr, g, t, qb[T], sc2, false, sw);
-          }
-        }
-        __syncwarp();  // every lane has read the stage's K tiles
-        if (j + GAAC_STAGES < n) {
-          issue_half(u0 + (j + GAAC_STAGES) * ustep, st, ent, 0);
-          load_entries(j + GAAC_STAGES + 1, ent);
-        }
-        u32 pb[2];
-        float alpha[2];
-        softmax_unit(sc2, p.qk_scale, valid, mrow, u, g, m, l, alpha, pb);
-        if (j >= 2) mbar_wait(pempty + 8 * k, ((j >> 1) + 1) & 1);  // role 1 has read unit j - 2's entry
-        pring[32 * k + lane] = make_uint4(pb[0], pb[1], __float_as_uint(alpha[0]), __float_as_uint(alpha[1]));
-        mbar_arrive(pfull + 8 * k);
-      }
-      write_ml(p, item, g, t, m, l);
-    } else {
-      float o[TILES][NVM][4];  // O^T: rows = channels, columns = heads 2t, 2t+1
-#pragma unroll
-      for (int T = 0; T < TILES; ++T)
-#pragma unroll
-        for (int n2 = 0; n2 < NVM; ++n2)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) o[T][n2][c] = 0.f;
-      for (int j = 0; j < n; ++j) {
-        const int st = j % GAAC_STAGES, k = j & 1;
-        mbar_wait(bars + 8 * (GAAC_STAGES + st), (phases >> st) & 1);
-        phases ^= 1u << st;
-        const u32 slots_here = kinds[GAAC_STAGES + st];
-        LaneTags tg[TILES];
-        role_tags(st, slots_here, tg);
-        u32 pb[2];
-#pragma unroll
-        for (int T = 0; T < TILES; ++T) {
-          const u8* buf = ring + (st * 2 * TILES + TILES + T) * p.buf_bytes;
-          const bool slot = DECODE && ((slots_here >> (TILES + T)) & 1);
-          if (slot) {
-            prepass(p, buf, scr, b3[1][T], b4[1][T], lane, tg[T]);
-            __syncwarp();
-          }
-          if (T == 0) {  // unit j's P^T and rescale factors from role 0 (the prepass above ran while it worked)
-            mbar_wait(pfull + 8 * k, (j >> 1) & 1);
-            const uint4 x = pring[32 * k + lane];
-            mbar_arrive(pempty + 8 * k);
-            pb[0] = x.x, pb[1] = x.y;
-            const float alpha[2] = {__uint_as_float(x.z), __uint_as_float(x.w)};
-            rescale_o(o, alpha);
-          }
-          if (slot) {
-            v_tile<4>(p, buf, scr, g, t, pb, o[T], tg[T].any_raw, sw);
-            __syncwarp();
-          } else {
-            v_tile<0>(p, buf, scr, g, t, pb, o[T], false, sw);
-          }
-        }
-        __syncwarp();  // every lane has read the stage's V tiles
-        if (j + GAAC_STAGES < n) {
-          issue_half(u0 + (j + GAAC_STAGES) * ustep, st, ent, 1);
-          load_entries(j + GAAC_STAGES + 1, ent);
-        }
-      }
-      write_o(p, item, g, t, o);
-    }
-#else
-    // one loop for the prologue and the steady state: iteration j issues the split's unit j + STAGES - 1, then
-    // consumes its unit j. GAAC_SPLITBAR: the prologue issues units 0 .. STAGES - 1 and iteration j re-issues the
-    // K (V) half of its stage with unit j + STAGES as soon as its K (V) tile is read, so a stage's K copies are in
-    // flight while its V tile is still being consumed.
-#if GAAC_SPLITBAR
-    for (int i = 0; i < GAAC_STAGES && i < n; ++i) {
-      issue_half(u0 + i * ustep, i, ent, 0);
-      issue_half(u0 + i * ustep, i, ent, 1);
-      load_entries(i + 1, ent);
-    }
-    for (int j = 0; j < n; ++j) {
-#else
-    for (int j = -(GAAC_STAGES - 1); j < n; ++j) {
-      const int next = j + GAAC_STAGES - 1;
-      if (next < n) {
-        issue(u0 + next * ustep, next % GAAC_STAGES, ent);
-        load_entries(next + 1, ent);
-      } else if (GAAC_DYNAMIC && next == n && lane == 0) {
-        claimed = p.nwarps + atomicAdd(p.work, 1);  // its latency hides behind the item's last units
-      }
-      if (j < 0) continue;
-#endif
-      const int u = u0 + j * ustep;
-      const int st = j % GAAC_STAGES;
-      if (!GAAC_PLAIN && lane == 0 && u + 8 * ustep < nb)
-        asm volatile("prefetch.global.L1 [%0];" ::"l"(trow + (i64)(u + 8 * ustep) * tstride));
-      mbar_wait(bars + 8 * st, (phases >> st) & 1);
-#if GAAC_SPLITBAR
-      mbar_wait(bars + 8 * (GAAC_STAGES + st), (phases >> st) & 1);
-      const u32 slots_here = kinds[st] | kinds[GAAC_STAGES + st];
-#else
-      const u32 slots_here = kinds[st];
-#endif
-      phases ^= 1u << st;
-      if (GAAC_TRACE && lane == 0 && j == 0) p.trace[4 * item + 1] = gtimer();
-      const bool tail = u >= nb;
-      const int valid = tail ? tl : 16;
-
-#if GAAC_ROWS
-      if (DECODE && slots_here) {  // every slot tile of the stage rebuilt in place into k-paired BF16 rows
-        if (C == 64) {
-          const int kv = lane >> 4;
-          decode_rows<16>(p, ring + (st * 2 * TILES + kv * TILES) * p.buf_bytes, (slots_here >> (kv * TILES)) & 1,
-                          lane & 15, rb3[0][0], rb4[0][0]);
-        } else {
-#pragma unroll
-          for (int kv = 0; kv < 2; ++kv)
-#pragma unroll
-            for (int T = 0; T < TILES; ++T)
-              if ((slots_here >> (kv * TILES + T)) & 1)
-                decode_rows<32>(p, ring + (st * 2 * TILES + kv * TILES + T) * p.buf_bytes, true, lane, rb3[kv][T],
-                                rb4[kv][T]);
-        }
-      }
-#endif
-      // mode tags and escape offsets of the unit's slots: one scan for the K and V tile of each T
-      LaneTags tk[TILES], tv[TILES];
-#pragma unroll
-      for (int T = 0; T < TILES; ++T) {
-        tk[T].wb = tk[T].rb = tv[T].wb = tv[T].rb = 0;
-        if (DECODE && !GAAC_ROWS && (slots_here & ((1u << T) | (1u << (TILES + T))))) {
-          if ((slots_here >> T) & 1) load_tags(p, ring + (st * 2 * TILES + T) * p.buf_bytes, lane, tk[T]);
-          if ((slots_here >> (TILES + T)) & 1)
-            load_tags(p, ring + (st * 2 * TILES + TILES + T) * p.buf_bytes, lane, tv[T]);
-          scan_tags(tk[T], tv[T], lane);
-        }
-      }
-
-      // S^T (even, odd k-slices): tokens g, g + 8 x heads 2t, 2t + 1
-      float sc2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-      for (int T = 0; T < TILES; ++T) {
-        const u8* buf = ring + (st * 2 * TILES + T) * p.buf_bytes;
-        if (DECODE && GAAC_ROWS && ((slots_here >> T) & 1)) {
-          k_tile<2>(p, buf, scr, g, t, qb[T], sc2, false, sw);
-        } else if (DECODE && ((slots_here >> T) & 1)) {
-          prepass(p, buf, scr, b3[0][T], b4[0][T], lane, tk[T]);
-          __syncwarp();
-          k_tile<4>(p, buf, scr, g, t, qb[T], sc2, tk[T].any_raw, sw);
-          __syncwarp();
-        } else {
-          k_tile<0>(p, buf, scr, g, t, qb[T], sc2, false, sw);
-        }
-      }
-#if GAAC_SPLITBAR
-      __syncwarp();  // every lane has read the stage's K tiles
-      if (j + GAAC_STAGES < n) issue_half(u0 + (j + GAAC_STAGES) * ustep, st, ent, 0);
-#endif
-#if GAAC_EARLY_V
-      u32 va[2][2 * NVW], vc[2][2 * NVW];  // the stage's V words, so its V half is free before the softmax
-      v_load(ring + (st * 2 + 1) * p.buf_bytes, g, t, sw, va, vc);
-      __syncwarp();
-      reissue_v(j, st);
-#endif
-      // online softmax (base 2) of heads 2t, 2t+1 over the 16 tokens, then the output rescaled if the max moved
-      u32 pb[2];
-      float alpha[2];
-      softmax_unit(sc2, p.qk_scale, valid, mrow, u, g, m, l, alpha, pb);
-      rescale_o(o, alpha);
-#if GAAC_EARLY_V
-      v_math(va, vc, pb, o[0]);
-#else
-#pragma unroll
-      for (int T = 0; T < TILES; ++T) {
-        const u8* buf = ring + (st * 2 * TILES + TILES + T) * p.buf_bytes;
-        if (DECODE && GAAC_ROWS && ((slots_here >> (TILES + T)) & 1)) {
-          v_tile<2>(p, buf, scr, g, t, pb, o[T], false, sw);
-        } else if (DECODE && ((slots_here >> (TILES + T)) & 1)) {
-          prepass(p, buf, scr, b3[1][T], b4[1][T], lane, tv[T]);
-          __syncwarp();
-          v_tile<4>(p, buf, scr, g, t, pb, o[T], tv[T].any_raw, sw);
-          __syncwarp();
-        } else {
-          v_tile<0>(p, buf, scr, g, t, pb, o[T], false, sw);
-        }
-      }
-#endif
-      __syncwarp();
-#if GAAC_SPLITBAR && !GAAC_EARLY_V
-      reissue_v(j, st);
-#endif
-    }
-
-    // partial results of this split
-    write_ml(p, item, g, t, m, l);
-    write_o(p, item, g, t, o);
-#endif  // GAAC_PAIR
-    if (GAAC_TRACE && lane == 0) p.trace[4 * item + 2] = gtimer();
-    item = GAAC_DYNAMIC ? __shfl_sync(0xffffffffu, claimed, 0) : total;
-  }  // items
-  if (GAAC_DYNAMIC && lane == 0) {
-    __threadfence();  // this warp's last claim happens before its count
-    if (atomicAdd(p.work + 1, 1) == p.nwarps - 1) {  // every warp has claimed its last item
-      p.work[0] = 0;
-      p.work[1] = 0;
-      __threadfence();
-    }
+  // one loop for the prologue and the steady state: iteration j issues the split's unit j + STAGES - 1, then
+  // consumes its unit j. SPLITBAR: the prologue issues units 0 .. STAGES - 1 and iteration j re-issues the
+  // K (V) half of its stage with unit j + STAGES as soon as its K (V) tile is read, so a stage's K copies are in
+  // flight while its V tile is still being consumed.
+#if SPLITBAR
+  for (int i = 0; i < GAAC_STAGES && i < n; ++i) {
+    issue_half(u0 + i, i, ent, 0);
+    issue_half(u0 + i, i, ent, 1);
+    load_entries(i + 1, ent);
   }
+  for (int j = 0; j < n; ++j) {
+#else
+  for (int j = -(GAAC_STAGES - 1); j < n; ++j) {
+    const int next = j + GAAC_STAGES - 1;
+    if (next < n) {
+      issue(u0 + next, next % GAAC_STAGES, ent);
+      load_entries(next + 1, ent);
+    }
+    if (j < 0) continue;
+#endif
+    const int u = u0 + j;
+    const int st = j % GAAC_STAGES;
+    if (!GAAC_PLAIN && lane == 0 && u + 8 < nb)
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(trow + (i64)(u + 8) * tstride));
+    mbar_wait(bars + 8 * st, (phases >> st) & 1);
+#if SPLITBAR
+    mbar_wait(bars + 8 * (GAAC_STAGES + st), (phases >> st) & 1);
+    const u32 slots_here = kinds[st] | kinds[GAAC_STAGES + st];
+#else
+    const u32 slots_here = kinds[st];
+#endif
+    phases ^= 1u << st;
+    if (GAAC_TRACE && lane == 0 && j == 0) p.trace[4 * item + 1] = gtimer();
+    const bool tail = u >= nb;
+    const int valid = tail ? tl : 16;
+
+    // mode tags and escape offsets of the unit's slots: one scan for the K and V tile of each T
+    LaneTags tk[TILES], tv[TILES];
+#pragma unroll
+    for (int T = 0; T < TILES; ++T) {
+      tk[T].wb = tk[T].rb = tv[T].wb = tv[T].rb = 0;
+      if (DECODE && (slots_here & ((1u << T) | (1u << (TILES + T))))) {
+        if ((slots_here >> T) & 1) load_tags(p, ring + (st * 2 * TILES + T) * p.buf_bytes, lane, tk[T]);
+        if ((slots_here >> (TILES + T)) & 1)
+          load_tags(p, ring + (st * 2 * TILES + TILES + T) * p.buf_bytes, lane, tv[T]);
+        scan_tags(tk[T], tv[T], lane);
+      }
+    }
+
+    // S^T (even, odd k-slices): tokens g, g + 8 x heads 2t, 2t + 1
+    float sc2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int T = 0; T < TILES; ++T) {
+      const u8* buf = ring + (st * 2 * TILES + T) * p.buf_bytes;
+      if (DECODE && ((slots_here >> T) & 1)) {
+        prepass(p, buf, scr, b3[0][T], b4[0][T], lane, tk[T]);
+        __syncwarp();
+        k_tile<4>(p, buf, scr, g, t, qb[T], sc2, tk[T].any_raw, sw);
+        __syncwarp();
+      } else {
+        k_tile<0>(p, buf, scr, g, t, qb[T], sc2, false, sw);
+      }
+    }
+#if SPLITBAR
+    __syncwarp();  // every lane has read the stage's K tiles
+    if (j + GAAC_STAGES < n) issue_half(u0 + (j + GAAC_STAGES), st, ent, 0);
+#endif
+    // online softmax (base 2) of heads 2t, 2t+1 over the 16 tokens, then the output rescaled if the max moved
+    u32 pb[2];
+    float alpha[2];
+    softmax_unit(sc2, p.qk_scale, valid, mrow, u, g, m, l, alpha, pb);
+    rescale_o(o, alpha);
+#pragma unroll
+    for (int T = 0; T < TILES; ++T) {
+      const u8* buf = ring + (st * 2 * TILES + TILES + T) * p.buf_bytes;
+      if (DECODE && ((slots_here >> (TILES + T)) & 1)) {
+        prepass(p, buf, scr, b3[1][T], b4[1][T], lane, tv[T]);
+        __syncwarp();
+        v_tile<4>(p, buf, scr, g, t, pb, o[T], tv[T].any_raw, sw);
+        __syncwarp();
+      } else {
+        v_tile<0>(p, buf, scr, g, t, pb, o[T], false, sw);
+      }
+    }
+    __syncwarp();
+#if SPLITBAR
+    reissue_v(j, st);
+#endif
+  }
+
+  // partial results of this split
+  write_ml(p, item, g, t, m, l);
+  write_o(p, item, g, t, o);
+  if (GAAC_TRACE && lane == 0) p.trace[4 * item + 2] = gtimer();
 }
 
-#ifndef GAAC_WS  // consumer warps of the warp-specialized kernel gaac_decode_ws (0: that kernel is not built)
-#define GAAC_WS 0
-#endif
 #if GAAC_WS
-#if TILES != 1 || GAAC_PAIR || GAAC_ROWS || GAAC_SPLITBAR || GAAC_DYNAMIC || GAAC_EARLY_V || GAAC_SWIZZLE || \
-    GAAC_TRACE || GAAC_INTERLEAVE || GAAC_FMA
-#error "GAAC_WS: one tile per head (head_dim 64 or 128), one barrier per stage, static contiguous splits, no options"
+#if TILES != 1 || GAAC_SWIZZLE || GAAC_TRACE
+#error "GAAC_WS: one tile per head (head_dim 64 or 128), no swizzle, no trace"
 #endif
 #if GAAC_STAGES % GAAC_WS
 #error "GAAC_WS: GAAC_STAGES must be a multiple of GAAC_WS (one consumer per stage)"
@@ -1355,7 +1002,7 @@ __device__ __forceinline__ void ws_unit(const Params& p, const u8* kbuf, const u
                                         const u32 (&b4)[2][TILES][GPL / 4], int valid, const u8* mrow, int u, float (&m)[2],
                                         float (&l)[2], float (&o)[TILES][NVM][4]) {
   constexpr bool DECODE = !GAAC_PLAIN && !(GAAC_SKIP & 2);
-  const RowSwizzle sw = {};  // (no swizzle, no FMA codes)
+  const RowSwizzle sw = {};  // (no swizzle)
   LaneTags tk, tv;
   tk.wb = tk.rb = tv.wb = tv.rb = 0;
   if (DECODE && slots) {
