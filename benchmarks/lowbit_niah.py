@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dgap_niah import make_case, score_case, score_table  # noqa: E402
-from lowbit_sensitivity import retrieval_configs  # noqa: E402
+from lowbit_sensitivity import k2v2_session9, retrieval_configs  # noqa: E402
 
 from dgap_hf import LowBitCache, LowBitConfig  # noqa: E402
 from dgap_hf.baselines import quantized_cache  # noqa: E402
@@ -35,6 +35,7 @@ CACHES = {
     "DynamicCache": lambda cfg: DynamicCache(config=cfg),
     "K4V4 default": lambda cfg: LowBitCache(cfg, "K4V4"),
     "K2V2 default": lambda cfg: LowBitCache(cfg, "K2V2"),
+    "K2V2 default of session 9 (27 key heads)": lambda cfg: LowBitCache(cfg, k2v2_session9(cfg)),
     "K1V1 default": lambda cfg: LowBitCache(cfg, "K1V1"),
     "K2V2 kivi32 (former default)": lambda cfg: LowBitCache(cfg, LowBitConfig("K2V2")),
     "QuantizedCache quanto 2 keys per channel": lambda cfg: quantized_cache(cfg, "quanto", 2, axis_key=-1),

@@ -98,18 +98,26 @@ def final_suite(model_config=None):
     suite = {}
     for p in ("K2V2", "K1V1", "K4V4", "K8V8", "K2V4", "K4V2"):
         suite[f"{p} default"] = ("lowbit", {"config": LowBitConfig.default(p, model_config=model_config).to_spec()})
-    if model_config is not None:  # session 11's candidates for the K2V2 default (pre-RoPE keys; retrieval heads)
+    if model_config is not None:  # session 11's candidates for the K2V2 default (pre-RoPE keys; retrieval heads), from session 9's
         import sys
 
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from lowbit_niah import _retrieval
+        from lowbit_sensitivity import k2v2_session9
 
-        k2 = LowBitConfig.default("K2V2", model_config=model_config)
+        k2 = k2v2_session9(model_config)
+        suite["K2V2 default of session 9 (27 key heads)"] = ("lowbit", {"config": k2.to_spec()})
         suite["K2V2 default + pre-RoPE keys"] = ("lowbit", {"config": k2.replace(pre_rope_keys=True).to_spec()})
         ret = _retrieval(model_config, 8)
         suite["K2V2 top-8 retrieval heads K4V4 + 11 key heads"] = ("lowbit", {"config": ret.to_spec()})
         suite["K2V2 top-8 retrieval heads K4V4 + 11 key heads + pre-RoPE keys"] = (
             "lowbit", {"config": ret.replace(pre_rope_keys=True).to_spec()})
+        suite["K2V2 top-8 retrieval heads K4V4 + 11 key heads + pre-RoPE keys, BF16 key zero"] = (
+            "lowbit", {"config": ret.replace(pre_rope_keys=True, key_zero_dtype="bfloat16").to_spec()})
+        suite["K2V2 top-8 retrieval heads K4V4 + 11 key heads + pre-RoPE keys, random rotation"] = (
+            "lowbit", {"config": ret.replace(pre_rope_keys=True, rotation="random").to_spec()})
+        suite["K2V2 top-8 retrieval heads K4V4 + 11 key heads + pre-RoPE keys, keys not rotated"] = (
+            "lowbit", {"config": ret.replace(pre_rope_keys=True, rotate="v").to_spec()})
     suite["K2V2 default of session 1"] = lowbit("K2V2", **G, sink_length=4, rotation="hadamard", levels="normal")
     for p in ("K2V2", "K1V1"):
         suite[f"{p} kivi32"] = lowbit(p, **KIVI)

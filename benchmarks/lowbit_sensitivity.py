@@ -122,10 +122,19 @@ KEY_HEAD_ORDER = ((18, 2), (7, 2), (8, 0), (4, 0), (7, 1), (3, 2), (3, 1), (8, 2
                   (10, 1), (10, 2), (28, 2), (28, 1))
 
 
+def k2v2_session9(model_config) -> LowBitConfig:
+    """The K2V2 default of sessions 4-10 (4-bit keys in the 27 measured key heads, post-RoPE keys), which the probes
+    of those sessions start from; session 11's default spends the budget on the retrieval heads instead."""
+    from dgap_hf.lowbit_config import MEASURED_KEY_HEADS, model_signature
+
+    return LowBitConfig.default("K2V2", model_config=model_config, layer_value_bits=(), pre_rope_keys=False,
+                                layer_key_bits=MEASURED_KEY_HEADS[model_signature(model_config)][2])
+
+
 def options(base: LowBitConfig, model_config) -> dict:
     """The options compared on top of the session-1 K2V2 default (`base`): statistic formats, key outliers, 4-bit
     keys in the most sensitive layers / heads (the orders measured by the `layers` / `heads` probes)."""
-    heads = LowBitConfig.default("K2V2", model_config=model_config).layer_key_bits
+    heads = k2v2_session9(model_config).layer_key_bits
     order = list(KEY_HEAD_ORDER)
     h = lambda n: tuple((layer, head, 4) for layer, head in order[:n])  # noqa: E731
     lay = lambda *ls: tuple((layer, 4) for layer in ls)  # noqa: E731
@@ -150,7 +159,7 @@ def options(base: LowBitConfig, model_config) -> dict:
 def retrieval_configs(model_config, ranking: list, tops=(2, 4, 8)) -> dict:
     """K2V2 default variants that spend its 4-bit budget (one upgrade = 2 more bits on the keys or the values of one
     KV head) on the top retrieval heads of `ranking` ([{"layer", "kv_head"}, ...], best first)."""
-    default = LowBitConfig.default("K2V2", model_config=model_config)
+    default = k2v2_session9(model_config)
     key_heads = [e[:2] for e in default.layer_key_bits]  # sorted; the measured order is in options()
     order = list(KEY_HEAD_ORDER)
     assert sorted(order) == key_heads, "the measured key-head order no longer matches the default's table"
@@ -177,12 +186,12 @@ def retrieval_configs(model_config, ranking: list, tops=(2, 4, 8)) -> dict:
 def probes(names, n_layers, base, model_config=None, layers_arg=(), n_heads=0, ranking=None):
     out = {}
     if "niah-upgrade-layers" in names:
-        default = LowBitConfig.default("K2V2", model_config=model_config)
+        default = k2v2_session9(model_config)
         for j in range(n_layers):
             table = tuple(e for e in default.layer_key_bits if e[0] != j) + tuple((j, h, 4) for h in range(n_heads))
             out[f"default + layer {j} keys 4-bit"] = (default.replace(layer_key_bits=table), {})
     if "niah-key-axis" in names:
-        default = LowBitConfig.default("K2V2", model_config=model_config)
+        default = k2v2_session9(model_config)
         tok = default.replace(key_axis="token", key_zero_dtype="none")
         out["K2V2 default"] = (default, {})
         out["per-token keys, symmetric (same bits)"] = (tok, {})
@@ -193,7 +202,7 @@ def probes(names, n_layers, base, model_config=None, layers_arg=(), n_heads=0, r
                     out[f"per-token keys, symmetric; {label}"] = (
                         cfg.replace(key_axis="token", key_zero_dtype="none"), layers)
     if "niah-key-groups" in names:
-        default = LowBitConfig.default("K2V2", model_config=model_config)
+        default = k2v2_session9(model_config)
         order = list(KEY_HEAD_ORDER)
         heads = lambda n: tuple(sorted((la, h, 4) for la, h in order[:n]))  # noqa: E731
         for label, change, n in (("key groups of 64 tokens", dict(key_group_size=64), 21),
@@ -202,12 +211,12 @@ def probes(names, n_layers, base, model_config=None, layers_arg=(), n_heads=0, r
             out[f"{label} (over budget)"] = (default.replace(**change), {})
             out[f"{label}, {n} key heads (budget)"] = (default.replace(layer_key_bits=heads(n), **change), {})
     if "niah-rotation" in names:
-        default = LowBitConfig.default("K2V2", model_config=model_config)
+        default = k2v2_session9(model_config)
         out["keys not rotated (rotate='v')"] = (default.replace(rotate="v"), {})
         out["seeded random rotation"] = (default.replace(rotation="random"), {})
         out["no rotation"] = (default.replace(rotation="none"), {})
     if "niah-pre-rope" in names:
-        default = LowBitConfig.default("K2V2", model_config=model_config)
+        default = k2v2_session9(model_config)
         out["K2V2 default"] = (default, {})
         out["pre-RoPE keys, Hadamard"] = (default.replace(pre_rope_keys=True), {})
         out["pre-RoPE keys, not rotated"] = (default.replace(pre_rope_keys=True, rotate="v"), {})
@@ -220,7 +229,7 @@ def probes(names, n_layers, base, model_config=None, layers_arg=(), n_heads=0, r
         if ranking is None:
             raise SystemExit("--probe niah-combined needs --ranking (a lowbit_retrieval_heads.py JSON)")
         top = [(e["layer"], e["kv_head"]) for e in ranking[:8]]
-        default = LowBitConfig.default("K2V2", model_config=model_config)
+        default = k2v2_session9(model_config)
         order = list(KEY_HEAD_ORDER)
         v4 = tuple((la, h, 4) for la, h in top)
         for outliers, extra in ((2, 0), (1, 5)):

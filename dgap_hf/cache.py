@@ -66,13 +66,15 @@ class LowBitLayer(RowSelectionMixin, CacheLayerMixin):
             config = LowBitConfig(format_precision(check_bits(key_bits, "key_bits"), check_bits(value_bits,
                                   "value_bits")), key_group_size=group_size, value_group_size=group_size,
                                   residual_length=residual_length, sink_length=sink_length, one_bit_mode=one_bit_mode)
-        if (config.layer_key_bits or config.layer_value_bits) and layer_idx is None:
-            raise ValueError("a config with layer_key_bits / layer_value_bits needs the layer index of each layer "
+        if (config.layer_key_bits or config.layer_value_bits or not isinstance(config.pre_rope_keys, bool)) \
+                and layer_idx is None:
+            raise ValueError("a config with layer_key_bits / layer_value_bits / pre_rope_keys layers needs the layer "
+                             "index of each layer "
                              "(build the cache with the model's config: LowBitCache(model.config, ...))")
-        if config.pre_rope_keys and rope_inv_freq is None:
+        if config.pre_rope_in(layer_idx) and rope_inv_freq is None:
             raise ValueError("pre_rope_keys needs the model's RoPE frequencies (build the cache with the model's "
                              "config: LowBitCache(model.config, ...))")
-        self.rope_inv_freq = rope_inv_freq if config.pre_rope_keys else None
+        self.rope_inv_freq = rope_inv_freq if config.pre_rope_in(layer_idx) else None
         self.head_bits = config.head_key_bits(layer_idx)  # {kv_head: key bits} where they differ from the layer's
         self.head_value_bits = config.head_value_bits(layer_idx)  # the same for the values
         self.config = config = config.for_layer(layer_idx)

@@ -48,7 +48,8 @@ class LowBitConfig:
     * `rotation`: `"none"`, `"hadamard"` or `"random"` (seeded by `rotation_seed`), applied post-RoPE to the
       keys and/or values (`rotate`: `"kv"`, `"k"`, `"v"`) before quantization and undone on dequantization.
     * `pre_rope_keys`: keys turned back by their RoPE angle (the model's frequencies at the token's cache index)
-      before quantization and forward again after (`dgap_hf.rope_frame`; needs the model config), then rotated.
+      before quantization and forward again after (`dgap_hf.rope_frame`; needs the model config), then rotated:
+      `True` in every layer, or a tuple of the layers that do it.
     * `key_outliers` / `value_outliers`: elements per group kept in `outlier_dtype` (dense-and-sparse).
     * `key_scale_dtype`, `key_zero_dtype`, `value_scale_dtype`, `value_zero_dtype`, `outlier_dtype`: formats of
       the group statistics, `"bfloat16"` or `"float8_e4m3fn"` (`dgap_hf.quantize`); a zero dtype `"none"` stores
@@ -70,7 +71,7 @@ class LowBitConfig:
     rotation: str = "none"
     rotate: str = "kv"
     rotation_seed: int = 0
-    pre_rope_keys: bool = False
+    pre_rope_keys: bool | tuple = False
     key_outliers: int = 0
     value_outliers: int = 0
     key_scale_dtype: str = "bfloat16"
@@ -91,8 +92,7 @@ class LowBitConfig:
         for name in ("residual_length", "sink_length", "key_outliers", "value_outliers", "rotation_seed"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an integer >= 0, not {getattr(self, name)!r}")
-        if not isinstance(self.pre_rope_keys, bool):
-            raise ValueError(f"pre_rope_keys must be True or False, not {self.pre_rope_keys!r}")
+        self._check_pre_rope()
         if self.key_axis not in KEY_AXES:
             raise ValueError(f"key_axis must be one of {KEY_AXES}, not {self.key_axis!r}")
         if self.one_bit_mode not in ONE_BIT_MODES:
@@ -126,6 +126,23 @@ class LowBitConfig:
         if self.head_dim is not None:
             self.check_head_dim(self.head_dim)
 
+    def _check_pre_rope(self) -> None:
+        pr = self.pre_rope_keys
+        if isinstance(pr, bool):
+            return
+        if isinstance(pr, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                 for x in pr):
+            if len(set(pr)) != len(pr):
+                raise ValueError(f"pre_rope_keys lists a layer twice: {sorted(pr)}")
+            object.__setattr__(self, "pre_rope_keys", tuple(sorted(pr)) if pr else False)
+            return
+        raise ValueError(f"pre_rope_keys must be True, False or a tuple of layer indices, not {pr!r}")
+
+    def pre_rope_in(self, layer_idx: int | None) -> bool:
+        """Whether layer `layer_idx` quantizes pre-RoPE keys."""
+        pr = self.pre_rope_keys
+        return pr if isinstance(pr, bool) else layer_idx in pr
+
     def _check_bits_table(self, name: str) -> None:
         raw = getattr(self, name)
         items = list(raw.items()) if isinstance(raw, dict) else raw
@@ -152,7 +169,8 @@ class LowBitConfig:
         """The config of one layer: its whole-layer `layer_key_bits` / `layer_value_bits` entries (if any) as the key
         / value bits; of the tables only this layer's per-head entries stay (`head_key_bits`, `head_value_bits`)."""
         if not self.layer_key_bits and not self.layer_value_bits:
-            return self
+            return self if isinstance(self.pre_rope_keys, bool) else self.replace(
+                pre_rope_keys=self.pre_rope_in(layer_idx))
         kb = {e[0]: e[1] for e in self.layer_key_bits if len(e) == 2}.get(layer_idx, self.key_bits)
         vb = {e[0]: e[1] for e in self.layer_value_bits if len(e) == 2}.get(layer_idx, self.value_bits)
         own_k = tuple(e for e in self.layer_key_bits if len(e) == 3 and e[0] == layer_idx)
@@ -161,7 +179,7 @@ class LowBitConfig:
         if not {kb, vb, *(e[-1] for e in own_k + own_v)} & {2, 4}:
             levels = "uniform"  # no 2/4-bit group left in this layer: the same quantizer (levels only apply there)
         return self.replace(precision=format_precision(kb, vb), layer_key_bits=own_k, layer_value_bits=own_v,
-                            levels=levels)
+                            levels=levels, pre_rope_keys=self.pre_rope_in(layer_idx))
 
     def head_key_bits(self, layer_idx: int | None) -> dict[int, int]:
         """`{kv_head: bits}` of the per-head `layer_key_bits` entries of layer `layer_idx`."""
@@ -174,6 +192,9 @@ class LowBitConfig:
     def check_layers(self, num_layers: int, num_kv_heads: int | None = None) -> None:
         """Raise `ValueError` if `layer_key_bits` or `layer_value_bits` names a layer (or KV head) the model does not
         have."""
+        if not isinstance(self.pre_rope_keys, bool) and self.pre_rope_keys[-1] >= num_layers:
+            raise ValueError(f"pre_rope_keys names layer {self.pre_rope_keys[-1]}, but the model has {num_layers} "
+                             f"layers (0..{num_layers - 1})")
         for name in ("layer_key_bits", "layer_value_bits"):
             table = getattr(self, name)
             bad = sorted({e[0] for e in table if e[0] >= num_layers})
@@ -215,7 +236,8 @@ class LowBitConfig:
         `changes` on top. With `head_dim`, the defaults fit it: a value group that does not divide it shrinks to
         their common divisor, and a Hadamard rotation becomes a seeded random one when it is not a power of two.
         With `model_config` (head_dim is read from it), a model whose per-head key sensitivity was measured
-        (`MEASURED_KEY_HEADS`: SmolLM2-135M) also gets its measured `layer_key_bits` at 2-bit keys."""
+        (`MEASURED_KEY_HEADS`: SmolLM2-135M) also gets its measured `layer_key_bits` at 2-bit keys, and a model
+        with measured options for this very precision (`MEASURED_OPTIONS`: SmolLM2-135M at K2V2) gets those."""
         kb, vb = parse_precision(precision)
         base = dict(DEFAULTS.get(format_precision(kb, vb)) or DEFAULTS[format_precision(kb, kb)])
         if model_config is not None:
@@ -223,6 +245,7 @@ class LowBitConfig:
             heads = MEASURED_KEY_HEADS.get(model_signature(model_config), {}).get(kb)
             if heads:
                 base["layer_key_bits"] = heads
+            base.update(MEASURED_OPTIONS.get(model_signature(model_config), {}).get(format_precision(kb, vb), {}))
         if head_dim is not None:
             g = base.get("value_group_size", cls.value_group_size)
             if head_dim % g:
@@ -329,4 +352,20 @@ _SMOLLM2_HEADS = ((18, 2), (7, 2), (8, 0), (4, 0), (7, 1), (3, 2), (3, 1), (8, 2
                   (10, 1), (10, 2), (28, 2), (28, 1))
 MEASURED_KEY_HEADS: dict[tuple, dict[int, tuple]] = {
     ("llama", 30, 9, 3, 64, 576, 49152): {2: tuple(sorted((layer, head, 4) for layer, head in _SMOLLM2_HEADS))},
+}
+
+# Measured options of one precision, per model, on top of the above. SmolLM2-135M-Instruct at K2V2 (session 11,
+# benchmarks/results/issue14-status.md): the 27 key heads' 4-bit budget spent instead on the keys and values of the 8
+# KV heads that carry multi-key retrieval (`benchmarks/lowbit_retrieval_heads.py`, ranked on other cases than those
+# scored) plus the 11 most PPL-sensitive key heads of `_SMOLLM2_HEADS`, and pre-RoPE keys in layers 15-29 (in layers
+# 0-14 they cost 1 point of 4K-window perplexity; in 15-29 0.1 point, while they lift the NIAH answers): multi-key NIAH
+# at 2K 66.7% -> 77%, 4K-window PPL +3.63% -> +3.87%, same 2.49 bits per element.
+_SMOLLM2_RETRIEVAL = ((18, 2), (17, 1), (23, 0), (20, 2), (21, 2), (6, 0), (21, 0), (20, 1))
+_SMOLLM2_K2V2_KEYS = _SMOLLM2_RETRIEVAL + tuple(h for h in _SMOLLM2_HEADS if h not in _SMOLLM2_RETRIEVAL)[:11]
+MEASURED_OPTIONS: dict[tuple, dict[str, dict]] = {
+    ("llama", 30, 9, 3, 64, 576, 49152): {"K2V2": {
+        "layer_key_bits": tuple(sorted((layer, head, 4) for layer, head in _SMOLLM2_K2V2_KEYS)),
+        "layer_value_bits": tuple(sorted((layer, head, 4) for layer, head in _SMOLLM2_RETRIEVAL)),
+        "pre_rope_keys": tuple(range(15, 30)),
+    }},
 }

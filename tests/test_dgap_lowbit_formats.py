@@ -309,14 +309,16 @@ def _smollm2_shaped_config():
                        num_attention_heads=9, num_key_value_heads=3, head_dim=64)
 
 
-def test_k2v2_default_is_measured_heads_within_the_bit_budget():
+def test_k2v2_default_is_measured_heads_within_the_bit_budget():  # (session 11: retrieval heads, see pre-RoPE tests)
     from dgap_hf.lowbit_config import MEASURED_KEY_HEADS, model_signature
 
     cfg = _smollm2_shaped_config()
     assert model_signature(cfg) in MEASURED_KEY_HEADS
     q = LowBitCache(cfg, "K2V2").quant_config
-    assert q == LowBitConfig.default("K2V2", model_config=cfg) and len(q.layer_key_bits) == 27
-    assert {e[-1] for e in q.layer_key_bits} == {4} and (18, 2, 4) in q.layer_key_bits
+    assert q == LowBitConfig.default("K2V2", model_config=cfg)
+    assert len(q.layer_key_bits) == 19 and len(q.layer_value_bits) == 8  # 27 upgrades to 4 bits, keys or values
+    assert {e[-1] for e in q.layer_key_bits + q.layer_value_bits} == {4}
+    assert (18, 2, 4) in q.layer_key_bits and (18, 2, 4) in q.layer_value_bits
     # other models (and other precisions) get no head table; K4V4 / K8V8 / K1V1 defaults are not touched by it
     assert LowBitCache(tiny_llama_config(), "K2V2").quant_config.layer_key_bits == ()
     for p in ("K1V1", "K4V4", "K8V8", "K4V2"):
@@ -329,9 +331,10 @@ def test_k2v2_default_is_measured_heads_within_the_bit_budget():
     st = cache.stats()
     assert st["bytes"]["residual"] == 124 * 2 * 3 * 64 * 4 * 30 and st["bytes"]["pending"] == 0
     four_bit_heads = sum(cache.layers[i].head_bits.get(h, 2) == 4 for i in range(30) for h in range(3))
-    assert four_bit_heads == 27
+    four_bit_values = sum(cache.layers[i].head_value_bits.get(h, 2) == 4 for i in range(30) for h in range(3))
+    assert (four_bit_heads, four_bit_values) == (19, 8)
     nq = 2048 - 4 - 124
-    expect_codes = 30 * 3 * nq * 64 * 2 * 2 / 8 + 27 * nq * 64 * 2 / 8  # K and V at 2 bits, +2 bits in 27 heads
+    expect_codes = 30 * 3 * nq * 64 * 2 * 2 / 8 + 27 * nq * 64 * 2 / 8  # K and V at 2 bits, +2 bits in 27 head K or V
     assert st["bytes"]["key_codes"] + st["bytes"]["value_codes"] == expect_codes
     assert st["bytes"]["key_stats"] == 30 * 3 * (nq // 128) * 64 * 2 and st["bytes"]["value_stats"] == 30 * 3 * nq
     assert 2.45 < st["bits_per_element"] <= 2.5

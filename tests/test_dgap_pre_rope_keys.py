@@ -88,8 +88,10 @@ def test_spec_round_trip_and_errors():
     back = LowBitConfig.from_spec(cfg.to_spec())
     assert back == cfg and back.pre_rope_keys
     assert LowBitConfig.from_spec({"precision": "K2V2", "spec_version": 2}).pre_rope_keys is False
-    with pytest.raises(ValueError, match="pre_rope_keys must be True or False"):
+    with pytest.raises(ValueError, match="pre_rope_keys must be True, False or a tuple of layer indices"):
         LowBitConfig(pre_rope_keys="yes")
+    with pytest.raises(ValueError, match="lists a layer twice"):
+        LowBitConfig(pre_rope_keys=(3, 3))
     with pytest.raises(ValueError, match="RoPE frequencies"):
         LowBitCache(None, LowBitConfig(pre_rope_keys=True))
     with pytest.raises(ValueError, match="RoPE frequencies"):
@@ -100,3 +102,43 @@ def test_spec_round_trip_and_errors():
         no_rope.rope_theta = None
     with pytest.raises(ValueError, match="rope_theta"):
         rope_inv_freq(no_rope, 64)
+
+
+def test_pre_rope_keys_per_layer():
+    """A tuple of layers: those layers store pre-RoPE keys, the others post-RoPE; the spec keeps the tuple (a JSON
+    list); a layer the model lacks is an error; without the model config the table cannot be placed."""
+    cfg = LlamaConfig(
+        hidden_size=128, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=3, head_dim=64,
+        intermediate_size=64, vocab_size=64)
+    q = LowBitConfig.default("K2V2", pre_rope_keys=[2, 0])
+    assert q.pre_rope_keys == (0, 2) and LowBitConfig(pre_rope_keys=()).pre_rope_keys is False
+    import json
+
+    assert LowBitConfig.from_spec(json.loads(json.dumps(q.to_spec()))) == q
+    cache = LowBitCache(cfg, q)
+    assert [layer.rope_inv_freq is not None for layer in cache.layers] == [True, False, True]
+    assert [layer.config.pre_rope_keys for layer in cache.layers] == [True, False, True]
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(1, 2, 300, 64, generator=g), torch.randn(1, 2, 300, 64, generator=g)
+    for i in range(3):
+        cache.update(k, v, i)  # (the tokens flushed by this update come back at full precision once)
+    outs = [cache.update(k[:, :, :1], v[:, :, :1], i)[0] for i in range(3)]
+    assert torch.equal(outs[0], outs[2]) and not torch.equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="pre_rope_keys names layer 5, but the model has 3 layers"):
+        LowBitCache(cfg, LowBitConfig(pre_rope_keys=(5,)))
+    with pytest.raises(ValueError, match="pre_rope_keys"):
+        LowBitLayer(config=q)
+
+
+def test_smollm2_k2v2_default_spends_its_budget_on_retrieval_heads():
+    """The measured K2V2 default of SmolLM2-135M (session 11): 4-bit keys and values in the 8 retrieval heads, 4-bit
+    keys in 11 more of the measured key heads, pre-RoPE keys in layers 15-29; other models do not get it."""
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64)  # SmolLM2-135M's shape
+    q = LowBitConfig.default("K2V2", model_config=cfg)
+    retrieval = {(18, 2), (17, 1), (23, 0), (20, 2), (21, 2), (6, 0), (21, 0), (20, 1)}
+    assert {e[:2] for e in q.layer_value_bits} == retrieval and {e[-1] for e in q.layer_value_bits} == {4}
+    assert retrieval < {e[:2] for e in q.layer_key_bits} and len(q.layer_key_bits) == 19
+    assert q.pre_rope_keys == tuple(range(15, 30))
+    assert LowBitConfig.default("K2V2", model_config=tiny_llama_config()).pre_rope_keys is False
+    assert LowBitConfig.default("K2V4", model_config=cfg).pre_rope_keys is False
