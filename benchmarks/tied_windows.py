@@ -58,6 +58,9 @@ def variants(hist: torch.Tensor) -> dict:
         # verbatim with the mantissa (the BF16 low byte), a byte-split layout
         "even_windows": (e3, e4),
         "even_3bit_tied_b3-4": (e3, lo(e3, 4)),
+        # the byte-split layout with the 4-bit window as [b3 - 8, b3 + 8): in units of the high byte (e >> 1) the
+        # 3-bit window's upper-half code is then `w - 4 | code`, one OR for both modes (attention_cuda.md's sketch)
+        "even_3bit_tied_b3-8": (e3, lo(e3, 8)),
     }
 
 
