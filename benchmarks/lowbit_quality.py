@@ -28,6 +28,7 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -99,8 +100,6 @@ def final_suite(model_config=None):
     for p in ("K2V2", "K1V1", "K4V4", "K8V8", "K2V4", "K4V2"):
         suite[f"{p} default"] = ("lowbit", {"config": LowBitConfig.default(p, model_config=model_config).to_spec()})
     if model_config is not None:  # session 11's candidates for the K2V2 default (pre-RoPE keys; retrieval heads), from session 9's
-        import sys
-
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from lowbit_niah import _retrieval
         from lowbit_sensitivity import k2v2_session9

@@ -50,6 +50,7 @@ from transformers.cache_utils import DynamicLayer
 
 from dgap_hf import LowBitCache, LowBitConfig
 from dgap_hf.cache import LowBitLayer
+from dgap_hf.lowbit_config import MEASURED_KEY_HEADS, model_signature
 from dgap_hf.rope_frame import rope_inv_freq
 from gaac_hf.corpus import DEBIAN_REFERENCE, read_text_files, token_prompts
 from gaac_hf.default_model import load_default_model
@@ -61,10 +62,7 @@ def probe_cache(model, base: LowBitConfig, layers: dict | None = None):
     a `LowBitConfig` -> a `LowBitLayer` of that config."""
     cache = LowBitCache(model.config, base)
     for i, what in (layers or {}).items():
-        freq = None
-        if what != "fp" and what.pre_rope_keys:
-            tc = model.config
-            freq = rope_inv_freq(tc, getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
+        freq = rope_inv_freq(model.config) if what != "fp" and what.pre_rope_keys else None
         cache.layers[i] = DynamicLayer() if what == "fp" else LowBitLayer(config=what, layer_idx=i,
                                                                           rope_inv_freq=freq)
     return cache
@@ -125,8 +123,6 @@ KEY_HEAD_ORDER = ((18, 2), (7, 2), (8, 0), (4, 0), (7, 1), (3, 2), (3, 1), (8, 2
 def k2v2_session9(model_config) -> LowBitConfig:
     """The K2V2 default of sessions 4-10 (4-bit keys in the 27 measured key heads, post-RoPE keys), which the probes
     of those sessions start from; session 11's default spends the budget on the retrieval heads instead."""
-    from dgap_hf.lowbit_config import MEASURED_KEY_HEADS, model_signature
-
     return LowBitConfig.default("K2V2", model_config=model_config, layer_value_bits=(), pre_rope_keys=False,
                                 layer_key_bits=MEASURED_KEY_HEADS[model_signature(model_config)][2])
 

@@ -44,7 +44,7 @@ from .precision import format_precision
 from .quantize import (
     QuantizedGroups, check_bits, dequantize_keys, dequantize_values, quantize_keys, quantize_keys_by_head,
     quantize_values, quantize_values_by_head)
-from .rope_frame import rope_inv_freq, rope_rotate
+from .rope_frame import RopeTable, rope_inv_freq
 from .rotation import rotation_matrix
 
 
@@ -75,6 +75,7 @@ class LowBitLayer(RowSelectionMixin, CacheLayerMixin):
             raise ValueError("pre_rope_keys needs the model's RoPE frequencies (build the cache with the model's "
                              "config: LowBitCache(model.config, ...))")
         self.rope_inv_freq = rope_inv_freq if config.pre_rope_in(layer_idx) else None
+        self._rope_table = None if self.rope_inv_freq is None else RopeTable(self.rope_inv_freq)
         self.head_bits = config.head_key_bits(layer_idx)  # {kv_head: key bits} where they differ from the layer's
         self.head_value_bits = config.head_value_bits(layer_idx)  # the same for the values
         self.config = config = config.for_layer(layer_idx)
@@ -161,9 +162,9 @@ class LowBitLayer(RowSelectionMixin, CacheLayerMixin):
         angle (`inverse`, before quantization) or forward again (after dequantization); as they are without
         `pre_rope_keys`. The sink precedes the quantized tokens, so quantized token i sits at cache index
         `sink_length + i`."""
-        if self.rope_inv_freq is None:
+        if self._rope_table is None:
             return k
-        return rope_rotate(k, self.sink_length + start, self.rope_inv_freq, inverse=inverse)
+        return self._rope_table.rotate(k, self.sink_length + start, inverse=inverse)
 
     def _dequantize(self, qk: QuantizedGroups, qv: QuantizedGroups, dtype,
                     start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -359,7 +359,8 @@ MEASURED_KEY_HEADS: dict[tuple, dict[int, tuple]] = {
 # KV heads that carry multi-key retrieval (`benchmarks/lowbit_retrieval_heads.py`, ranked on other cases than those
 # scored) plus the 11 most PPL-sensitive key heads of `_SMOLLM2_HEADS`, and pre-RoPE keys in layers 15-29 (in layers
 # 0-14 they cost 1 point of 4K-window perplexity; in 15-29 0.1 point, while they lift the NIAH answers): multi-key NIAH
-# at 2K 66.7% -> 77%, 4K-window PPL +3.63% -> +3.87%, same 2.49 bits per element.
+# 7.3 points below BF16 at 2K (96 cases) and at 8K (288 cases; the session-4 table: 10.4), 4K-window PPL +3.63% ->
+# +3.87%, same 2.49 bits per element.
 _SMOLLM2_RETRIEVAL = ((18, 2), (17, 1), (23, 0), (20, 2), (21, 2), (6, 0), (21, 0), (20, 1))
 _SMOLLM2_K2V2_KEYS = _SMOLLM2_RETRIEVAL + tuple(h for h in _SMOLLM2_HEADS if h not in _SMOLLM2_RETRIEVAL)[:11]
 MEASURED_OPTIONS: dict[tuple, dict[str, dict]] = {

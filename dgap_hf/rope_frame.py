@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_common.model_config import text_config
+from hf_common.model_config import kv_geometry, text_config
 
 
 def _rope_parameters(tc) -> dict:
@@ -32,8 +32,9 @@ def _rope_parameters(tc) -> dict:
     return params
 
 
-def rope_inv_freq(model_config, head_dim: int) -> torch.Tensor:
-    """float32 `[rotary_dim / 2]` inverse frequencies of the model's RoPE (rotary_dim <= head_dim).
+def rope_inv_freq(model_config, head_dim: int | None = None) -> torch.Tensor:
+    """float32 `[rotary_dim / 2]` inverse frequencies of the model's RoPE (rotary_dim <= head_dim, by default the
+    config's KV head dim).
 
     Raises `ValueError` when the config has no RoPE parameters (a model without rotary embeddings has no pre-RoPE
     keys to quantize)."""
@@ -53,20 +54,47 @@ def rope_inv_freq(model_config, head_dim: int) -> torch.Tensor:
         except Exception:  # noqa: BLE001 - an initializer we cannot call: the unscaled frequencies (quality only)
             pass
     factor = float(params.get("partial_rotary_factor", getattr(tc, "partial_rotary_factor", 1.0)) or 1.0)
-    rot = int(head_dim * factor) // 2 * 2
+    rot = int((head_dim or kv_geometry(model_config).head_dim) * factor) // 2 * 2
     return (1.0 / (float(theta) ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))).float()
+
+
+def _angles(start: int, stop: int, inv_freq: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos and sin `[stop - start, len(inv_freq)]` of the angles `p * inv_freq`, p = start .. stop - 1
+    (products in float64, so every position's values are the same whatever range they are computed in)."""
+    pos = torch.arange(start, stop, dtype=torch.float64, device=device)
+    ang = pos[:, None] * inv_freq.to(device=device, dtype=torch.float64)[None]
+    return ang.cos().float(), ang.sin().float()
+
+
+def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    half = cos.shape[-1]
+    if inverse:
+        sin = -sin
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], -1)
 
 
 def rope_rotate(x: torch.Tensor, start: int, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """`x` `[B, H, S, D]` (float32) with token `s` turned by `(start + s) * inv_freq` (`rotate_half` pairs
     `(i, i + r/2)` of the first `r = 2 * len(inv_freq)` channels), or back by it with `inverse`."""
-    half = inv_freq.numel()
-    if half == 0 or x.shape[-2] == 0:
+    if inv_freq.numel() == 0 or x.shape[-2] == 0:
         return x
-    pos = torch.arange(start, start + x.shape[-2], dtype=torch.float64, device=x.device)
-    ang = pos[:, None] * inv_freq.to(device=x.device, dtype=torch.float64)[None]
-    cos, sin = ang.cos().float(), ang.sin().float()
-    if inverse:
-        sin = -sin
-    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], -1)
+    return _turn(x, *_angles(start, start + x.shape[-2], inv_freq, x.device), inverse)
+
+
+class RopeTable:
+    """`rope_rotate` with the cos/sin of positions 0 .. n - 1 kept (grown by doubling) instead of recomputed: a
+    `LowBitLayer` turns its whole quantized prefix forward on every read. Same values as `rope_rotate`."""
+
+    def __init__(self, inv_freq: torch.Tensor):
+        self.inv_freq = inv_freq
+        self._cos = self._sin = None
+
+    def rotate(self, x: torch.Tensor, start: int, inverse: bool = False) -> torch.Tensor:
+        stop = start + x.shape[-2]
+        if self.inv_freq.numel() == 0 or stop == start:
+            return x
+        if self._cos is None or self._cos.device != x.device or self._cos.shape[0] < stop:
+            n = max(stop, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
+            self._cos, self._sin = _angles(0, n, self.inv_freq, x.device)
+        return _turn(x, self._cos[start:stop], self._sin[start:stop], inverse)

@@ -18,10 +18,6 @@ def _cfg(**kw):
                        head_dim=64, intermediate_size=64, vocab_size=64, **kw)
 
 
-def _post_rope(pre, start, freq):
-    return rope_rotate(pre, start, freq)
-
-
 def test_rope_rotate_inverts_and_matches_transformers_rotate_half():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -52,7 +48,7 @@ def test_pre_rope_keys_quantize_rope_keys_like_their_pre_rope_form(rotation):
     g = torch.Generator().manual_seed(0)
     pre = torch.randn(1, 2, 1, 64, generator=g).expand(1, 2, 600, 64) + 0.01 * torch.randn(1, 2, 600, 64,
                                                                                              generator=g)
-    k = _post_rope(pre.contiguous(), 0, freq)
+    k = rope_rotate(pre.contiguous(), 0, freq)
     v = torch.randn(1, 2, 600, 64, generator=g)
     err = {}
     for flag in (False, True):
