@@ -19,13 +19,16 @@ caches write), checks each kernel bit for bit against the plain-BF16 twin, and t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -77,9 +80,64 @@ def encode_v2(x: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, capacit
     return slots, weights.sum(-1) <= capacity, mode
 
 
-def compress_v2(k: torch.Tensor, v: torch.Tensor):
+@functools.lru_cache(maxsize=None)
+def fragment_maps(c: int, is_v: bool):
+    """Format 3 (the fragment-order prototype; the kernel's `k_tile_f3` / `v_tile_f3`): for every byte of the
+    low-byte area its source element (token * C + channel), and for every bit of the sign/code words its source
+    (plane 0..2, group, token bit). Returns (low_src [16 C], bit_plane, bit_group, bit_token [48 C])."""
+    n = c // 8  # words of 4 elements per lane
+    nks, nvw = c // 16, c // 32
+    low_src = np.full(16 * c, -1, dtype=np.int64)
+    nbits = 48 * c
+    plane, group, tbit = (np.full(nbits, -1, dtype=np.int64) for _ in range(3))
+
+    def put(word, lane, bit, pl, gi, tb):
+        at = ((word * 32 + lane) * 4 + bit // 8) * 8 + bit % 8
+        assert plane[at] < 0
+        plane[at], group[at], tbit[at] = pl, gi, tb
+
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for q in range(n):
+            for b in range(4):
+                if is_v:
+                    j, h, k = q // 4, (q % 4) // 2, q % 2
+                    ch, tok = 4 * (g * nvw + j) + 2 * k + (b >> 1), 8 * h + 2 * t + (b & 1)
+                else:
+                    s4, h, i = q // 8, (q // 4) % 2, q % 4
+                    ch, tok = 4 * (t * nks + 4 * s4 + i) + b, 8 * h + g
+                at = ((q // 4) * 32 + lane) * 16 + (q % 4) * 4 + b
+                assert low_src[at] < 0
+                low_src[at] = tok * c + ch
+                gi, tb = (tok // 8) * c + ch, tok % 8
+                mk, y = q // 4, q % 4
+                sign_bit = [8 * b + 7, (8 * b + 10) % 32, 8 * b + 5, 8 * b + 6][y]
+                put(mk, lane, sign_bit, 0, gi, tb)
+                if y < 2:
+                    code_word, c0 = mk, 8 * b + 3 * y
+                else:
+                    code_word, c0 = n // 4 + mk // 2, 8 * b + 2 * (2 * (mk % 2) + y - 2)
+                put(code_word, lane, c0, 1, gi, tb)
+                put(code_word, lane, c0 + 1, 2, gi, tb)
+    assert (low_src >= 0).all() and (plane >= 0).all()
+    return low_src, plane, group, tbit
+
+
+def to_fragment_order(slots: torch.Tensor, c: int, layout: TileLayout, is_v: bool) -> torch.Tensor:
+    """Format-2 prototype slots `[..., slot_bytes]` of K (or V) tiles -> format 3: the same bytes, low bytes and the
+    sign / code planes permuted into the kernel's fragment order (tags and escapes unchanged)."""
+    low_src, plane, group, tbit = (torch.from_numpy(a).to(slots.device) for a in fragment_maps(c, is_v))
+    g = layout.groups
+    low = slots[..., : 16 * c].index_select(-1, low_src)
+    planes = slots[..., layout.planes_offset: layout.planes_offset + 3 * g].to(torch.int32)
+    bits = (planes.index_select(-1, plane * g + group) >> tbit) & 1
+    words = pack_bits(bits.reshape(*bits.shape[:-1], -1, 8)).to(torch.uint8)
+    return torch.cat([low, words, slots[..., layout.planes_offset + 3 * g:]], -1)
+
+
+def compress_v2(k: torch.Tensor, v: torch.Tensor, fragment: bool = False):
     """`compress` of benchmarks/attention.py with even windows and the prototype encoder; bases returned halved
-    (what the kernel adds to a code)."""
+    (what the kernel adds to a code). `fragment`: format 3 (the same slots in fragment order)."""
     b, h, s, d = k.shape
     c = tile_split(d)[1]
     n = s // 16
@@ -96,6 +154,9 @@ def compress_v2(k: torch.Tensor, v: torch.Tensor):
     step = max(1, 16384 // (2 * h * (d // c)))
     for j in range(0, n, step):
         sl, ft, md = encode_v2(tiles[:, j:j + step], b3, b4, capacity)
+        if fragment:
+            lay = TileLayout(c, capacity)
+            sl = torch.stack([to_fragment_order(sl[:, :, kv], c, lay, kv == 1) for kv in range(2)], 2)
         slots.append(sl)
         fits.append(ft)
         modes += torch.bincount(md.reshape(-1).long(), minlength=3)
@@ -111,17 +172,24 @@ def compress_v2(k: torch.Tensor, v: torch.Tensor):
     return packed, layout, info
 
 
+VARIANTS = (  # label, format, ws consumers, stages, CTAs per SM (ws) -- 0: the one-warp kernel
+    ("format_1", 1, 0, 0, 0), ("format_2_prototype", 2, 0, 0, 0), ("format_3", 3, 0, 0, 0),
+    ("format_3_ws6", 3, 6, 12, 2), ("format_3_ws3", 3, 3, 6, 3), ("format_3_ws2", 3, 2, 4, 4))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--real-kv", default=".bench/real_kv_2k.safetensors")
     p.add_argument("--buffers", type=int, default=3)
+    p.add_argument("--shapes", default="0,1,2,3", help="indices into SHAPES")
     p.add_argument("--out", default="benchmarks/results/format_v2_probe.json")
     args = p.parse_args()
     dev = torch.device("cuda")
     pool = load_file(args.real_kv)["kv"]
     gen = torch.Generator().manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
-    for name, hq, hkv, d, b, s in SHAPES:
+    for si in (int(x) for x in args.shapes.split(",")):
+        name, hq, hkv, d, b, s = SHAPES[si]
         t0 = time.time()
         k, v = (t.to(dev) for t in real_kv(pool, b, hkv, s, d, gen))
         q = torch.randn(b, hq, d, device=dev).to(torch.bfloat16)
@@ -130,41 +198,69 @@ def main():
         p1, info1 = compress(k, v)
         l1 = TileLayout(tile_split(d)[1], info1["escape_capacity"])
         p2, l2, info2 = compress_v2(k, v)
+        p3, l3, info3 = compress_v2(k, v, fragment=True)
+        encoded = {1: (p1, l1, info1), 2: (p2, l2, info2), 3: (p3, l3, info3)}
         pp = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, ws=0)
         twin = gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, pp)
-        row = {"shape": f"{hq}/{hkv}/{d} {b}x{s}", "bf16_bytes": 4 * k.numel()}
-        for label, packed, layout, info, fmt in (("format_1", p1, l1, info1, 1), ("format_2_prototype", p2, l2, info2, 2)):
+        row = {"shape": f"{hq}/{hkv}/{d} {b}x{s}", "bf16_bytes": 4 * k.numel(), "nsplit": pp.nsplit}
+        for label, fmt, ws, stages, ctas in VARIANTS:
+            packed, layout, info = encoded[fmt]
+            kw = dict(ws=ws) if not ws else dict(ws=ws, stages=stages, min_ctas=ctas)
             pc = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, format_version=fmt,
-                                nsplit=pp.nsplit, ws=0)
+                                nsplit=pp.nsplit, **kw)
             got = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout, pc)
             bufs = [packed] + [tuple(x.clone() for x in packed) for _ in range(args.buffers - 1)]
 
-            def run(i, pc=pc, layout=layout, skip_plan=None):
+            def run(i, pc=pc, layout=layout, bufs=bufs, skip_plan=None):
                 pk = bufs[i]
                 gaac_cuda.decode_attention(q, *pk[:5], pk[5], pk[6], kv_len, None, scale, layout, skip_plan or pc)
             us = bench_graph(run, args.buffers)
             entry = {"bit_identical_to_twin": torch.equal(got.view(torch.int16), twin.view(torch.int16)),
                      "us": us, "bytes": info["bytes"], "ratio": round(row["bf16_bytes"] / info["bytes"], 4),
-                     "gb_per_s": round(info["bytes"] / us / 1e3, 1), "escape_capacity": info["escape_capacity"],
-                     "mode_shares": [round(x, 5) for x in info["mode_shares"]],
-                     "registers": pc.kernels(dev)[0].registers}
-            if (b, s, hq) == (1, 65536, 32):
-                for skip, key in ((1, "no_math_us"), (2, "no_reconstruction_us")):
+                     "tb_per_s": round(info["bytes"] / us / 1e6, 3), "escape_capacity": info["escape_capacity"],
+                     "raw_tiles": info["raw_tiles"], "mode_shares": [round(x, 5) for x in info["mode_shares"]],
+                     "registers": pc.kernels(dev)[0].registers, "smem": pc.smem}
+            if (b, s, hq) == (1, 65536, 32) and fmt != 2:
+                for skip, key in ((1, "no_math_us"), (2, "no_reconstruction_us"), (3, "loads_only_us")):
                     pv = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes,
-                                        format_version=fmt, nsplit=pp.nsplit, skip=skip, ws=0)
-                    entry[key] = bench_graph(lambda i, pv=pv: run(i, skip_plan=pv), args.buffers)
+                                        format_version=fmt, nsplit=pp.nsplit, skip=skip, **kw)
+                    entry[key] = bench_graph(lambda i, pv=pv, run=run: run(i, skip_plan=pv), args.buffers)
             row[label] = entry
+            print(label, json.dumps(entry), flush=True)
         row["twin_us"] = bench_graph(lambda i: gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, pp),
                                      args.buffers)
-        row["speedup_format_2"] = round(row["format_1"]["us"] / row["format_2_prototype"]["us"], 3)
+        pd = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True)
+        row["twin_default_us"] = bench_graph(
+            lambda i: gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, pd), args.buffers)
+        kvs = [(k, v)] + [(k.clone(), v.clone()) for _ in range(args.buffers - 1)]
+        q4 = q.unsqueeze(2)
+
+        def cudnn(i):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                torch.nn.functional.scaled_dot_product_attention(q4, kvs[i][0], kvs[i][1], scale=scale,
+                                                                 enable_gqa=True)
+        try:
+            row["cudnn_us"] = bench_graph(cudnn, args.buffers)
+        except RuntimeError as err:  # noqa: PERF203
+            row["cudnn_us"] = None
+            row["cudnn_error"] = str(err)[:200]
+        best = min((row[lab]["us"], lab) for lab, *_ in VARIANTS if lab != "format_1" and row[lab]["bit_identical_to_twin"])
+        row["best_prototype"] = best[1]
+        row["speedup_best_vs_format_1"] = round(row["format_1"]["us"] / best[0], 3)
+        if row["cudnn_us"]:
+            row["best_vs_cudnn"] = round(row["cudnn_us"] / best[0], 3)
         res["rows"].append(row)
-        print(json.dumps(row), f"({time.time() - t0:.0f}s)", flush=True)
-    print("\n| shape | format 1 us (ratio) | format 2 prototype us (ratio) | speedup | twin us | bits = twin (1 / 2) |")
-    print("|---|---|---|---|---|---|")
+        print(json.dumps({k2: v2 for k2, v2 in row.items() if not isinstance(v2, dict)}), f"({time.time() - t0:.0f}s)",
+              flush=True)
+        del encoded, p1, p2, p3, bufs, kvs
+        torch.cuda.empty_cache()
+    labels = [v[0] for v in VARIANTS]
+    print("\n| shape | " + " | ".join(labels) + " | twin (one-warp / default) | cuDNN |")
+    print("|---" * (len(labels) + 3) + "|")
     for r in res["rows"]:
-        a, c = r["format_1"], r["format_2_prototype"]
-        print(f"| {r['shape']} | {a['us']:.1f} ({a['ratio']}) | {c['us']:.1f} ({c['ratio']}) | {r['speedup_format_2']}x "
-              f"| {r['twin_us']:.1f} | {a['bit_identical_to_twin']} / {c['bit_identical_to_twin']} |")
+        cells = [f"{r[lab]['us']:.1f}{'' if r[lab]['bit_identical_to_twin'] else ' (BITS DIFFER)'}" for lab in labels]
+        print(f"| {r['shape']} | " + " | ".join(cells) + f" | {r['twin_us']:.1f} / {r['twin_default_us']:.1f} | "
+              f"{r['cudnn_us'] or float('nan'):.1f} |")
     res["command"] = " ".join(["python", "benchmarks/format_v2_probe.py", *sys.argv[1:]])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")

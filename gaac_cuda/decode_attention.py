@@ -142,7 +142,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     CTA. Default: WS_TWIN for plain KV at head_dim 64/128 without one-warp options, else 0 (the one-warp kernel)."""
     if not 1 <= rep <= MAX_GROUP_HEADS:
         raise ValueError(f"the CUDA decode kernel packs at most {MAX_GROUP_HEADS} query heads per kv-head, got {rep}")
-    one_warp = bool(trace or format_version != 1 or (swizzle and plain) or warps != 4)
+    one_warp = bool(trace or format_version == 2 or (swizzle and plain) or warps != 4)
     if ws is None:
         ws = WS_TWIN if plain and not one_warp and head_dim in (64, 128) else 0
         if ws and min_ctas is None:
@@ -150,23 +150,28 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     elif ws and one_warp:
         raise ValueError("ws (the warp-specialized kernel) takes head_dim 64/128 and none of the one-warp kernel's "
                          "options (trace, format 2, swizzle, warps)")
+    if format_version not in (1, 2, 3):
+        raise ValueError(f"slot format {format_version}: the kernel reads format 1 (and the version-2 prototypes 2, 3)")
+    if format_version == 3:
+        if plain or head_dim not in (64, 128):
+            raise ValueError("format 3 (the fragment-order prototype) is compressed KV at head_dim 64 or 128")
+        dense_slots = True
     if ws:
         return _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, slot_bytes=slot_bytes, plain=plain,
                         nsplit=nsplit, ws=ws, stages=2 * ws if stages is None else stages, min_ctas=min_ctas,
-                        skip=skip, dense_slots=WS_DENSE_SLOTS if dense_slots is None else dense_slots)
+                        skip=skip, dense_slots=WS_DENSE_SLOTS if dense_slots is None else dense_slots,
+                        format_version=format_version)
     if stages is None:
         stages = 2
     if dense_slots is None:
         dense_slots = DENSE_SLOTS
     dense_slots = bool(dense_slots and not plain)  # a compressed-KV option, like swizzle for plain KV
-    if format_version not in (1, 2):
-        raise ValueError(f"slot format {format_version}: the kernel reads format 1 (and the version-2 prototype)")
     if head_dim not in (64, 128, 256):
         raise ValueError(f"the CUDA decode kernel supports head_dim 64, 128 and 256, not {head_dim}")
     channels = min(head_dim, 128)
     tiles = head_dim // channels
     buf = _stage_buffer(channels, slot_bytes, plain, dense_slots)
-    scratch = 0 if plain else 14 * channels  # per-group bases, planes 3..7 and raw masks of one slot
+    scratch = 0 if plain else _scratch(channels, format_version)
     header = 128 if plain else 64  # stage barriers (K and V apart for plain KV) and slot bits: the kernel's HDR
     warp_bytes = -(-(header + stages * 2 * tiles * buf + scratch) // 128) * 128
     if v_words is None:
@@ -202,6 +207,12 @@ def _default_nsplit(batch, kv_heads, max_tokens, device, tiles=1) -> int:
     return max(1, min(want, math.ceil(units / MIN_UNITS_PER_SPLIT)))
 
 
+def _scratch(channels: int, format_version: int) -> int:
+    """Per-consumer scratch for one slot: per group its base, planes 3..7 and raw mask (7 bytes); format 3 adds the
+    V tiles' doubled bases and split plane-3 bytes (4 more): the kernel's SCRATCH_GROUPS."""
+    return (11 if format_version == 3 else 7) * 2 * channels
+
+
 def _stage_buffer(channels: int, slot_bytes: int, plain: bool, dense_slots: bool) -> int:
     """Bytes of one tile buffer in a ring stage: a BF16 tile, or a slot (its sign+mantissa rows padded by 16 bytes
     each unless staged as stored), whichever is larger."""
@@ -210,7 +221,7 @@ def _stage_buffer(channels: int, slot_bytes: int, plain: bool, dense_slots: bool
 
 
 def _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, *, slot_bytes, plain, nsplit, ws, stages, min_ctas,
-             skip, dense_slots) -> DecodePlan:
+             skip, dense_slots, format_version=1) -> DecodePlan:
     if head_dim not in (64, 128):
         raise ValueError(f"the warp-specialized kernel supports head_dim 64 and 128, not {head_dim}")
     if not 1 <= ws <= 15 or stages < ws or stages % ws:
@@ -220,13 +231,15 @@ def _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, *, slot_bytes, 
     channels = head_dim
     dense_slots = bool(dense_slots and not plain)
     buf = _stage_buffer(channels, slot_bytes, plain, dense_slots)
-    scratch = 0 if plain else 14 * channels
+    scratch = 0 if plain else _scratch(channels, format_version)
     header = -(-20 * stages // 128) * 128
     cta_bytes = -(-(header + stages * 2 * buf + ws * scratch) // 128) * 128
     ctas = 1 if min_ctas is None else min_ctas
     options = (f"-DGAAC_C={channels}", "-DGAAC_TILES=1", f"-DGAAC_PLAIN={int(plain)}", f"-DGAAC_STAGES={stages}",
                "-DGAAC_WARPS=4", f"-DGAAC_MIN_CTAS={ctas}", f"-DGAAC_WS={ws}", f"-DVT_WORDS={channels // 32}",
                f"-DGAAC_DENSE_SLOT={int(dense_slots)}")
+    if format_version != 1:
+        options += (f"-DGAAC_FORMAT={format_version}",)
     if skip:
         options += (f"-DGAAC_SKIP={skip}",)
     if nsplit is None:  # the one-warp kernel's split count (compressed KV and its twin must split alike)

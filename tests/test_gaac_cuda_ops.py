@@ -33,8 +33,13 @@ def test_plan_rejects_shapes_the_kernel_does_not_cover():
         plan(1, 8, 4, 80, 1024, "cpu", nsplit=4, ws=0)
     with pytest.raises(ValueError, match="query heads per kv-head"):
         plan(1, 2, 9, 128, 1024, "cpu", nsplit=4, ws=0)
-    with pytest.raises(ValueError, match="slot format 3"):
-        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, format_version=3, ws=0)
+    with pytest.raises(ValueError, match="slot format 4"):
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, format_version=4, ws=0)
+    with pytest.raises(ValueError, match="format 3"):
+        plan(1, 8, 4, 256, 1024, "cpu", nsplit=4, format_version=3, ws=0)
+    f3 = plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, format_version=3, slot_bytes=2928, ws=3)
+    assert "-DGAAC_FORMAT=3" in f3.options and "-DGAAC_DENSE_SLOT=1" in f3.options  # staged as stored
+    assert f3.smem == -(-(128 + 6 * 2 * 4096 + 3 * 11 * 256) // 128) * 128  # 11 scratch bytes per group
     p = plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, slot_bytes=2928, ws=0)
     assert (p.items, p.grid, p.buf_bytes) == (2 * 8 * 33, -(-2 * 8 * 33 // p.warps), 4096)
     assert p.smem <= 227 * 1024
@@ -242,6 +247,30 @@ def test_warp_specialized_compressed_equals_plain_twin(case):
                 assert torch.equal(bits(twin_w), bits(got)), f"ws {ws}/{stages}, nsplit {pc.nsplit}: twin"
         err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, (err, pc.nsplit)
+
+
+@gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_fragment_order_prototype_equals_plain_twin(d):
+    """Format 3 (the fragment-order byte-split prototype of benchmarks/format_v2_probe.py, CPU-checked in
+    tests/test_format_v3_prototype.py): the one-warp and the warp-specialized kernel give the twin's bits on real-
+    statistics-like KV with 3-bit, 4-bit and raw groups, raw tiles and a tail, at several split counts."""
+    from benchmarks.format_v2_probe import compress_v2
+
+    gen = torch.Generator().manual_seed(d)
+    b, h, nrep, s = 2, 4, 4, 4100
+    k, v, _, _ = realistic_kv(b, h, -(-s // 16) * 16, d, gen, "mixed")
+    k, v = k[:, :, :s].cuda(), v[:, :, :s].cuda()
+    q = torch.randn(b, h * nrep, d, generator=gen).to(torch.bfloat16).cuda()
+    kv_len = torch.full((b,), s, dtype=torch.int32, device="cuda")
+    packed, layout, info = compress_v2(k, v, fragment=True)
+    assert info["raw_tiles"] > 0 and min(info["mode_shares"]) > 0, info
+    for nsplit, ws in ((1, 0), (7, 0), (12, 3), (12, 6)):
+        pc = plan(b, h, nrep, d, s, "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, ws=ws, format_version=3)
+        pp = plan(b, h, nrep, d, s, "cuda", plain=True, nsplit=nsplit, ws=0)
+        got = decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, d ** -0.5, layout, pc)
+        twin = plain_decode_attention(q, k, v, kv_len, None, d ** -0.5, pp)
+        assert torch.equal(bits(got), bits(twin)), (nsplit, ws)
 
 
 @gpu

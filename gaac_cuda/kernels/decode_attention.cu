@@ -32,7 +32,8 @@
 // swizzled BF16 rows), VT_WORDS (V words per vector load), GAAC_DENSE_SLOT (compressed KV: slots staged as stored),
 // GAAC_WS (the warp-specialized kernel's consumer warps), and for the benchmarks GAAC_SKIP (leave-one-stage-out
 // breakdown; bit 0: no tensor-core math, bit 1: no reconstruction), GAAC_TRACE (globaltimer stamps,
-// benchmarks/cuda_stream_probe.py) and GAAC_FORMAT (2: the byte-split slot prototype of benchmarks/format_v2_probe.py).
+// benchmarks/cuda_stream_probe.py) and GAAC_FORMAT (2: the byte-split slot prototype of benchmarks/format_v2_probe.py;
+// 3: the same information in fragment order, see k_tile_f3).
 // The options are measured alternatives (benchmarks/results/attention_cuda.md; the rejected ones, removed in session
 // 11, are in git history); the launcher's defaults are the fastest.
 #ifndef GAAC_SKIP
@@ -41,7 +42,7 @@
 #ifndef GAAC_TRACE  // benchmark probe: per-warp globaltimer stamps into Params::trace
 #define GAAC_TRACE 0
 #endif
-#ifndef GAAC_FORMAT  // slot format: 1 (docs/format.md) or 2 (the byte-split prototype of benchmarks/format_v2_probe.py)
+#ifndef GAAC_FORMAT  // slot format: 1 (docs/format.md), 2 or 3 (byte-split prototypes of benchmarks/format_v2_probe.py)
 #define GAAC_FORMAT 1
 #endif
 #ifndef GAAC_MIN_CTAS  // register budget: CTAs of GAAC_WARPS warps that must fit on one SM
@@ -251,7 +252,24 @@ struct Scratch {  // per-warp dense group data of the slot being read
   u8* base;       // [G] base of each group (base3, base4 or 0 by mode)
   u8* planes;     // [5][G] planes 3..7 of each group (0 where the mode has no such plane; 4..7 only if any raw)
   u8* raw;        // [G] 0xFF for a raw group, else 0
+  u8* base2;      // format 3, V tiles: [2G] each group's base twice (a V word holds 2 tokens of 2 channels)
+  u8* p3eo;       // format 3, V tiles: [2G] per group its plane-3 bits of even tokens, then of odd tokens, at even bits
 };
+#if GAAC_FORMAT == 3
+#define SCRATCH_GROUPS 11  // bytes of scratch per group
+#if !GAAC_DENSE_SLOT
+#error "GAAC_FORMAT 3 (fragment-order slots) is staged as stored: GAAC_DENSE_SLOT=1"
+#endif
+#else
+#define SCRATCH_GROUPS 7
+#endif
+__device__ __forceinline__ void scratch_at(Scratch& s, u8* at) {
+  s.base = at;
+  s.planes = s.base + G;
+  s.raw = s.planes + 5 * G;
+  s.base2 = s.raw + G;
+  s.p3eo = s.base2 + 2 * G;
+}
 
 // Mode tags of a lane's groups (lane L owns groups L*GPL .. L*GPL + GPL-1) and their escape bytes.
 struct LaneTags {
@@ -310,6 +328,7 @@ __device__ __forceinline__ void plane3_window(const Params& p, const u8* esc, u3
 }
 
 // Prepass over one slot in shared memory: bases and dense escape planes per group into the scratch.
+template <bool IS_V = false>
 __device__ __forceinline__ void prepass(const Params& p, const u8* slot, const Scratch& s, const u32 (&b3)[GPL / 4],
                                         const u32 (&b4)[GPL / 4], int lane, const LaneTags& lt) {
   const u8* esc = slot + SECTION_SHIFT + p.esc_off;
@@ -334,8 +353,15 @@ __device__ __forceinline__ void prepass(const Params& p, const u8* slot, const S
   for (int w = 0; w < GPL / 4; ++w) {
     const u32 wm = lane_mask((wb >> (4 * w)) & 0xF), rm = lane_mask((rb >> (4 * w)) & 0xF);
     const int g0 = lane * GPL + 4 * w;
-    *reinterpret_cast<u32*>(s.base + g0) = bitsel(b4[w], b3[w], wm) & ~rm;
-    *reinterpret_cast<u32*>(s.planes + g0) = p3[w];
+    const u32 bw = bitsel(b4[w], b3[w], wm) & ~rm;
+    if (GAAC_FORMAT == 3 && IS_V) {  // V words of format 3: (2 tokens) x (2 channels)
+      *reinterpret_cast<uint2*>(s.base2 + 2 * g0) = make_uint2(prmt(bw, 0u, 0x1100u), prmt(bw, 0u, 0x3322u));
+      const u32 ev = p3[w] & 0x55555555u, od = (p3[w] >> 1) & 0x55555555u;
+      *reinterpret_cast<uint2*>(s.p3eo + 2 * g0) = make_uint2(prmt(ev, od, 0x5140u), prmt(ev, od, 0x7362u));
+    } else {
+      *reinterpret_cast<u32*>(s.base + g0) = bw;
+      *reinterpret_cast<u32*>(s.planes + g0) = p3[w];
+    }
     if (lt.any_raw) *reinterpret_cast<u32*>(s.raw + g0) = rm;
   }
   if (lt.any_raw) {  // planes 4..7 of raw groups: the 4 escape bytes after plane 3
@@ -414,6 +440,142 @@ struct GroupWords {
   }
 };
 
+
+// Format 3 (fragment-order byte-split prototype, benchmarks/format_v2_probe.py): the format-2 information stored in
+// the order the fragments consume it. A lane's elements of a tile form C/8 words of 4 elements (K: word q = 8 s4 +
+// 4 h + i is channels 4w .. 4w + 3 of token 8h + g, w = t NKS + 4 s4 + i; V: word q = 4 j + 2 h + k is channels
+// 4w + 2k, 4w + 2k + 1 x tokens 8h + 2t, 8h + 2t + 1, w = g NVW + j). Low bytes: 16-byte chunk q / 4 of the lane at
+// (chunk * 32 + lane) * 16. Signs and 2-bit codes: C/32 mixed words M and C/64 code words P per lane, word x at
+// planes_off + (x * 32 + lane) * 4. Word q's type y = q % 4 and M word q / 4: y = 0 keeps sign|code at bits 7|0..1 of
+// each byte (one mask), y = 1 the same after a rotate by 3, y = 2 / 3 only its signs (bits 5 / 6 of each byte, one
+// shift), their codes in P word q / 8 at bits 2r, 2r + 1 of each byte, r = 2 ((q / 4) % 2) + y - 2.
+template <int Y, int R>
+__device__ __forceinline__ u32 f3_high(u32 mw, u32 pw, u32 b2) {  // sign | code bit 2 | code bits 0..1, per byte
+  if (Y == 0) return (mw & 0x83838383u) | b2;
+  if (Y == 1) return (__funnelshift_r(mw, mw, 3) & 0x83838383u) | b2;
+  const u32 sb = ((mw << (Y == 2 ? 2 : 1)) & 0x80808080u) | b2;
+  return ((R ? __funnelshift_r(pw, pw, 2 * R) : pw) & 0x03030303u) | sb;
+}
+// a raw group's code bits 3..6 (planes 4..7 in scratch, group order) into the high byte `byte` of H (rare path)
+__device__ __forceinline__ u32 f3_raw_byte(const Scratch& s, int gi, int bit, int byte, u32 h) {
+  u32 x = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) x |= ((u32)(s.planes[(1 + j) * G + gi] >> bit) & 1u) << (3 + j);
+  return h | (x << (8 * byte));
+}
+__device__ __forceinline__ void f3_words(const Params& p, const u8* buf, int lane, u32 (&mw)[C / 32], u32 (&pw)[C / 64]) {
+  const u8* words = buf + SECTION_SHIFT + p.planes_off + 4 * lane;
+#pragma unroll
+  for (int x = 0; x < C / 32; ++x) mw[x] = lds(words + 128 * x);
+#pragma unroll
+  for (int x = 0; x < C / 64; ++x) pw[x] = lds(words + 128 * (C / 32 + x));
+}
+__device__ __forceinline__ void k_tile_f3(const Params& p, const u8* buf, const Scratch& s, int lane, int g, int t,
+                                          const u32 (&qb)[NKS][2], float (&sc)[2][4], bool any_raw) {
+  u32 mw[C / 32], pw[C / 64];
+  f3_words(p, buf, lane, mw, pw);
+  const u32 rot = (g - 2) & 31;
+#pragma unroll
+  for (int s4 = 0; s4 < NKS / 4; ++s4) {
+    u32 lo[2][4], hi[2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int g0 = h * C + 4 * (t * NKS + 4 * s4);
+      u32 L[4], O[4], P3[4];
+      ldv<4>(buf + ((2 * s4 + h) * 32 + lane) * 16, L);
+      ldv<4>(s.base + g0, O);
+      ldv<4>(s.planes + g0, P3);
+      u32 H[4];
+      const u32 m = mw[2 * s4 + h], q = pw[s4];
+#define F3B(i) (__funnelshift_r(P3[i], P3[i], rot) & 0x04040404u)
+      H[0] = f3_high<0, 0>(m, q, F3B(0)) + O[0];
+      H[1] = f3_high<1, 0>(m, q, F3B(1)) + O[1];
+      if (h == 0) {
+        H[2] = f3_high<2, 0>(m, q, F3B(2)) + O[2];
+        H[3] = f3_high<3, 1>(m, q, F3B(3)) + O[3];
+      } else {
+        H[2] = f3_high<2, 2>(m, q, F3B(2)) + O[2];
+        H[3] = f3_high<3, 3>(m, q, F3B(3)) + O[3];
+      }
+#undef F3B
+      if (any_raw) {
+        u32 rm[4];
+        ldv<4>(s.raw + g0, rm);
+        if ((rm[0] | rm[1] | rm[2] | rm[3]) != 0) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            if (rm[i])
+#pragma unroll
+              for (int c = 0; c < 4; ++c)
+                if ((rm[i] >> (8 * c)) & 0xFFu) H[i] = f3_raw_byte(s, g0 + 4 * i + c, g, c, H[i]);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        lo[h][i] = prmt(L[i], H[i], 0x6240u);
+        hi[h][i] = prmt(L[i], H[i], 0x7351u);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int sl = 4 * s4 + i;
+      mma(sc[sl & 1], lo[0][i], lo[1][i], hi[0][i], hi[1][i], qb[sl][0], qb[sl][1]);
+    }
+  }
+}
+__device__ __forceinline__ void v_tile_f3(const Params& p, const u8* buf, const Scratch& s, int lane, int g, int t,
+                                          const u32 (&pb)[2], float (&o)[NVM][4], bool any_raw) {
+  u32 mw[C / 32], pw[C / 64];
+  f3_words(p, buf, lane, mw, pw);
+  const u32 rot = (2 * t - 2) & 31;
+#pragma unroll
+  for (int j = 0; j < NVW; ++j) {
+    const int w = g * NVW + j;
+    u32 L[4];
+    ldv<4>(buf + (j * 32 + lane) * 16, L);
+    const u32 m = mw[j], q = pw[j / 2];
+    u32 a[2][2][2];  // [h][k][channel 4w + 2k + c]: tokens 8h + 2t, 8h + 2t + 1
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int gd = 2 * (h * C + 4 * w);
+      u32 O[2], X[2];
+      ldv<2>(s.base2 + gd, O);
+      ldv<2>(s.p3eo + gd, X);
+      u32 H[2];
+#define F3B(k) (__funnelshift_r(X[k], X[k], rot) & 0x04040404u)
+      if (h == 0) {
+        H[0] = f3_high<0, 0>(m, q, F3B(0)) + O[0];
+        H[1] = f3_high<1, 0>(m, q, F3B(1)) + O[1];
+      } else if (j % 2 == 0) {
+        H[0] = f3_high<2, 0>(m, q, F3B(0)) + O[0];
+        H[1] = f3_high<3, 1>(m, q, F3B(1)) + O[1];
+      } else {
+        H[0] = f3_high<2, 2>(m, q, F3B(0)) + O[0];
+        H[1] = f3_high<3, 3>(m, q, F3B(1)) + O[1];
+      }
+#undef F3B
+      if (any_raw) {
+        const int g1 = h * C + 4 * w;
+        const u32 rm = *reinterpret_cast<const u32*>(s.raw + g1);
+        if (rm) {
+#pragma unroll
+          for (int k = 0; k < 2; ++k)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              if ((rm >> (8 * (2 * k + (e >> 1)))) & 0xFFu) H[k] = f3_raw_byte(s, g1 + 2 * k + (e >> 1), 2 * t + (e & 1), e, H[k]);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        a[h][k][0] = prmt(L[2 * h + k], H[k], 0x5140u);
+        a[h][k][1] = prmt(L[2 * h + k], H[k], 0x7362u);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < 2; ++k) mma(o[2 * j + k], a[0][k][0], a[0][k][1], a[1][k][0], a[1][k][1], pb[0], pb[1]);
+  }
+}
+
 // Scores of one tile: k-slice s of thread (g, t) is word w = t*NKS + s (channels 4w..4w+3) of tokens g and g+8
 // (operand A rows g, g+8) and of query head g (operand B column g). KIND 0: BF16 rows (raw tile, plain block,
 // tail); 4: slot (raw groups, if any, patched per word).
@@ -421,6 +583,10 @@ template <int KIND>
 __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
                                        const u32 (&qb)[NKS][2], float (&sc)[2][4], bool any_raw,
                                        const RowSwizzle& sw) {
+  if (KIND == 4 && GAAC_FORMAT == 3) {
+    k_tile_f3(p, buf, s, 4 * g + t, g, t, qb, sc, any_raw);
+    return;
+  }
   constexpr int NV = 4;  // words per vector load
 #pragma unroll
   for (int s4 = 0; s4 < NKS / NV; ++s4) {
@@ -522,6 +688,10 @@ __device__ __forceinline__ void v_math(const u32 (&ra)[2][2 * NVW], const u32 (&
 template <int KIND>
 __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
                                        const u32 (&pb)[2], float (&o)[NVM][4], bool any_raw, const RowSwizzle& sw) {
+  if (KIND == 4 && GAAC_FORMAT == 3) {
+    v_tile_f3(p, buf, s, 4 * g + t, g, t, pb, o, any_raw);
+    return;
+  }
   if (KIND == 0) {
     u32 ra[2][2 * NVW], rc[2][2 * NVW];
     v_load(buf, g, t, sw, ra, rc);
@@ -714,9 +884,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   const u32 bars = smem_u32(ws);
   u8* ring = ws + HDR;
   Scratch scr;  // bases, planes 3..7 and raw masks of the slot being read, after the ring
-  scr.base = ring + GAAC_STAGES * 2 * TILES * p.buf_bytes;
-  scr.planes = scr.base + G;
-  scr.raw = scr.planes + 5 * G;
+  scratch_at(scr, ring + GAAC_STAGES * 2 * TILES * p.buf_bytes);
   if (lane == 0) {
 #pragma unroll
     for (int st = 0; st < (SPLITBAR ? 2 : 1) * GAAC_STAGES; ++st)
@@ -966,7 +1134,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     for (int T = 0; T < TILES; ++T) {
       const u8* buf = ring + (st * 2 * TILES + TILES + T) * p.buf_bytes;
       if (DECODE && ((slots_here >> (TILES + T)) & 1)) {
-        prepass(p, buf, scr, b3[1][T], b4[1][T], lane, tv[T]);
+        prepass<true>(p, buf, scr, b3[1][T], b4[1][T], lane, tv[T]);
         __syncwarp();
         v_tile<4>(p, buf, scr, g, t, pb, o[T], tv[T].any_raw, sw);
         __syncwarp();
@@ -1024,7 +1192,7 @@ __device__ __forceinline__ void ws_unit(const Params& p, const u8* kbuf, const u
   softmax_unit(sc2, p.qk_scale, valid, mrow, u, g, m, l, alpha, pb);
   rescale_o(o, alpha);
   if (DECODE && (slots & 2)) {
-    prepass(p, vbuf, scr, b3[1][0], b4[1][0], lane, tv);
+    prepass<true>(p, vbuf, scr, b3[1][0], b4[1][0], lane, tv);
     __syncwarp();
     v_tile<4>(p, vbuf, scr, g, t, pb, o[0], tv.any_raw, sw);
     __syncwarp();
@@ -1045,7 +1213,7 @@ __device__ __forceinline__ void ws_unit(const Params& p, const u8* kbuf, const u
 extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) gaac_decode_ws(const Params p) {
   extern __shared__ __align__(128) u8 smem[];
   constexpr int S = GAAC_STAGES, NC = GAAC_WS;
-  constexpr int SCRATCH = GAAC_PLAIN ? 0 : 7 * G;
+  constexpr int SCRATCH = GAAC_PLAIN ? 0 : SCRATCH_GROUPS * G;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int ctas = (p.nsplit + NC - 1) / NC;  // CTAs per (row, kv-head)
@@ -1178,9 +1346,7 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
 
   // a consumer
   Scratch scr;
-  scr.base = ring + S * 2 * p.buf_bytes + warp * SCRATCH;
-  scr.planes = scr.base + G;
-  scr.raw = scr.planes + 5 * G;
+  scratch_at(scr, ring + S * 2 * p.buf_bytes + warp * SCRATCH);
   u32 qb[TILES][NKS][2];
   load_query(p, b, hk, g, t, qb);
   u32 b3[2][TILES][GPL / 4], b4[2][TILES][GPL / 4];
