@@ -174,7 +174,8 @@ def compress_v2(k: torch.Tensor, v: torch.Tensor, fragment: bool = False):
 
 VARIANTS = (  # label, format, ws consumers, stages, CTAs per SM (ws) -- 0: the one-warp kernel
     ("format_1", 1, 0, 0, 0), ("format_2_prototype", 2, 0, 0, 0), ("format_3", 3, 0, 0, 0),
-    ("format_3_ws6", 3, 6, 12, 2), ("format_3_ws3", 3, 3, 6, 3), ("format_3_ws2", 3, 2, 4, 4))
+    ("format_3_ws6", 3, 6, 12, 2), ("format_3_ws3", 3, 3, 6, 4), ("format_2_ws6", 2, 6, 12, 2),
+    ("format_1_ws6", 1, 6, 12, 2))
 
 
 def main():

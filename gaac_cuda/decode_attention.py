@@ -142,14 +142,14 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     CTA. Default: WS_TWIN for plain KV at head_dim 64/128 without one-warp options, else 0 (the one-warp kernel)."""
     if not 1 <= rep <= MAX_GROUP_HEADS:
         raise ValueError(f"the CUDA decode kernel packs at most {MAX_GROUP_HEADS} query heads per kv-head, got {rep}")
-    one_warp = bool(trace or format_version == 2 or (swizzle and plain) or warps != 4)
+    one_warp = bool(trace or (swizzle and plain) or warps != 4)
     if ws is None:
         ws = WS_TWIN if plain and not one_warp and head_dim in (64, 128) else 0
         if ws and min_ctas is None:
             min_ctas = WS_TWIN_CTAS_PER_SM
     elif ws and one_warp:
         raise ValueError("ws (the warp-specialized kernel) takes head_dim 64/128 and none of the one-warp kernel's "
-                         "options (trace, format 2, swizzle, warps)")
+                         "options (trace, swizzle, warps)")
     if format_version not in (1, 2, 3):
         raise ValueError(f"slot format {format_version}: the kernel reads format 1 (and the version-2 prototypes 2, 3)")
     if format_version == 3:
@@ -209,8 +209,9 @@ def _default_nsplit(batch, kv_heads, max_tokens, device, tiles=1) -> int:
 
 def _scratch(channels: int, format_version: int) -> int:
     """Per-consumer scratch for one slot: per group its base, planes 3..7 and raw mask (7 bytes); format 3 adds the
-    V tiles' doubled bases and split plane-3 bytes (4 more): the kernel's SCRATCH_GROUPS."""
-    return (11 if format_version == 3 else 7) * 2 * channels
+    V tiles' split plane-3 bytes (2 more; their doubled bases overlay base and plane 3): the kernel's
+    SCRATCH_GROUPS."""
+    return (9 if format_version == 3 else 7) * 2 * channels
 
 
 def _stage_buffer(channels: int, slot_bytes: int, plain: bool, dense_slots: bool) -> int:

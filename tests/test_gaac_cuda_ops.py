@@ -39,7 +39,7 @@ def test_plan_rejects_shapes_the_kernel_does_not_cover():
         plan(1, 8, 4, 256, 1024, "cpu", nsplit=4, format_version=3, ws=0)
     f3 = plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, format_version=3, slot_bytes=2928, ws=3)
     assert "-DGAAC_FORMAT=3" in f3.options and "-DGAAC_DENSE_SLOT=1" in f3.options  # staged as stored
-    assert f3.smem == -(-(128 + 6 * 2 * 4096 + 3 * 11 * 256) // 128) * 128  # 11 scratch bytes per group
+    assert f3.smem == -(-(128 + 6 * 2 * 4096 + 3 * 9 * 256) // 128) * 128  # 9 scratch bytes per group
     p = plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, slot_bytes=2928, ws=0)
     assert (p.items, p.grid, p.buf_bytes) == (2 * 8 * 33, -(-2 * 8 * 33 // p.warps), 4096)
     assert p.smem <= 227 * 1024
@@ -265,7 +265,7 @@ def test_fragment_order_prototype_equals_plain_twin(d):
     kv_len = torch.full((b,), s, dtype=torch.int32, device="cuda")
     packed, layout, info = compress_v2(k, v, fragment=True)
     assert info["raw_tiles"] > 0 and min(info["mode_shares"]) > 0, info
-    for nsplit, ws in ((1, 0), (7, 0), (12, 3), (12, 6)):
+    for nsplit, ws in ((1, 0), (7, 0), (12, 3), (12, 6), (8, 4)):
         pc = plan(b, h, nrep, d, s, "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, ws=ws, format_version=3)
         pp = plan(b, h, nrep, d, s, "cuda", plain=True, nsplit=nsplit, ws=0)
         got = decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, d ** -0.5, layout, pc)

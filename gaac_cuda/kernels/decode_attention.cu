@@ -252,11 +252,13 @@ struct Scratch {  // per-warp dense group data of the slot being read
   u8* base;       // [G] base of each group (base3, base4 or 0 by mode)
   u8* planes;     // [5][G] planes 3..7 of each group (0 where the mode has no such plane; 4..7 only if any raw)
   u8* raw;        // [G] 0xFF for a raw group, else 0
-  u8* base2;      // format 3, V tiles: [2G] each group's base twice (a V word holds 2 tokens of 2 channels)
-  u8* p3eo;       // format 3, V tiles: [2G] per group its plane-3 bits of even tokens, then of odd tokens, at even bits
+  // format 3, V tiles (whose prepass does not write `base` and planes[0]): each group's base twice (a V word holds
+  // 2 tokens of 2 channels), over base and planes[0], and its plane-3 bits of even, then of odd tokens at even bits
+  u8* base2;      // [2G]
+  u8* p3eo;       // [2G] after the raw masks
 };
 #if GAAC_FORMAT == 3
-#define SCRATCH_GROUPS 11  // bytes of scratch per group
+#define SCRATCH_GROUPS 9  // bytes of scratch per group
 #if !GAAC_DENSE_SLOT
 #error "GAAC_FORMAT 3 (fragment-order slots) is staged as stored: GAAC_DENSE_SLOT=1"
 #endif
@@ -267,8 +269,8 @@ __device__ __forceinline__ void scratch_at(Scratch& s, u8* at) {
   s.base = at;
   s.planes = s.base + G;
   s.raw = s.planes + 5 * G;
-  s.base2 = s.raw + G;
-  s.p3eo = s.base2 + 2 * G;
+  s.base2 = s.base;
+  s.p3eo = s.raw + G;
 }
 
 // Mode tags of a lane's groups (lane L owns groups L*GPL .. L*GPL + GPL-1) and their escape bytes.
