@@ -458,12 +458,20 @@ __device__ __forceinline__ u32 f3_high(u32 mw, u32 pw, u32 b2) {  // sign | code
   const u32 sb = ((mw << (Y == 2 ? 2 : 1)) & 0x80808080u) | b2;
   return ((R ? __funnelshift_r(pw, pw, 2 * R) : pw) & 0x03030303u) | sb;
 }
-// a raw group's code bits 3..6 (planes 4..7 in scratch, group order) into the high byte `byte` of H (rare path)
-__device__ __forceinline__ u32 f3_raw_byte(const Scratch& s, int gi, int bit, int byte, u32 h) {
-  u32 x = 0;
+// Raw groups of one word (rare): code bits 3..6 (planes 4..7 in scratch, group order) into the high bytes. Byte e of
+// `rm` (0xFF) marks a raw element, of group gi0 + (e >> v), token bit tb + (e & v) (K: v = 0, V: v = 1). Not inlined:
+// the hot loop's code stays small (instruction-cache misses were a top stall before v4).
+__device__ __noinline__ u32 f3_raw_word(const u8* planes, u32 rm, int gi0, int tb, int v, u32 h) {
+#pragma unroll 1
+  for (int e = 0; e < 4; ++e) {
+    if (!((rm >> (8 * e)) & 0xFFu)) continue;
+    const int gi = gi0 + (e >> v), bit = tb + (e & v);
+    u32 x = 0;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) x |= ((u32)(s.planes[(1 + j) * G + gi] >> bit) & 1u) << (3 + j);
-  return h | (x << (8 * byte));
+    for (int j = 0; j < 4; ++j) x |= ((u32)(planes[(1 + j) * G + gi] >> bit) & 1u) << (3 + j);
+    h |= x << (8 * e);
+  }
+  return h;
 }
 __device__ __forceinline__ void f3_words(const Params& p, const u8* buf, int lane, u32 (&mw)[C / 32], u32 (&pw)[C / 64]) {
   const u8* words = buf + SECTION_SHIFT + p.planes_off + 4 * lane;
@@ -506,10 +514,7 @@ __device__ __forceinline__ void k_tile_f3(const Params& p, const u8* buf, const 
         if ((rm[0] | rm[1] | rm[2] | rm[3]) != 0) {
 #pragma unroll
           for (int i = 0; i < 4; ++i)
-            if (rm[i])
-#pragma unroll
-              for (int c = 0; c < 4; ++c)
-                if ((rm[i] >> (8 * c)) & 0xFFu) H[i] = f3_raw_byte(s, g0 + 4 * i + c, g, c, H[i]);
+            if (rm[i]) H[i] = f3_raw_word(s.planes, rm[i], g0 + 4 * i, g, 0, H[i]);
         }
       }
 #pragma unroll
@@ -561,10 +566,10 @@ __device__ __forceinline__ void v_tile_f3(const Params& p, const u8* buf, const 
         const u32 rm = *reinterpret_cast<const u32*>(s.raw + g1);
         if (rm) {
 #pragma unroll
-          for (int k = 0; k < 2; ++k)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-              if ((rm >> (8 * (2 * k + (e >> 1)))) & 0xFFu) H[k] = f3_raw_byte(s, g1 + 2 * k + (e >> 1), 2 * t + (e & 1), e, H[k]);
+          for (int k = 0; k < 2; ++k) {
+            const u32 rk = prmt(rm, 0u, k ? 0x3322u : 0x1100u);  // the element mask of word k
+            if (rk) H[k] = f3_raw_word(s.planes, rk, g1 + 2 * k, 2 * t, 1, H[k]);
+          }
         }
       }
 #pragma unroll
