@@ -31,7 +31,8 @@
 // GAAC_PLAIN (0|1), GAAC_STAGES (ring depth), GAAC_WARPS, GAAC_MIN_CTAS (register budget), GAAC_SWIZZLE (plain KV:
 // swizzled BF16 rows), VT_WORDS (V words per vector load), GAAC_DENSE_SLOT (compressed KV: slots staged as stored),
 // GAAC_WS (the warp-specialized kernel's consumer warps), and for the benchmarks GAAC_SKIP (leave-one-stage-out
-// breakdown; bit 0: no tensor-core math, bit 1: no reconstruction), GAAC_TRACE (globaltimer stamps,
+// breakdown; bit 0: no tensor-core math, bit 1: no reconstruction; format 3 only: bit 2 no code bit 2 of 4-bit
+// groups, bit 3 no raw-group patch), GAAC_TRACE (globaltimer stamps,
 // benchmarks/cuda_stream_probe.py) and GAAC_FORMAT (2: the byte-split slot prototype of benchmarks/format_v2_probe.py;
 // 3: the same information in fragment order, see k_tile_f3).
 // The options are measured alternatives (benchmarks/results/attention_cuda.md; the rejected ones, removed in session
@@ -497,7 +498,7 @@ __device__ __forceinline__ void k_tile_f3(const Params& p, const u8* buf, const 
       ldv<4>(s.planes + g0, P3);
       u32 H[4];
       const u32 m = mw[2 * s4 + h], q = pw[s4];
-#define F3B(i) (__funnelshift_r(P3[i], P3[i], rot) & 0x04040404u)
+#define F3B(i) ((GAAC_SKIP & 4) ? 0u : __funnelshift_r(P3[i], P3[i], rot) & 0x04040404u)
       H[0] = f3_high<0, 0>(m, q, F3B(0)) + O[0];
       H[1] = f3_high<1, 0>(m, q, F3B(1)) + O[1];
       if (h == 0) {
@@ -508,7 +509,7 @@ __device__ __forceinline__ void k_tile_f3(const Params& p, const u8* buf, const 
         H[3] = f3_high<3, 3>(m, q, F3B(3)) + O[3];
       }
 #undef F3B
-      if (any_raw) {
+      if (any_raw && !(GAAC_SKIP & 8)) {
         u32 rm[4];
         ldv<4>(s.raw + g0, rm);
         if ((rm[0] | rm[1] | rm[2] | rm[3]) != 0) {
@@ -549,7 +550,7 @@ __device__ __forceinline__ void v_tile_f3(const Params& p, const u8* buf, const 
       ldv<2>(s.base2 + gd, O);
       ldv<2>(s.p3eo + gd, X);
       u32 H[2];
-#define F3B(k) (__funnelshift_r(X[k], X[k], rot) & 0x04040404u)
+#define F3B(k) ((GAAC_SKIP & 4) ? 0u : __funnelshift_r(X[k], X[k], rot) & 0x04040404u)
       if (h == 0) {
         H[0] = f3_high<0, 0>(m, q, F3B(0)) + O[0];
         H[1] = f3_high<1, 0>(m, q, F3B(1)) + O[1];
@@ -561,7 +562,7 @@ __device__ __forceinline__ void v_tile_f3(const Params& p, const u8* buf, const 
         H[1] = f3_high<3, 3>(m, q, F3B(1)) + O[1];
       }
 #undef F3B
-      if (any_raw) {
+      if (any_raw && !(GAAC_SKIP & 8)) {
         const int g1 = h * C + 4 * w;
         const u32 rm = *reinterpret_cast<const u32*>(s.raw + g1);
         if (rm) {
