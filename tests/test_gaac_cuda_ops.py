@@ -253,7 +253,7 @@ def test_warp_specialized_compressed_equals_plain_twin(case):
 @pytest.mark.parametrize("d", [64, 128])
 def test_fragment_order_prototype_equals_plain_twin(d):
     """Format 3 (the fragment-order byte-split prototype of benchmarks/format_v2_probe.py, CPU-checked in
-    tests/test_format_v3_prototype.py): the one-warp and the warp-specialized kernel give the twin's bits on real-
+    tests/test_gaac_format_v3_prototype.py): the one-warp and the warp-specialized kernel give the twin's bits on real-
     statistics-like KV with 3-bit, 4-bit and raw groups, raw tiles and a tail, at several split counts."""
     from benchmarks.format_v2_probe import compress_v2
 
