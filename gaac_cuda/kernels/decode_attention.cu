@@ -459,6 +459,15 @@ __device__ __forceinline__ u32 f3_high(u32 mw, u32 pw, u32 b2) {  // sign | code
   const u32 sb = ((mw << (Y == 2 ? 2 : 1)) & 0x80808080u) | b2;
   return ((R ? __funnelshift_r(pw, pw, 2 * R) : pw) & 0x03030303u) | sb;
 }
+// The high bytes of a pair of words of types (YA, RA), (YB, RB): code bit 2 from the plane-3 scratch words xa, xb
+// (token bit at `rot` + 2), plus the group bases oa, ob.
+template <int YA, int RA, int YB, int RB>
+__device__ __forceinline__ void f3_pair(u32 mw, u32 pw, u32 xa, u32 xb, u32 oa, u32 ob, u32 rot, u32& ha, u32& hb) {
+  const u32 ba = (GAAC_SKIP & 4) ? 0u : __funnelshift_r(xa, xa, rot) & 0x04040404u;
+  const u32 bb = (GAAC_SKIP & 4) ? 0u : __funnelshift_r(xb, xb, rot) & 0x04040404u;
+  ha = f3_high<YA, RA>(mw, pw, ba) + oa;
+  hb = f3_high<YB, RB>(mw, pw, bb) + ob;
+}
 // Raw groups of one word (rare): code bits 3..6 (planes 4..7 in scratch, group order) into the high bytes. Byte e of
 // `rm` (0xFF) marks a raw element, of group gi0 + (e >> v), token bit tb + (e & v) (K: v = 0, V: v = 1). Not inlined:
 // the hot loop's code stays small (instruction-cache misses were a top stall before v4).
@@ -498,17 +507,9 @@ __device__ __forceinline__ void k_tile_f3(const Params& p, const u8* buf, const 
       ldv<4>(s.planes + g0, P3);
       u32 H[4];
       const u32 m = mw[2 * s4 + h], q = pw[s4];
-#define F3B(i) ((GAAC_SKIP & 4) ? 0u : __funnelshift_r(P3[i], P3[i], rot) & 0x04040404u)
-      H[0] = f3_high<0, 0>(m, q, F3B(0)) + O[0];
-      H[1] = f3_high<1, 0>(m, q, F3B(1)) + O[1];
-      if (h == 0) {
-        H[2] = f3_high<2, 0>(m, q, F3B(2)) + O[2];
-        H[3] = f3_high<3, 1>(m, q, F3B(3)) + O[3];
-      } else {
-        H[2] = f3_high<2, 2>(m, q, F3B(2)) + O[2];
-        H[3] = f3_high<3, 3>(m, q, F3B(3)) + O[3];
-      }
-#undef F3B
+      f3_pair<0, 0, 1, 0>(m, q, P3[0], P3[1], O[0], O[1], rot, H[0], H[1]);
+      if (h == 0) f3_pair<2, 0, 3, 1>(m, q, P3[2], P3[3], O[2], O[3], rot, H[2], H[3]);
+      else f3_pair<2, 2, 3, 3>(m, q, P3[2], P3[3], O[2], O[3], rot, H[2], H[3]);
       if (any_raw && !(GAAC_SKIP & 8)) {
         u32 rm[4];
         ldv<4>(s.raw + g0, rm);
@@ -550,18 +551,9 @@ __device__ __forceinline__ void v_tile_f3(const Params& p, const u8* buf, const 
       ldv<2>(s.base2 + gd, O);
       ldv<2>(s.p3eo + gd, X);
       u32 H[2];
-#define F3B(k) ((GAAC_SKIP & 4) ? 0u : __funnelshift_r(X[k], X[k], rot) & 0x04040404u)
-      if (h == 0) {
-        H[0] = f3_high<0, 0>(m, q, F3B(0)) + O[0];
-        H[1] = f3_high<1, 0>(m, q, F3B(1)) + O[1];
-      } else if (j % 2 == 0) {
-        H[0] = f3_high<2, 0>(m, q, F3B(0)) + O[0];
-        H[1] = f3_high<3, 1>(m, q, F3B(1)) + O[1];
-      } else {
-        H[0] = f3_high<2, 2>(m, q, F3B(0)) + O[0];
-        H[1] = f3_high<3, 3>(m, q, F3B(1)) + O[1];
-      }
-#undef F3B
+      if (h == 0) f3_pair<0, 0, 1, 0>(m, q, X[0], X[1], O[0], O[1], rot, H[0], H[1]);
+      else if (j % 2 == 0) f3_pair<2, 0, 3, 1>(m, q, X[0], X[1], O[0], O[1], rot, H[0], H[1]);
+      else f3_pair<2, 2, 3, 3>(m, q, X[0], X[1], O[0], O[1], rot, H[0], H[1]);
       if (any_raw && !(GAAC_SKIP & 8)) {
         const int g1 = h * C + 4 * w;
         const u32 rm = *reinterpret_cast<const u32*>(s.raw + g1);
