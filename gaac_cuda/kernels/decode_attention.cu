@@ -490,39 +490,50 @@ __device__ __forceinline__ void f3_words(const Params& p, const u8* buf, int lan
 #pragma unroll
   for (int x = 0; x < C / 64; ++x) pw[x] = lds(words + 128 * (C / 32 + x));
 }
+// The tile's high bytes are built first for all of a lane's words, branch-free; raw groups (rare, but in ~40% of the
+// tiles of real KV) are then patched in one warp-uniform branch per tile, and the byte permutes and mmas follow: a
+// patch check per word split the decode into small basic blocks and cost 15 us of 82 at 1x64K (session 12).
 __device__ __forceinline__ void k_tile_f3(const Params& p, const u8* buf, const Scratch& s, int lane, int g, int t,
                                           const u32 (&qb)[NKS][2], float (&sc)[2][4], bool any_raw) {
+  constexpr int NC = NKS / 2;  // 16-byte chunks of 4 words per lane: chunk kc = 2 s4 + h
   u32 mw[C / 32], pw[C / 64];
   f3_words(p, buf, lane, mw, pw);
   const u32 rot = (g - 2) & 31;
+  u32 H[NC][4];
+#pragma unroll
+  for (int kc = 0; kc < NC; ++kc) {
+    const int s4 = kc / 2, h = kc % 2;
+    const int g0 = h * C + 4 * (t * NKS + 4 * s4);
+    u32 O[4], P3[4];
+    ldv<4>(s.base + g0, O);
+    ldv<4>(s.planes + g0, P3);
+    const u32 m = mw[kc], q = pw[s4];
+    f3_pair<0, 0, 1, 0>(m, q, P3[0], P3[1], O[0], O[1], rot, H[kc][0], H[kc][1]);
+    if (h == 0) f3_pair<2, 0, 3, 1>(m, q, P3[2], P3[3], O[2], O[3], rot, H[kc][2], H[kc][3]);
+    else f3_pair<2, 2, 3, 3>(m, q, P3[2], P3[3], O[2], O[3], rot, H[kc][2], H[kc][3]);
+  }
+  if (any_raw && !(GAAC_SKIP & 8)) {
+#pragma unroll
+    for (int kc = 0; kc < NC; ++kc) {
+      const int g0 = (kc % 2) * C + 4 * (t * NKS + 4 * (kc / 2));
+      u32 rm[4];
+      ldv<4>(s.raw + g0, rm);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (rm[i]) H[kc][i] = f3_raw_word(s.planes, rm[i], g0 + 4 * i, g, 0, H[kc][i]);
+    }
+  }
 #pragma unroll
   for (int s4 = 0; s4 < NKS / 4; ++s4) {
     u32 lo[2][4], hi[2][4];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int g0 = h * C + 4 * (t * NKS + 4 * s4);
-      u32 L[4], O[4], P3[4];
+      u32 L[4];
       ldv<4>(buf + ((2 * s4 + h) * 32 + lane) * 16, L);
-      ldv<4>(s.base + g0, O);
-      ldv<4>(s.planes + g0, P3);
-      u32 H[4];
-      const u32 m = mw[2 * s4 + h], q = pw[s4];
-      f3_pair<0, 0, 1, 0>(m, q, P3[0], P3[1], O[0], O[1], rot, H[0], H[1]);
-      if (h == 0) f3_pair<2, 0, 3, 1>(m, q, P3[2], P3[3], O[2], O[3], rot, H[2], H[3]);
-      else f3_pair<2, 2, 3, 3>(m, q, P3[2], P3[3], O[2], O[3], rot, H[2], H[3]);
-      if (any_raw && !(GAAC_SKIP & 8)) {
-        u32 rm[4];
-        ldv<4>(s.raw + g0, rm);
-        if ((rm[0] | rm[1] | rm[2] | rm[3]) != 0) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i)
-            if (rm[i]) H[i] = f3_raw_word(s.planes, rm[i], g0 + 4 * i, g, 0, H[i]);
-        }
-      }
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        lo[h][i] = prmt(L[i], H[i], 0x6240u);
-        hi[h][i] = prmt(L[i], H[i], 0x7351u);
+        lo[h][i] = prmt(L[i], H[2 * s4 + h][i], 0x6240u);
+        hi[h][i] = prmt(L[i], H[2 * s4 + h][i], 0x7351u);
       }
     }
 #pragma unroll
@@ -537,40 +548,48 @@ __device__ __forceinline__ void v_tile_f3(const Params& p, const u8* buf, const 
   u32 mw[C / 32], pw[C / 64];
   f3_words(p, buf, lane, mw, pw);
   const u32 rot = (2 * t - 2) & 31;
+  u32 H[NVW][2][2];  // [j][h][k]
 #pragma unroll
   for (int j = 0; j < NVW; ++j) {
     const int w = g * NVW + j;
-    u32 L[4];
-    ldv<4>(buf + (j * 32 + lane) * 16, L);
     const u32 m = mw[j], q = pw[j / 2];
-    u32 a[2][2][2];  // [h][k][channel 4w + 2k + c]: tokens 8h + 2t, 8h + 2t + 1
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int gd = 2 * (h * C + 4 * w);
       u32 O[2], X[2];
       ldv<2>(s.base2 + gd, O);
       ldv<2>(s.p3eo + gd, X);
-      u32 H[2];
-      if (h == 0) f3_pair<0, 0, 1, 0>(m, q, X[0], X[1], O[0], O[1], rot, H[0], H[1]);
-      else if (j % 2 == 0) f3_pair<2, 0, 3, 1>(m, q, X[0], X[1], O[0], O[1], rot, H[0], H[1]);
-      else f3_pair<2, 2, 3, 3>(m, q, X[0], X[1], O[0], O[1], rot, H[0], H[1]);
-      if (any_raw && !(GAAC_SKIP & 8)) {
-        const int g1 = h * C + 4 * w;
-        const u32 rm = *reinterpret_cast<const u32*>(s.raw + g1);
-        if (rm) {
+      if (h == 0) f3_pair<0, 0, 1, 0>(m, q, X[0], X[1], O[0], O[1], rot, H[j][h][0], H[j][h][1]);
+      else if (j % 2 == 0) f3_pair<2, 0, 3, 1>(m, q, X[0], X[1], O[0], O[1], rot, H[j][h][0], H[j][h][1]);
+      else f3_pair<2, 2, 3, 3>(m, q, X[0], X[1], O[0], O[1], rot, H[j][h][0], H[j][h][1]);
+    }
+  }
+  if (any_raw && !(GAAC_SKIP & 8)) {
 #pragma unroll
-          for (int k = 0; k < 2; ++k) {
-            const u32 rk = prmt(rm, 0u, k ? 0x3322u : 0x1100u);  // the element mask of word k
-            if (rk) H[k] = f3_raw_word(s.planes, rk, g1 + 2 * k, 2 * t, 1, H[k]);
-          }
+    for (int j = 0; j < NVW; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int g1 = h * C + 4 * (g * NVW + j);
+        const u32 rm = *reinterpret_cast<const u32*>(s.raw + g1);
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const u32 rk = prmt(rm, 0u, k ? 0x3322u : 0x1100u);  // the element mask of word k
+          if (rk) H[j][h][k] = f3_raw_word(s.planes, rk, g1 + 2 * k, 2 * t, 1, H[j][h][k]);
         }
       }
+  }
+#pragma unroll
+  for (int j = 0; j < NVW; ++j) {
+    u32 L[4];
+    ldv<4>(buf + (j * 32 + lane) * 16, L);
+    u32 a[2][2][2];  // [h][k][channel 4w + 2k + c]: tokens 8h + 2t, 8h + 2t + 1
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
-        a[h][k][0] = prmt(L[2 * h + k], H[k], 0x5140u);
-        a[h][k][1] = prmt(L[2 * h + k], H[k], 0x7362u);
+        a[h][k][0] = prmt(L[2 * h + k], H[j][h][k], 0x5140u);
+        a[h][k][1] = prmt(L[2 * h + k], H[j][h][k], 0x7362u);
       }
-    }
 #pragma unroll
     for (int k = 0; k < 2; ++k) mma(o[2 * j + k], a[0][k][0], a[0][k][1], a[1][k][0], a[1][k][1], pb[0], pb[1]);
   }
