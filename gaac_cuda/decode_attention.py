@@ -121,7 +121,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
          plain: bool = False, nsplit: int | None = None, warps: int = 4, stages: int | None = None,
          min_ctas: int | None = None, skip: int = 0, trace: bool = False, format_version: int = 1,
          swizzle: bool = SWIZZLE, v_words: int | None = None, dense_slots: bool | None = None,
-         ws: int | None = None) -> DecodePlan:
+         ws: int | None = None, raw_patch: int = 1) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
@@ -140,7 +140,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     `swizzle` or `warps`, the one-warp kernel's options): the warp-specialized kernel, CTAs of `ws` consumer warps,
     each holding one of the one-warp kernel's splits (the same bits at the same split count), and one producer warp
     that streams the CTA's units through a ring of `stages` stages (a multiple of ws; default 2 ws) shared by the
-    CTA. Default: WS_TWIN for plain KV at head_dim 64/128 without one-warp options, else 0 (the one-warp kernel)."""
+    CTA. Default: WS_TWIN for plain KV at head_dim 64/128 without one-warp options, else 0 (the one-warp kernel).
+    `raw_patch` (format 3): raw groups patched per word by a call (1) or branch-free over the tile (2)."""
     if not 1 <= rep <= MAX_GROUP_HEADS:
         raise ValueError(f"the CUDA decode kernel packs at most {MAX_GROUP_HEADS} query heads per kv-head, got {rep}")
     one_warp = bool(trace or (swizzle and plain) or warps != 4)
@@ -157,11 +158,12 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         if plain or head_dim not in (64, 128):
             raise ValueError("format 3 (the fragment-order prototype) is compressed KV at head_dim 64 or 128")
         dense_slots = True
+    extra = (f"-DGAAC_F3RAW={raw_patch}",) if format_version == 3 and raw_patch != 1 else ()
     if ws:
         return _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, slot_bytes=slot_bytes, plain=plain,
                         nsplit=nsplit, ws=ws, stages=2 * ws if stages is None else stages, min_ctas=min_ctas,
                         skip=skip, dense_slots=WS_DENSE_SLOTS if dense_slots is None else dense_slots,
-                        format_version=format_version)
+                        format_version=format_version, extra=extra)
     if stages is None:
         stages = 2
     if dense_slots is None:
@@ -185,7 +187,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
                f"-DGAAC_PLAIN={int(plain)}", f"-DGAAC_STAGES={stages}", f"-DGAAC_WARPS={warps}",
                f"-DGAAC_MIN_CTAS={min_ctas}", f"-DGAAC_FORMAT={format_version}",
                f"-DGAAC_SWIZZLE={int(swizzle and plain)}", f"-DVT_WORDS={v_words}",
-               f"-DGAAC_DENSE_SLOT={int(dense_slots)}")
+               f"-DGAAC_DENSE_SLOT={int(dense_slots)}") + extra
     if trace:
         options += ("-DGAAC_TRACE=1",)
     if skip:  # benchmark-only variants of the leave-one-stage-out breakdown (wrong results by design)
@@ -223,7 +225,7 @@ def _stage_buffer(channels: int, slot_bytes: int, plain: bool, dense_slots: bool
 
 
 def _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, *, slot_bytes, plain, nsplit, ws, stages, min_ctas,
-             skip, dense_slots, format_version=1) -> DecodePlan:
+             skip, dense_slots, format_version=1, extra=()) -> DecodePlan:
     if head_dim not in (64, 128):
         raise ValueError(f"the warp-specialized kernel supports head_dim 64 and 128, not {head_dim}")
     if not 1 <= ws <= 15 or stages < ws or stages % ws:
@@ -241,7 +243,7 @@ def _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, *, slot_bytes, 
                "-DGAAC_WARPS=4", f"-DGAAC_MIN_CTAS={ctas}", f"-DGAAC_WS={ws}", f"-DVT_WORDS={channels // 32}",
                f"-DGAAC_DENSE_SLOT={int(dense_slots)}")
     if format_version != 1:
-        options += (f"-DGAAC_FORMAT={format_version}",)
+        options += (f"-DGAAC_FORMAT={format_version}",) + extra
     if skip:
         options += (f"-DGAAC_SKIP={skip}",)
     if nsplit is None:  # the one-warp kernel's split count (compressed KV and its twin must split alike)

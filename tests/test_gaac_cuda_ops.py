@@ -266,12 +266,13 @@ def test_fragment_order_prototype_equals_plain_twin(d):
     kv_len = torch.full((b,), s, dtype=torch.int32, device="cuda")
     packed, layout, info = compress_v2(k, v, fragment=True)
     assert info["raw_tiles"] > 0 and min(info["mode_shares"]) > 0, info
-    for nsplit, ws in ((1, 0), (7, 0), (12, 3), (12, 6), (8, 4)):
-        pc = plan(b, h, nrep, d, s, "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, ws=ws, format_version=3)
+    for nsplit, ws, raw_patch in ((1, 0, 1), (7, 0, 1), (12, 3, 1), (12, 6, 1), (8, 4, 1), (7, 0, 2), (12, 6, 2)):
+        pc = plan(b, h, nrep, d, s, "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, ws=ws, format_version=3,
+                  raw_patch=raw_patch)
         pp = plan(b, h, nrep, d, s, "cuda", plain=True, nsplit=nsplit, ws=0)
         got = decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, d ** -0.5, layout, pc)
         twin = plain_decode_attention(q, k, v, kv_len, None, d ** -0.5, pp)
-        assert torch.equal(bits(got), bits(twin)), (nsplit, ws)
+        assert torch.equal(bits(got), bits(twin)), (nsplit, ws, raw_patch)
 
 
 @gpu

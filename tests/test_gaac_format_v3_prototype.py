@@ -49,7 +49,7 @@ def tile_groups(x, mode, base3, base4):
     return base.tolist(), [pl.tolist() for pl in planes], (mode == MODE_RAW).tolist()
 
 
-def emulate(slot, c, is_v, layout, base, planes, raw):
+def emulate(slot, c, is_v, layout, base, planes, raw, branch_free=False):
     """Elements rebuilt by the kernel's format-3 path -> {(token, channel): bf16 bits}."""
     out = {}
     n, nks, nvw = c // 8, c // 16, c // 32
@@ -78,8 +78,18 @@ def emulate(slot, c, is_v, layout, base, planes, raw):
                 b2 = rotr(p3, (g - 2) % 32) & 0x04040404
                 r = 2 * h + i - 2
             hw = (high(y, r, mw[mk], pw[q // 8], b2) + o) & M32
+            if branch_free:  # GAAC_F3RAW=2: planes 4..7 (0 outside raw groups) rotated into bits 3..6
+                for pl in range(4):
+                    if is_v:
+                        g4 = h * c + 4 * (g * nvw + j)
+                        x = sum(planes[1 + pl][g4 + i] << (8 * i) for i in range(4))
+                        d = prmt(x, x >> 1, 0x7362 if k else 0x5140)
+                        hw |= rotr(d, (2 * t - 3 - pl) % 32) & (0x08080808 << pl)
+                    else:
+                        x = sum(planes[1 + pl][gi[e]] << (8 * e) for e in range(4))
+                        hw |= rotr(x, (g - 3 - pl) % 32) & (0x08080808 << pl)
             for e in range(4):  # the raw patch
-                if raw[gi[e]]:
+                if raw[gi[e]] and not branch_free:
                     hw |= sum(((planes[1 + jj][gi[e]] >> tb[e]) & 1) << (3 + jj) for jj in range(4)) << (8 * e)
             if is_v:
                 regs = [prmt(low, hw, 0x5140), prmt(low, hw, 0x7362)]
@@ -123,8 +133,9 @@ def test_emulated_kernel_decode_of_format_3_is_lossless(c, is_v):
     assert f3.shape == slots.shape
     for n in range(x.shape[0]):
         base, planes, raw = tile_groups(x[n], mode[n], base3, base4)
-        got = emulate(f3[n].tolist(), c, is_v, layout, base, planes, raw)
         want = x[n].view(torch.int16).to(torch.int32) & 0xFFFF
-        assert len(got) == 16 * c
-        bad = [(k, v, int(want[k])) for k, v in got.items() if v != int(want[k])]
-        assert not bad, bad[:5]
+        for branch_free in (False, True):
+            got = emulate(f3[n].tolist(), c, is_v, layout, base, planes, raw, branch_free)
+            assert len(got) == 16 * c
+            bad = [(k, v, int(want[k])) for k, v in got.items() if v != int(want[k])]
+            assert not bad, (branch_free, bad[:5])

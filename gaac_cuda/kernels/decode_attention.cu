@@ -43,6 +43,9 @@
 #ifndef GAAC_TRACE  // benchmark probe: per-warp globaltimer stamps into Params::trace
 #define GAAC_TRACE 0
 #endif
+#ifndef GAAC_F3RAW  // format 3: raw groups patched per word by a call (1) or branch-free over the tile (2)
+#define GAAC_F3RAW 1
+#endif
 #ifndef GAAC_FORMAT  // slot format: 1 (docs/format.md), 2 or 3 (byte-split prototypes of benchmarks/format_v2_probe.py)
 #define GAAC_FORMAT 1
 #endif
@@ -512,7 +515,20 @@ __device__ __forceinline__ void k_tile_f3(const Params& p, const u8* buf, const 
     if (h == 0) f3_pair<2, 0, 3, 1>(m, q, P3[2], P3[3], O[2], O[3], rot, H[kc][2], H[kc][3]);
     else f3_pair<2, 2, 3, 3>(m, q, P3[2], P3[3], O[2], O[3], rot, H[kc][2], H[kc][3]);
   }
-  if (any_raw && !(GAAC_SKIP & 8)) {
+  if (GAAC_F3RAW == 2 && any_raw && !(GAAC_SKIP & 8)) {  // branch-free: planes 4..7 are 0 outside raw groups
+#pragma unroll
+    for (int kc = 0; kc < NC; ++kc) {
+      const int g0 = (kc % 2) * C + 4 * (t * NKS + 4 * (kc / 2));
+#pragma unroll
+      for (int pl = 0; pl < 4; ++pl) {
+        u32 R[4];
+        ldv<4>(s.planes + (1 + pl) * G + g0, R);
+        const u32 r = (g - 3 - pl) & 31;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) H[kc][i] |= __funnelshift_r(R[i], R[i], r) & (0x08080808u << pl);
+      }
+    }
+  } else if (any_raw && !(GAAC_SKIP & 8)) {
 #pragma unroll
     for (int kc = 0; kc < NC; ++kc) {
       const int g0 = (kc % 2) * C + 4 * (t * NKS + 4 * (kc / 2));
@@ -564,7 +580,24 @@ __device__ __forceinline__ void v_tile_f3(const Params& p, const u8* buf, const 
       else f3_pair<2, 2, 3, 3>(m, q, X[0], X[1], O[0], O[1], rot, H[j][h][0], H[j][h][1]);
     }
   }
-  if (any_raw && !(GAAC_SKIP & 8)) {
+  if (GAAC_F3RAW == 2 && any_raw && !(GAAC_SKIP & 8)) {  // branch-free (see k_tile_f3)
+#pragma unroll
+    for (int j = 0; j < NVW; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int g1 = h * C + 4 * (g * NVW + j);
+#pragma unroll
+        for (int pl = 0; pl < 4; ++pl) {
+          const u32 x = lds(s.planes + (1 + pl) * G + g1), x1 = x >> 1;  // x1: odd tokens at even bits
+          const u32 r = (2 * t - 3 - pl) & 31;
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const u32 d = prmt(x, x1, k ? 0x7362u : 0x5140u);  // [c even, c odd, c' even, c' odd]
+            H[j][h][k] |= __funnelshift_r(d, d, r) & (0x08080808u << pl);
+          }
+        }
+      }
+  } else if (any_raw && !(GAAC_SKIP & 8)) {
 #pragma unroll
     for (int j = 0; j < NVW; ++j)
 #pragma unroll
