@@ -175,7 +175,7 @@ def compress_v2(k: torch.Tensor, v: torch.Tensor, fragment: bool = False):
 VARIANTS = (  # label, format, ws consumers, stages, CTAs per SM (ws) -- 0: the one-warp kernel
     ("format_1", 1, 0, 0, 0), ("format_2_prototype", 2, 0, 0, 0), ("format_3", 3, 0, 0, 0),
     ("format_3_ws6", 3, 6, 12, 2), ("format_3_ws3", 3, 3, 6, 4), ("format_2_ws6", 2, 6, 12, 2),
-    ("format_1_ws6", 1, 6, 12, 2), ("format_3_rawbf", 3, 0, 0, 0))  # rawbf: raw groups patched branch-free
+    ("format_1_ws6", 1, 6, 12, 2), ("format_3_rawcall", 3, 0, 0, 0))  # rawcall: raw groups patched per word
 
 
 def main():
@@ -207,8 +207,8 @@ def main():
         for label, fmt, ws, stages, ctas in VARIANTS:
             packed, layout, info = encoded[fmt]
             kw = dict(ws=ws) if not ws else dict(ws=ws, stages=stages, min_ctas=ctas)
-            if label.endswith("rawbf"):
-                kw["raw_patch"] = 2
+            if label.endswith("rawcall"):
+                kw["raw_patch"] = 1
             pc = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, format_version=fmt,
                                 nsplit=pp.nsplit, **kw)
             got = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout, pc)

@@ -43,8 +43,8 @@
 #ifndef GAAC_TRACE  // benchmark probe: per-warp globaltimer stamps into Params::trace
 #define GAAC_TRACE 0
 #endif
-#ifndef GAAC_F3RAW  // format 3: raw groups patched per word by a call (1) or branch-free over the tile (2)
-#define GAAC_F3RAW 1
+#ifndef GAAC_F3RAW  // format 3: raw groups patched per word by a call (1) or branch-free over the tile (2, faster:
+#define GAAC_F3RAW 2  // 78.2 against 82.0 us at 1x64K, benchmarks/results/attention_cuda.md session 12)
 #endif
 #ifndef GAAC_FORMAT  // slot format: 1 (docs/format.md), 2 or 3 (byte-split prototypes of benchmarks/format_v2_probe.py)
 #define GAAC_FORMAT 1
