@@ -10,10 +10,14 @@ of format 1 (bit-planes 1-2 hold code bits 0-1; a 4-bit group escapes code bit 2
 pair is one byte permute. `benchmarks/tied_windows.py` measured what even windows cost in ratio (1.405x, 27.6%
 resident saving on held-out SmolLM2 KV, against 1.409x / 27.9%).
 
-This script encodes the same real-statistics KV both ways (the prototype encoder lives here: it is not a format the
-caches write), checks each kernel bit for bit against the plain-BF16 twin, and times both, graph-replayed:
+"Format 3" is format 2's slots permuted into the order the kernel's mma fragments consume them
+(`to_fragment_order`; the kernel's `k_tile_f3` / `v_tile_f3`).
 
-    python benchmarks/format_v2_probe.py --real-kv .bench/real_kv_2k.safetensors --out $OUT/format_v2_probe.json
+This script encodes the same real-statistics KV in formats 1, 2 and 3 (the prototype encoders live here: they are not
+formats the caches write), checks each kernel variant (`VARIANTS`) bit for bit against the plain-BF16 twin, and times
+them and cuDNN, graph-replayed:
+
+    python benchmarks/format_v2_probe.py --real-kv .bench/real_kv_2k.safetensors --shapes 1,3,0,2 --out $OUT/probe.json
 """
 
 from __future__ import annotations

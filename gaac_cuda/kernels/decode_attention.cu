@@ -446,7 +446,6 @@ struct GroupWords {
   }
 };
 
-
 // Format 3 (fragment-order byte-split prototype, benchmarks/format_v2_probe.py): the format-2 information stored in
 // the order the fragments consume it. A lane's elements of a tile form C/8 words of 4 elements (K: word q = 8 s4 +
 // 4 h + i is channels 4w .. 4w + 3 of token 8h + g, w = t NKS + 4 s4 + i; V: word q = 4 j + 2 h + k is channels
@@ -493,9 +492,9 @@ __device__ __forceinline__ void f3_words(const Params& p, const u8* buf, int lan
 #pragma unroll
   for (int x = 0; x < C / 64; ++x) pw[x] = lds(words + 128 * (C / 32 + x));
 }
-// The tile's high bytes are built first for all of a lane's words, branch-free; raw groups (rare, but in ~40% of the
-// tiles of real KV) are then patched in one warp-uniform branch per tile, and the byte permutes and mmas follow: a
-// patch check per word split the decode into small basic blocks and cost 15 us of 82 at 1x64K (session 12).
+// The tile's high bytes are built first for all of a lane's words; raw groups (0.2% of the groups, but in ~40% of the
+// tiles of real KV) are then patched in one warp-uniform branch per tile, branch-free over the tile (GAAC_F3RAW 2; a
+// call per raw word cost 15 us of 82 at 1x64K, session 12), and the byte permutes and mmas follow.
 __device__ __forceinline__ void k_tile_f3(const Params& p, const u8* buf, const Scratch& s, int lane, int g, int t,
                                           const u32 (&qb)[NKS][2], float (&sc)[2][4], bool any_raw) {
   constexpr int NC = NKS / 2;  // 16-byte chunks of 4 words per lane: chunk kc = 2 s4 + h
