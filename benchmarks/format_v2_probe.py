@@ -14,8 +14,9 @@ resident saving on held-out SmolLM2 KV, against 1.409x / 27.9%).
 (`to_fragment_order`; the kernel's `k_tile_f3` / `v_tile_f3`).
 
 This script encodes the same real-statistics KV in formats 1, 2 and 3 (the prototype encoders live here: they are not
-formats the caches write), checks each kernel variant (`VARIANTS`) bit for bit against the plain-BF16 twin, and times
-them and cuDNN, graph-replayed:
+formats the caches write), checks each kernel variant (`VARIANTS`) bit for bit against the plain-BF16 twin at the
+same split count (a warp-specialized variant with fewer than 12 consumer warps per SM takes proportionally fewer
+splits, so it runs in one wave), and times them and cuDNN, graph-replayed:
 
     python benchmarks/format_v2_probe.py --real-kv .bench/real_kv_2k.safetensors --shapes 1,3,0,2 --out $OUT/probe.json
 """
@@ -176,10 +177,12 @@ def compress_v2(k: torch.Tensor, v: torch.Tensor, fragment: bool = False):
     return packed, layout, info
 
 
-VARIANTS = (  # label, format, ws consumers, stages, CTAs per SM (ws) -- 0: the one-warp kernel
-    ("format_1", 1, 0, 0, 0), ("format_2_prototype", 2, 0, 0, 0), ("format_3", 3, 0, 0, 0),
-    ("format_3_ws6", 3, 6, 12, 2), ("format_3_ws3", 3, 3, 6, 4), ("format_2_ws6", 2, 6, 12, 2),
-    ("format_1_ws6", 1, 6, 12, 2), ("format_3_rawcall", 3, 0, 0, 0))  # rawcall: raw groups patched per word
+VARIANTS = (  # label, format, ws consumers, stages, CTAs per SM (ws) -- 0: the one-warp kernel, raw_patch (format 3)
+    ("format_1", 1, 0, 0, 0, 2), ("format_3", 3, 0, 0, 0, 2), ("format_3_ov", 3, 0, 0, 0, 3),
+    ("format_3_ov_ws5", 3, 5, 10, 2, 3), ("format_3_ov_ws11", 3, 11, 22, 1, 3), ("format_3_ov_ws6", 3, 6, 12, 2, 3),
+    ("format_3_ov_ws3", 3, 3, 6, 3, 3))
+# Also measured (session 12, format_v3_probe_s12_rawbf.json): format 2, format 1/2/3 at ws 6, format 3 at ws 3 x 4
+# CTAs and with raw groups patched per word (raw_patch 1); none was the fastest.
 
 
 def main():
@@ -202,38 +205,47 @@ def main():
         kv_len = torch.full((b,), s, dtype=torch.int32, device=dev)
         p1, info1 = compress(k, v)
         l1 = TileLayout(tile_split(d)[1], info1["escape_capacity"])
-        p2, l2, info2 = compress_v2(k, v)
         p3, l3, info3 = compress_v2(k, v, fragment=True)
-        encoded = {1: (p1, l1, info1), 2: (p2, l2, info2), 3: (p3, l3, info3)}
+        encoded = {1: (p1, l1, info1), 3: (p3, l3, info3)}
+        if any(var[1] == 2 for var in VARIANTS):
+            encoded[2] = compress_v2(k, v)
         pp = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, ws=0)
         twin = gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, pp)
         row = {"shape": f"{hq}/{hkv}/{d} {b}x{s}", "bf16_bytes": 4 * k.numel(), "nsplit": pp.nsplit}
-        for label, fmt, ws, stages, ctas in VARIANTS:
+        for label, fmt, ws, stages, ctas, raw_patch in VARIANTS:
             packed, layout, info = encoded[fmt]
             kw = dict(ws=ws) if not ws else dict(ws=ws, stages=stages, min_ctas=ctas)
-            if label.endswith("rawcall"):
-                kw["raw_patch"] = 1
+            kw["raw_patch"] = raw_patch
+            # one wave: the twin's splits fill 12 warps per SM; a ws variant with fewer consumer warps per SM takes
+            # proportionally fewer (whole CTAs) and is checked against the twin at that count
+            nsplit = pp.nsplit if not ws or ws * ctas == 12 else max(ws, pp.nsplit * ws * ctas // 12 // ws * ws)
             pc = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, format_version=fmt,
-                                nsplit=pp.nsplit, **kw)
+                                nsplit=nsplit, **kw)
             got = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout, pc)
+            want = twin if nsplit == pp.nsplit else gaac_cuda.plain_decode_attention(
+                q, k, v, kv_len, None, scale, gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, nsplit=nsplit,
+                                                             ws=0))
             bufs = [packed] + [tuple(x.clone() for x in packed) for _ in range(args.buffers - 1)]
 
             def run(i, pc=pc, layout=layout, bufs=bufs, skip_plan=None):
                 pk = bufs[i]
                 gaac_cuda.decode_attention(q, *pk[:5], pk[5], pk[6], kv_len, None, scale, layout, skip_plan or pc)
             us = bench_graph(run, args.buffers)
-            entry = {"bit_identical_to_twin": torch.equal(got.view(torch.int16), twin.view(torch.int16)),
+            entry = {"bit_identical_to_twin": torch.equal(got.view(torch.int16), want.view(torch.int16)),
+                     "nsplit": nsplit,
                      "us": us, "bytes": info["bytes"], "ratio": round(row["bf16_bytes"] / info["bytes"], 4),
                      "tb_per_s": round(info["bytes"] / us / 1e6, 3), "escape_capacity": info["escape_capacity"],
                      "raw_tiles": info["raw_tiles"], "mode_shares": [round(x, 5) for x in info["mode_shares"]],
                      "registers": pc.kernels(dev)[0].registers, "smem": pc.smem}
-            if (b, s, hq) == (1, 65536, 32) and not ws:
+            if (b, s, hq) == (1, 65536, 32):
                 skips = ((1, "no_math_us"), (2, "no_reconstruction_us"), (3, "loads_only_us"))
-                if fmt == 3:  # wrong results by design: what code bit 2 and the raw patch cost
+                if ws:
+                    skips = skips[1:]
+                elif fmt == 3:  # wrong results by design: what code bit 2 and the raw patch cost
                     skips += ((4, "no_code_bit2_us"), (8, "no_raw_patch_us"), (12, "neither_us"))
                 for skip, key in skips:
                     pv = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes,
-                                        format_version=fmt, nsplit=pp.nsplit, skip=skip, **kw)
+                                        format_version=fmt, nsplit=nsplit, skip=skip, **kw)
                     entry[key] = bench_graph(lambda i, pv=pv, run=run: run(i, skip_plan=pv), args.buffers)
             row[label] = entry
             print(label, json.dumps(entry), flush=True)
@@ -262,7 +274,7 @@ def main():
         res["rows"].append(row)
         print(json.dumps({k2: v2 for k2, v2 in row.items() if not isinstance(v2, dict)}), f"({time.time() - t0:.0f}s)",
               flush=True)
-        del encoded, p1, p2, p3, bufs, kvs
+        del encoded, p1, p3, bufs, kvs
         torch.cuda.empty_cache()
     labels = [v[0] for v in VARIANTS]
     print("\n| shape | " + " | ".join(labels) + " | twin (one-warp / default) | cuDNN |")

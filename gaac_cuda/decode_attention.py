@@ -141,8 +141,9 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     each holding one of the one-warp kernel's splits (the same bits at the same split count), and one producer warp
     that streams the CTA's units through a ring of `stages` stages (a multiple of ws; default 2 ws) shared by the
     CTA. Default: WS_TWIN for plain KV at head_dim 64/128 without one-warp options, else 0 (the one-warp kernel).
-    `raw_patch` (format 3): raw groups patched per word by a call (1) or branch-free over a tile that has any (2,
-    the default: measured faster)."""
+    `raw_patch` (format 3): raw groups patched per word by a call (1), branch-free over a tile that has any (2,
+    the default: measured faster than 1), or from an overlay of code bits 3..6 that the prepass scatters in
+    fragment order and the tile adds with the bases (3)."""
     if not 1 <= rep <= MAX_GROUP_HEADS:
         raise ValueError(f"the CUDA decode kernel packs at most {MAX_GROUP_HEADS} query heads per kv-head, got {rep}")
     one_warp = bool(trace or (swizzle and plain) or warps != 4)
@@ -159,14 +160,16 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         if plain or head_dim not in (64, 128):
             raise ValueError("format 3 (the fragment-order prototype) is compressed KV at head_dim 64 or 128")
         dense_slots = True
-    if raw_patch not in (1, 2):
-        raise ValueError(f"raw_patch is 1 (per word) or 2 (branch-free), not {raw_patch}")
+    if raw_patch not in (1, 2, 3):
+        raise ValueError(f"raw_patch is 1 (per word), 2 (branch-free) or 3 (overlay), not {raw_patch}")
+    if format_version != 3:
+        raw_patch = 2  # (only format 3 reads it)
     extra = (f"-DGAAC_F3RAW={raw_patch}",) if format_version == 3 and raw_patch != 2 else ()
     if ws:
         return _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, slot_bytes=slot_bytes, plain=plain,
                         nsplit=nsplit, ws=ws, stages=2 * ws if stages is None else stages, min_ctas=min_ctas,
                         skip=skip, dense_slots=WS_DENSE_SLOTS if dense_slots is None else dense_slots,
-                        format_version=format_version, extra=extra)
+                        format_version=format_version, extra=extra, raw_patch=raw_patch)
     if stages is None:
         stages = 2
     if dense_slots is None:
@@ -177,7 +180,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     channels = min(head_dim, 128)
     tiles = head_dim // channels
     buf = _stage_buffer(channels, slot_bytes, plain, dense_slots)
-    scratch = 0 if plain else _scratch(channels, format_version)
+    scratch = 0 if plain else _scratch(channels, format_version, raw_patch)
     header = 128 if plain else 64  # stage barriers (K and V apart for plain KV) and slot bits: the kernel's HDR
     warp_bytes = -(-(header + stages * 2 * tiles * buf + scratch) // 128) * 128
     if v_words is None:
@@ -213,11 +216,13 @@ def _default_nsplit(batch, kv_heads, max_tokens, device, tiles=1) -> int:
     return max(1, min(want, math.ceil(units / MIN_UNITS_PER_SPLIT)))
 
 
-def _scratch(channels: int, format_version: int) -> int:
+def _scratch(channels: int, format_version: int, raw_patch: int = 2) -> int:
     """Per-consumer scratch for one slot: per group its base, planes 3..7 and raw mask (7 bytes); format 3 adds the
-    V tiles' split plane-3 bytes (2 more; their doubled bases overlay base and plane 3): the kernel's
+    V tiles' split plane-3 bytes (2 more; their doubled bases overlay base and plane 3), and with raw_patch 3 holds
+    code bits 3..6 as a 4-bit-per-element overlay in place of planes 4..7 and the raw masks (8 in all): the kernel's
     SCRATCH_GROUPS."""
-    return (9 if format_version == 3 else 7) * 2 * channels
+    per_group = 7 if format_version != 3 else 8 if raw_patch == 3 else 9
+    return per_group * 2 * channels
 
 
 def _stage_buffer(channels: int, slot_bytes: int, plain: bool, dense_slots: bool) -> int:
@@ -228,7 +233,7 @@ def _stage_buffer(channels: int, slot_bytes: int, plain: bool, dense_slots: bool
 
 
 def _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, *, slot_bytes, plain, nsplit, ws, stages, min_ctas,
-             skip, dense_slots, format_version=1, extra=()) -> DecodePlan:
+             skip, dense_slots, format_version=1, extra=(), raw_patch=2) -> DecodePlan:
     if head_dim not in (64, 128):
         raise ValueError(f"the warp-specialized kernel supports head_dim 64 and 128, not {head_dim}")
     if not 1 <= ws <= 15 or stages < ws or stages % ws:
@@ -238,7 +243,7 @@ def _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, *, slot_bytes, 
     channels = head_dim
     dense_slots = bool(dense_slots and not plain)
     buf = _stage_buffer(channels, slot_bytes, plain, dense_slots)
-    scratch = 0 if plain else _scratch(channels, format_version)
+    scratch = 0 if plain else _scratch(channels, format_version, raw_patch)
     header = -(-20 * stages // 128) * 128
     cta_bytes = -(-(header + stages * 2 * buf + ws * scratch) // 128) * 128
     ctas = 1 if min_ctas is None else min_ctas

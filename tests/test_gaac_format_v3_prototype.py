@@ -1,6 +1,7 @@
 """The fragment-order slot prototype (format 3 of `benchmarks/format_v2_probe.py`, read by the CUDA kernel's
 `k_tile_f3` / `v_tile_f3`): on the CPU, every element of a tile rebuilt by the kernel's bit operations (emulated here
-word by word, prepass outputs included) equals the BF16 it encodes, bit for bit."""
+word by word, prepass outputs included, each of the three raw-group patches) equals the BF16 it encodes, bit for
+bit."""
 
 import numpy as np
 import pytest
@@ -49,10 +50,33 @@ def tile_groups(x, mode, base3, base4):
     return base.tolist(), [pl.tolist() for pl in planes], (mode == MODE_RAW).tolist()
 
 
-def emulate(slot, c, is_v, layout, base, planes, raw, branch_free=False):
-    """Elements rebuilt by the kernel's format-3 path -> {(token, channel): bf16 bits}."""
+def overlay(c, is_v, planes, raw):
+    """GAAC_F3RAW=3: the scratch overlay `f3_overlay` scatters (its byte addresses and rotations), as words."""
+    nks, nvw = c // 16, c // 32
+    ov = [0] * (2 * c)  # 4G bytes
+    for gi in (i for i, r in enumerate(raw) if r):
+        h, ch = divmod(gi, c)
+        w = ch >> 2
+        for b in range(8):
+            nib = sum(((planes[1 + j][gi] >> b) & 1) << j for j in range(4))
+            if is_v:
+                j = w % nvw
+                at = ((j // 2) * 32 + 4 * (w // nvw) + b // 2) * 16 + 4 * (2 * (j % 2) + ((ch >> 1) & 1))
+                e = 2 * (ch & 1) + (b & 1)
+            else:
+                at = (((w % nks) // 4) * 32 + 4 * b + w // nks) * 16 + 4 * (w % 4)
+                e = ch & 3
+            v = nib << (8 * e + 3)
+            ov[at // 4] |= rotr(v, 28) if h else v  # (rotate left by 4)
+    return ov
+
+
+def emulate(slot, c, is_v, layout, base, planes, raw, patch="call"):
+    """Elements rebuilt by the kernel's format-3 path -> {(token, channel): bf16 bits}. `patch`: how raw groups get
+    code bits 3..6: "call" (GAAC_F3RAW=1), "branch_free" (2) or "overlay" (3)."""
     out = {}
     n, nks, nvw = c // 8, c // 16, c // 32
+    ov = overlay(c, is_v, planes, raw) if patch == "overlay" else None
     for lane in range(32):
         g, t = lane // 4, lane % 4
         mw = [word(slot, layout.planes_offset + (x * 32 + lane) * 4) for x in range(n // 4)]
@@ -77,8 +101,12 @@ def emulate(slot, c, is_v, layout, base, planes, raw, branch_free=False):
                 p3 = sum(planes[0][gi[e]] << (8 * e) for e in range(4))
                 b2 = rotr(p3, (g - 2) % 32) & 0x04040404
                 r = 2 * h + i - 2
+            if ov is not None:  # A words (h = 0) as stored, B words rotated right by 4
+                x = ov[(((j // 2) * 32 + lane) * 16 + 4 * (2 * (j % 2) + k)) // 4] if is_v else \
+                    ov[((s4 * 32 + lane) * 16 + 4 * i) // 4]
+                o += rotr(x, 4 * h) & 0x78787878
             hw = (high(y, r, mw[mk], pw[q // 8], b2) + o) & M32
-            if branch_free:  # GAAC_F3RAW=2: planes 4..7 (0 outside raw groups) rotated into bits 3..6
+            if patch == "branch_free":  # GAAC_F3RAW=2: planes 4..7 (0 outside raw groups) rotated into bits 3..6
                 for pl in range(4):
                     if is_v:
                         g4 = h * c + 4 * (g * nvw + j)
@@ -89,7 +117,7 @@ def emulate(slot, c, is_v, layout, base, planes, raw, branch_free=False):
                         x = sum(planes[1 + pl][gi[e]] << (8 * e) for e in range(4))
                         hw |= rotr(x, (g - 3 - pl) % 32) & (0x08080808 << pl)
             for e in range(4):  # the raw patch
-                if raw[gi[e]] and not branch_free:
+                if raw[gi[e]] and patch == "call":
                     hw |= sum(((planes[1 + jj][gi[e]] >> tb[e]) & 1) << (3 + jj) for jj in range(4)) << (8 * e)
             if is_v:
                 regs = [prmt(low, hw, 0x5140), prmt(low, hw, 0x7362)]
@@ -134,8 +162,17 @@ def test_emulated_kernel_decode_of_format_3_is_lossless(c, is_v):
     for n in range(x.shape[0]):
         base, planes, raw = tile_groups(x[n], mode[n], base3, base4)
         want = x[n].view(torch.int16).to(torch.int32) & 0xFFFF
-        for branch_free in (False, True):
-            got = emulate(f3[n].tolist(), c, is_v, layout, base, planes, raw, branch_free)
+        for patch in ("call", "branch_free", "overlay"):
+            got = emulate(f3[n].tolist(), c, is_v, layout, base, planes, raw, patch)
             assert len(got) == 16 * c
             bad = [(k, v, int(want[k])) for k, v in got.items() if v != int(want[k])]
-            assert not bad, (branch_free, bad[:5])
+            assert not bad, (patch, bad[:5])
+
+
+@pytest.mark.parametrize("c", [64, 128])
+@pytest.mark.parametrize("is_v", [False, True])
+def test_overlay_words_hold_each_raw_element_once(c, is_v):
+    """The overlay's two words per 32 bits never overlap: with every group raw and every bit set, each element's
+    4 bits land in distinct places and fill the 4 bits x C x 16 elements exactly."""
+    ov = overlay(c, is_v, [[0xFF] * (2 * c)] * 5, [True] * (2 * c))
+    assert sum(bin(w).count("1") for w in ov) == 4 * 16 * c

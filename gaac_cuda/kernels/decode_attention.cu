@@ -43,9 +43,9 @@
 #ifndef GAAC_TRACE  // benchmark probe: per-warp globaltimer stamps into Params::trace
 #define GAAC_TRACE 0
 #endif
-#ifndef GAAC_F3RAW  // format 3: raw groups patched per word by a call (1) or branch-free over the tile (2, faster:
-#define GAAC_F3RAW 2  // 78.2 against 82.0 us at 1x64K, benchmarks/results/attention_cuda.md session 12)
-#endif
+#ifndef GAAC_F3RAW  // format 3: raw groups patched per word by a call (1), branch-free over the tile (2, faster:
+#define GAAC_F3RAW 2  // 78.2 against 82.0 us at 1x64K, benchmarks/results/attention_cuda.md session 12), or from an
+#endif               // overlay of code bits 3..6 in fragment order that the prepass scatters (3, see f3_overlay)
 #ifndef GAAC_FORMAT  // slot format: 1 (docs/format.md), 2 or 3 (byte-split prototypes of benchmarks/format_v2_probe.py)
 #define GAAC_FORMAT 1
 #endif
@@ -259,9 +259,12 @@ struct Scratch {  // per-warp dense group data of the slot being read
   // format 3, V tiles (whose prepass does not write `base` and planes[0]): each group's base twice (a V word holds
   // 2 tokens of 2 channels), over base and planes[0], and its plane-3 bits of even, then of odd tokens at even bits
   u8* base2;      // [2G]
-  u8* p3eo;       // [2G] after the raw masks
+  u8* p3eo;       // [2G] after the raw masks (GAAC_F3RAW 3: after the overlay)
+  u8* ov;         // GAAC_F3RAW 3: [4G] code bits 3..6 of raw elements in fragment order (f3_overlay), over planes 4..7
 };
-#if GAAC_FORMAT == 3
+#if GAAC_FORMAT == 3 && GAAC_F3RAW == 3
+#define SCRATCH_GROUPS 8  // base, plane 3, the overlay (4 bits per element), p3eo
+#elif GAAC_FORMAT == 3
 #define SCRATCH_GROUPS 9  // bytes of scratch per group
 #if !GAAC_DENSE_SLOT
 #error "GAAC_FORMAT 3 (fragment-order slots) is staged as stored: GAAC_DENSE_SLOT=1"
@@ -274,7 +277,8 @@ __device__ __forceinline__ void scratch_at(Scratch& s, u8* at) {
   s.planes = s.base + G;
   s.raw = s.planes + 5 * G;
   s.base2 = s.base;
-  s.p3eo = s.raw + G;
+  s.ov = s.planes + G;
+  s.p3eo = (GAAC_FORMAT == 3 && GAAC_F3RAW == 3) ? s.ov + 4 * G : s.raw + G;
 }
 
 // Mode tags of a lane's groups (lane L owns groups L*GPL .. L*GPL + GPL-1) and their escape bytes.
@@ -333,6 +337,46 @@ __device__ __forceinline__ void plane3_window(const Params& p, const u8* esc, u3
   }
 }
 
+#define F3_OVERLAY (GAAC_FORMAT == 3 && GAAC_F3RAW == 3)
+// GAAC_F3RAW 3: the raw groups' code bits 3..6 (planes 4..7) scattered into an overlay in fragment order, C/16 words
+// per lane in C/64 16-byte chunks (chunk x of lane L at (x * 32 + L) * 16). A word holds two of the lane's fragment
+// words, A at bits 3..6 of each byte and B rotated left by 4 (so bits 7 and 0..2 of the next byte): K chunk s4, word
+// i: A = word (s4, h = 0, i), B = (s4, h = 1, i); V chunk j / 2, word 2 (j % 2) + k: A = (j, h = 0, k), B = (j, h = 1,
+// k). The tile takes A as x & M and B as rotr(x, 4) & M (M = 0x78787878) and adds it with the group base (disjoint
+// bits: a raw group's base is 0, every other group's overlay bits are 0). Rare (tiles with a raw group), so plain
+// code: the lanes zero their own words, then each raw group's 8 elements are ORed in (two groups may share a word).
+template <bool IS_V>
+__device__ __forceinline__ void f3_overlay(const u8* esc, int esc_max, const Scratch& s, int lane, const LaneTags& lt) {
+#pragma unroll
+  for (int x = 0; x < C / 64; ++x) *reinterpret_cast<uint4*>(s.ov + (x * 32 + lane) * 16) = make_uint4(0, 0, 0, 0);
+  __syncwarp();
+#pragma unroll 1
+  for (u32 rem = lt.rb; rem; rem &= rem - 1) {
+    const int k = __ffs(rem) - 1;
+    const u32 bl = (1u << k) - 1;
+    const int o = min(lt.off + __popc(lt.wb & bl) + 4 * __popc(lt.rb & bl), esc_max);
+    const int gi = lane * GPL + k, h = gi / C, ch = gi % C, w = ch >> 2;
+#pragma unroll 1
+    for (int b = 0; b < 8; ++b) {  // token 8 h + b of channel ch
+      u32 nib = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) nib |= ((u32)(esc[o + 1 + j] >> b) & 1u) << j;
+      int at, e;
+      if (IS_V) {  // channels 4w + 2k2 + (e >> 1) x tokens 8h + 2t + (e & 1), w = g NVW + j
+        const int j = w % NVW, k2 = (ch >> 1) & 1;
+        at = ((j / 2) * 32 + 4 * (w / NVW) + b / 2) * 16 + 4 * (2 * (j % 2) + k2);
+        e = 2 * (ch & 1) + (b & 1);
+      } else {  // channels 4w .. 4w + 3 of token 8h + g, w = t NKS + 4 s4 + i
+        at = (((w % NKS) / 4) * 32 + 4 * b + w / NKS) * 16 + 4 * (w % 4);
+        e = ch & 3;
+      }
+      const u32 v = nib << (8 * e + 3);
+      atomicOr(reinterpret_cast<u32*>(s.ov + at), h ? __funnelshift_l(v, v, 4) : v);
+    }
+  }
+}
+__device__ __forceinline__ u32 f3_ov(u32 x, int h) { return (h ? __funnelshift_r(x, x, 4) : x) & 0x78787878u; }
+
 // Prepass over one slot in shared memory: bases and dense escape planes per group into the scratch.
 template <bool IS_V = false>
 __device__ __forceinline__ void prepass(const Params& p, const u8* slot, const Scratch& s, const u32 (&b3)[GPL / 4],
@@ -368,9 +412,11 @@ __device__ __forceinline__ void prepass(const Params& p, const u8* slot, const S
       *reinterpret_cast<u32*>(s.base + g0) = bw;
       *reinterpret_cast<u32*>(s.planes + g0) = p3[w];
     }
-    if (lt.any_raw) *reinterpret_cast<u32*>(s.raw + g0) = rm;
+    if (lt.any_raw && !F3_OVERLAY) *reinterpret_cast<u32*>(s.raw + g0) = rm;
   }
-  if (lt.any_raw) {  // planes 4..7 of raw groups: the 4 escape bytes after plane 3
+  if (F3_OVERLAY) {
+    if (lt.any_raw) f3_overlay<IS_V>(esc, p.buf_bytes - SECTION_SHIFT - p.esc_off - 5, s, lane, lt);
+  } else if (lt.any_raw) {  // planes 4..7 of raw groups: the 4 escape bytes after plane 3
     const int esc_max = p.buf_bytes - SECTION_SHIFT - p.esc_off - 5;
     unsigned long long hi[4] = {0, 0, 0, 0};
     for (u32 rem = rb; rem; rem &= rem - 1) {
@@ -463,12 +509,14 @@ __device__ __forceinline__ u32 f3_high(u32 mw, u32 pw, u32 b2) {  // sign | code
 }
 // The high bytes of a pair of words of types (YA, RA), (YB, RB): code bit 2 from the plane-3 scratch words xa, xb
 // (token bit at `rot` + 2), plus the group bases oa, ob.
+// va, vb: the overlay's code bits 3..6 (GAAC_F3RAW 3), one more term of the same add.
 template <int YA, int RA, int YB, int RB>
-__device__ __forceinline__ void f3_pair(u32 mw, u32 pw, u32 xa, u32 xb, u32 oa, u32 ob, u32 rot, u32& ha, u32& hb) {
+__device__ __forceinline__ void f3_pair(u32 mw, u32 pw, u32 xa, u32 xb, u32 oa, u32 ob, u32 rot, u32& ha, u32& hb,
+                                        u32 va = 0u, u32 vb = 0u) {
   const u32 ba = (GAAC_SKIP & 4) ? 0u : __funnelshift_r(xa, xa, rot) & 0x04040404u;
   const u32 bb = (GAAC_SKIP & 4) ? 0u : __funnelshift_r(xb, xb, rot) & 0x04040404u;
-  ha = f3_high<YA, RA>(mw, pw, ba) + oa;
-  hb = f3_high<YB, RB>(mw, pw, bb) + ob;
+  ha = f3_high<YA, RA>(mw, pw, ba) + oa + va;
+  hb = f3_high<YB, RB>(mw, pw, bb) + ob + vb;
 }
 // Raw groups of one word (rare): code bits 3..6 (planes 4..7 in scratch, group order) into the high bytes. Byte e of
 // `rm` (0xFF) marks a raw element, of group gi0 + (e >> v), token bit tb + (e & v) (K: v = 0, V: v = 1). Not inlined:
@@ -497,10 +545,46 @@ __device__ __forceinline__ void f3_words(const Params& p, const u8* buf, int lan
 // call per raw word cost 15 us of 82 at 1x64K, session 12), and the byte permutes and mmas follow.
 __device__ __forceinline__ void k_tile_f3(const Params& p, const u8* buf, const Scratch& s, int lane, int g, int t,
                                           const u32 (&qb)[NKS][2], float (&sc)[2][4], bool any_raw) {
-  constexpr int NC = NKS / 2;  // 16-byte chunks of 4 words per lane: chunk kc = 2 s4 + h
   u32 mw[C / 32], pw[C / 64];
   f3_words(p, buf, lane, mw, pw);
   const u32 rot = (g - 2) & 31;
+#if GAAC_F3RAW == 3  // the raw groups' bits come with the bases: each chunk pair straight into its mmas
+#pragma unroll
+  for (int s4 = 0; s4 < NKS / 4; ++s4) {
+    u32 X[4] = {0u, 0u, 0u, 0u}, H[2][4];
+    if (any_raw && !(GAAC_SKIP & 8)) ldv<4>(s.ov + (s4 * 32 + lane) * 16, X);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int g0 = h * C + 4 * (t * NKS + 4 * s4);
+      u32 O[4], P3[4];
+      ldv<4>(s.base + g0, O);
+      ldv<4>(s.planes + g0, P3);
+      const u32 m = mw[2 * s4 + h], q = pw[s4];
+      f3_pair<0, 0, 1, 0>(m, q, P3[0], P3[1], O[0], O[1], rot, H[h][0], H[h][1], f3_ov(X[0], h), f3_ov(X[1], h));
+      if (h == 0)
+        f3_pair<2, 0, 3, 1>(m, q, P3[2], P3[3], O[2], O[3], rot, H[h][2], H[h][3], f3_ov(X[2], h), f3_ov(X[3], h));
+      else
+        f3_pair<2, 2, 3, 3>(m, q, P3[2], P3[3], O[2], O[3], rot, H[h][2], H[h][3], f3_ov(X[2], h), f3_ov(X[3], h));
+    }
+    u32 lo[2][4], hi[2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      u32 L[4];
+      ldv<4>(buf + ((2 * s4 + h) * 32 + lane) * 16, L);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        lo[h][i] = prmt(L[i], H[h][i], 0x6240u);
+        hi[h][i] = prmt(L[i], H[h][i], 0x7351u);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int sl = 4 * s4 + i;
+      mma(sc[sl & 1], lo[0][i], lo[1][i], hi[0][i], hi[1][i], qb[sl][0], qb[sl][1]);
+    }
+  }
+#else
+  constexpr int NC = NKS / 2;  // 16-byte chunks of 4 words per lane: chunk kc = 2 s4 + h
   u32 H[NC][4];
 #pragma unroll
   for (int kc = 0; kc < NC; ++kc) {
@@ -557,12 +641,46 @@ __device__ __forceinline__ void k_tile_f3(const Params& p, const u8* buf, const 
       mma(sc[sl & 1], lo[0][i], lo[1][i], hi[0][i], hi[1][i], qb[sl][0], qb[sl][1]);
     }
   }
+#endif
 }
 __device__ __forceinline__ void v_tile_f3(const Params& p, const u8* buf, const Scratch& s, int lane, int g, int t,
                                           const u32 (&pb)[2], float (&o)[NVM][4], bool any_raw) {
   u32 mw[C / 32], pw[C / 64];
   f3_words(p, buf, lane, mw, pw);
   const u32 rot = (2 * t - 2) & 31;
+#if GAAC_F3RAW == 3  // (see k_tile_f3)
+  u32 X[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+  for (int j = 0; j < NVW; ++j) {
+    if (j % 2 == 0 && any_raw && !(GAAC_SKIP & 8)) ldv<4>(s.ov + ((j / 2) * 32 + lane) * 16, X);
+    const int w = g * NVW + j;
+    const u32 m = mw[j], q = pw[j / 2];
+    u32 H[2][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int gd = 2 * (h * C + 4 * w);
+      u32 O[2], P[2];
+      ldv<2>(s.base2 + gd, O);
+      ldv<2>(s.p3eo + gd, P);
+      const u32 va = f3_ov(X[2 * (j % 2)], h), vb = f3_ov(X[2 * (j % 2) + 1], h);
+      if (h == 0) f3_pair<0, 0, 1, 0>(m, q, P[0], P[1], O[0], O[1], rot, H[h][0], H[h][1], va, vb);
+      else if (j % 2 == 0) f3_pair<2, 0, 3, 1>(m, q, P[0], P[1], O[0], O[1], rot, H[h][0], H[h][1], va, vb);
+      else f3_pair<2, 2, 3, 3>(m, q, P[0], P[1], O[0], O[1], rot, H[h][0], H[h][1], va, vb);
+    }
+    u32 L[4];
+    ldv<4>(buf + (j * 32 + lane) * 16, L);
+    u32 a[2][2][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        a[h][k][0] = prmt(L[2 * h + k], H[h][k], 0x5140u);
+        a[h][k][1] = prmt(L[2 * h + k], H[h][k], 0x7362u);
+      }
+#pragma unroll
+    for (int k = 0; k < 2; ++k) mma(o[2 * j + k], a[0][k][0], a[0][k][1], a[1][k][0], a[1][k][1], pb[0], pb[1]);
+  }
+#else
   u32 H[NVW][2][2];  // [j][h][k]
 #pragma unroll
   for (int j = 0; j < NVW; ++j) {
@@ -625,6 +743,7 @@ __device__ __forceinline__ void v_tile_f3(const Params& p, const u8* buf, const 
 #pragma unroll
     for (int k = 0; k < 2; ++k) mma(o[2 * j + k], a[0][k][0], a[0][k][1], a[1][k][0], a[1][k][1], pb[0], pb[1]);
   }
+#endif
 }
 
 // Scores of one tile: k-slice s of thread (g, t) is word w = t*NKS + s (channels 4w..4w+3) of tokens g and g+8
