@@ -177,12 +177,13 @@ def compress_v2(k: torch.Tensor, v: torch.Tensor, fragment: bool = False):
     return packed, layout, info
 
 
-VARIANTS = (  # label, format, ws consumers, stages, CTAs per SM (ws) -- 0: the one-warp kernel, raw_patch (format 3)
-    ("format_1", 1, 0, 0, 0, 2), ("format_3", 3, 0, 0, 0, 2), ("format_3_ov", 3, 0, 0, 0, 3),
-    ("format_3_ov_ws5", 3, 5, 10, 2, 3), ("format_3_ov_ws11", 3, 11, 22, 1, 3), ("format_3_ov_ws6", 3, 6, 12, 2, 3),
-    ("format_3_ov_ws3", 3, 3, 6, 3, 3))
-# Also measured (session 12, format_v3_probe_s12_rawbf.json): format 2, format 1/2/3 at ws 6, format 3 at ws 3 x 4
-# CTAs and with raw groups patched per word (raw_patch 1); none was the fastest.
+VARIANTS = (  # label, format, ws consumers, stages, CTAs per SM (ws) -- 0: the one-warp kernel, raw_patch (format 3),
+    # more compile-time defines
+    ("format_1", 1, 0, 0, 0, 2, ()), ("format_3", 3, 0, 0, 0, 2, ()), ("format_3_ov", 3, 0, 0, 0, 3, ()),
+    ("format_3_ov_fused", 3, 0, 0, 0, 3, ("GAAC_F3FUSE=1",)))
+# Also measured, none the fastest: format 2, format 1/2/3 at ws 6, format 3 at ws 3 x 4 CTAs and with raw groups
+# patched per word (raw_patch 1) in session 12 (format_v3_probe_s12_rawbf.json); format 3 with the overlay at ws 3 x 3,
+# 5 x 2, 6 x 2 and 11 x 1 in session 13 (format_v3_probe_s13_overlay_first.json).
 
 
 def main():
@@ -212,10 +213,10 @@ def main():
         pp = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, ws=0)
         twin = gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, pp)
         row = {"shape": f"{hq}/{hkv}/{d} {b}x{s}", "bf16_bytes": 4 * k.numel(), "nsplit": pp.nsplit}
-        for label, fmt, ws, stages, ctas, raw_patch in VARIANTS:
+        for label, fmt, ws, stages, ctas, raw_patch, defines in VARIANTS:
             packed, layout, info = encoded[fmt]
             kw = dict(ws=ws) if not ws else dict(ws=ws, stages=stages, min_ctas=ctas)
-            kw["raw_patch"] = raw_patch
+            kw.update(raw_patch=raw_patch, defines=defines)
             # one wave: the twin's splits fill 12 warps per SM; a ws variant with fewer consumer warps per SM takes
             # proportionally fewer (whole CTAs) and is checked against the twin at that count
             nsplit = pp.nsplit if not ws or ws * ctas == 12 else max(ws, pp.nsplit * ws * ctas // 12 // ws * ws)

@@ -121,7 +121,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
          plain: bool = False, nsplit: int | None = None, warps: int = 4, stages: int | None = None,
          min_ctas: int | None = None, skip: int = 0, trace: bool = False, format_version: int = 1,
          swizzle: bool = SWIZZLE, v_words: int | None = None, dense_slots: bool | None = None,
-         ws: int | None = None, raw_patch: int = 2) -> DecodePlan:
+         ws: int | None = None, raw_patch: int = 2, defines: tuple[str, ...] = ()) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
@@ -143,7 +143,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     CTA. Default: WS_TWIN for plain KV at head_dim 64/128 without one-warp options, else 0 (the one-warp kernel).
     `raw_patch` (format 3): raw groups patched per word by a call (1), branch-free over a tile that has any (2,
     the default: measured faster than 1), or from an overlay of code bits 3..6 that the prepass scatters in
-    fragment order and the tile adds with the bases (3)."""
+    fragment order and the tile adds with the bases (3). `defines` (benchmarks): more `NAME=VALUE` compile-time
+    options of the kernel source, e.g. ("GAAC_F3FUSE=1",); they key the kernel cache like every option."""
     if not 1 <= rep <= MAX_GROUP_HEADS:
         raise ValueError(f"the CUDA decode kernel packs at most {MAX_GROUP_HEADS} query heads per kv-head, got {rep}")
     one_warp = bool(trace or (swizzle and plain) or warps != 4)
@@ -164,7 +165,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         raise ValueError(f"raw_patch is 1 (per word), 2 (branch-free) or 3 (overlay), not {raw_patch}")
     if format_version != 3:
         raw_patch = 2  # (only format 3 reads it)
-    extra = (f"-DGAAC_F3RAW={raw_patch}",) if format_version == 3 and raw_patch != 2 else ()
+    extra = ((f"-DGAAC_F3RAW={raw_patch}",) if format_version == 3 and raw_patch != 2 else ()) + tuple(
+        f"-D{d}" for d in defines)
     if ws:
         return _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, slot_bytes=slot_bytes, plain=plain,
                         nsplit=nsplit, ws=ws, stages=2 * ws if stages is None else stages, min_ctas=min_ctas,
@@ -251,7 +253,8 @@ def _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, *, slot_bytes, 
                "-DGAAC_WARPS=4", f"-DGAAC_MIN_CTAS={ctas}", f"-DGAAC_WS={ws}", f"-DVT_WORDS={channels // 32}",
                f"-DGAAC_DENSE_SLOT={int(dense_slots)}")
     if format_version != 1:
-        options += (f"-DGAAC_FORMAT={format_version}",) + extra
+        options += (f"-DGAAC_FORMAT={format_version}",)
+    options += extra
     if skip:
         options += (f"-DGAAC_SKIP={skip}",)
     if nsplit is None:  # the one-warp kernel's split count (compressed KV and its twin must split alike)

@@ -46,6 +46,9 @@
 #ifndef GAAC_F3RAW  // format 3: raw groups patched per word by a call (1), branch-free over the tile (2, faster:
 #define GAAC_F3RAW 2  // 78.2 against 82.0 us at 1x64K, benchmarks/results/attention_cuda.md session 12), or from an
 #endif               // overlay of code bits 3..6 in fragment order that the prepass scatters (3, see f3_overlay)
+#ifndef GAAC_F3FUSE  // format 3 with the overlay: each chunk pair's high bytes straight into its mmas (1) or the
+#define GAAC_F3FUSE 0  // whole tile's high bytes first, then the mmas (0, as with the other patches)
+#endif
 #ifndef GAAC_FORMAT  // slot format: 1 (docs/format.md), 2 or 3 (byte-split prototypes of benchmarks/format_v2_probe.py)
 #define GAAC_FORMAT 1
 #endif
@@ -356,11 +359,10 @@ __device__ __forceinline__ void f3_overlay(const u8* esc, int esc_max, const Scr
     const u32 bl = (1u << k) - 1;
     const int o = min(lt.off + __popc(lt.wb & bl) + 4 * __popc(lt.rb & bl), esc_max);
     const int gi = lane * GPL + k, h = gi / C, ch = gi % C, w = ch >> 2;
-#pragma unroll 1
-    for (int b = 0; b < 8; ++b) {  // token 8 h + b of channel ch
-      u32 nib = 0;
+    const u32 e4 = esc[o + 1] | (u32)esc[o + 2] << 8 | (u32)esc[o + 3] << 16 | (u32)esc[o + 4] << 24;  // planes 4..7
 #pragma unroll
-      for (int j = 0; j < 4; ++j) nib |= ((u32)(esc[o + 1 + j] >> b) & 1u) << j;
+    for (int b = 0; b < 8; ++b) {  // token 8 h + b of channel ch: bit b of each plane byte, gathered into bits 0..3
+      const u32 nib = ((((e4 >> b) & 0x01010101u) * 0x00204081u) >> 21) & 0xFu;
       int at, e;
       if (IS_V) {  // channels 4w + 2k2 + (e >> 1) x tokens 8h + 2t + (e & 1), w = g NVW + j
         const int j = w % NVW, k2 = (ch >> 1) & 1;
@@ -548,7 +550,7 @@ __device__ __forceinline__ void k_tile_f3(const Params& p, const u8* buf, const 
   u32 mw[C / 32], pw[C / 64];
   f3_words(p, buf, lane, mw, pw);
   const u32 rot = (g - 2) & 31;
-#if GAAC_F3RAW == 3  // the raw groups' bits come with the bases: each chunk pair straight into its mmas
+#if F3_OVERLAY && GAAC_F3FUSE  // each chunk pair's high bytes straight into its mmas
 #pragma unroll
   for (int s4 = 0; s4 < NKS / 4; ++s4) {
     u32 X[4] = {0u, 0u, 0u, 0u}, H[2][4];
@@ -585,7 +587,7 @@ __device__ __forceinline__ void k_tile_f3(const Params& p, const u8* buf, const 
   }
 #else
   constexpr int NC = NKS / 2;  // 16-byte chunks of 4 words per lane: chunk kc = 2 s4 + h
-  u32 H[NC][4];
+  u32 H[NC][4], X[4] = {0u, 0u, 0u, 0u};  // X: the overlay words of chunk pair s4 (GAAC_F3RAW 3; else 0)
 #pragma unroll
   for (int kc = 0; kc < NC; ++kc) {
     const int s4 = kc / 2, h = kc % 2;
@@ -593,10 +595,13 @@ __device__ __forceinline__ void k_tile_f3(const Params& p, const u8* buf, const 
     u32 O[4], P3[4];
     ldv<4>(s.base + g0, O);
     ldv<4>(s.planes + g0, P3);
+    if (F3_OVERLAY && h == 0 && any_raw && !(GAAC_SKIP & 8)) ldv<4>(s.ov + (s4 * 32 + lane) * 16, X);
     const u32 m = mw[kc], q = pw[s4];
-    f3_pair<0, 0, 1, 0>(m, q, P3[0], P3[1], O[0], O[1], rot, H[kc][0], H[kc][1]);
-    if (h == 0) f3_pair<2, 0, 3, 1>(m, q, P3[2], P3[3], O[2], O[3], rot, H[kc][2], H[kc][3]);
-    else f3_pair<2, 2, 3, 3>(m, q, P3[2], P3[3], O[2], O[3], rot, H[kc][2], H[kc][3]);
+    f3_pair<0, 0, 1, 0>(m, q, P3[0], P3[1], O[0], O[1], rot, H[kc][0], H[kc][1], f3_ov(X[0], h), f3_ov(X[1], h));
+    if (h == 0)
+      f3_pair<2, 0, 3, 1>(m, q, P3[2], P3[3], O[2], O[3], rot, H[kc][2], H[kc][3], f3_ov(X[2], h), f3_ov(X[3], h));
+    else
+      f3_pair<2, 2, 3, 3>(m, q, P3[2], P3[3], O[2], O[3], rot, H[kc][2], H[kc][3], f3_ov(X[2], h), f3_ov(X[3], h));
   }
   if (GAAC_F3RAW == 2 && any_raw && !(GAAC_SKIP & 8)) {  // branch-free: planes 4..7 are 0 outside raw groups
 #pragma unroll
@@ -611,7 +616,7 @@ __device__ __forceinline__ void k_tile_f3(const Params& p, const u8* buf, const 
         for (int i = 0; i < 4; ++i) H[kc][i] |= __funnelshift_r(R[i], R[i], r) & (0x08080808u << pl);
       }
     }
-  } else if (any_raw && !(GAAC_SKIP & 8)) {
+  } else if (GAAC_F3RAW == 1 && any_raw && !(GAAC_SKIP & 8)) {
 #pragma unroll
     for (int kc = 0; kc < NC; ++kc) {
       const int g0 = (kc % 2) * C + 4 * (t * NKS + 4 * (kc / 2));
@@ -648,7 +653,7 @@ __device__ __forceinline__ void v_tile_f3(const Params& p, const u8* buf, const 
   u32 mw[C / 32], pw[C / 64];
   f3_words(p, buf, lane, mw, pw);
   const u32 rot = (2 * t - 2) & 31;
-#if GAAC_F3RAW == 3  // (see k_tile_f3)
+#if F3_OVERLAY && GAAC_F3FUSE  // (see k_tile_f3)
   u32 X[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
   for (int j = 0; j < NVW; ++j) {
@@ -681,20 +686,22 @@ __device__ __forceinline__ void v_tile_f3(const Params& p, const u8* buf, const 
     for (int k = 0; k < 2; ++k) mma(o[2 * j + k], a[0][k][0], a[0][k][1], a[1][k][0], a[1][k][1], pb[0], pb[1]);
   }
 #else
-  u32 H[NVW][2][2];  // [j][h][k]
+  u32 H[NVW][2][2], X[4] = {0u, 0u, 0u, 0u};  // [j][h][k]; X: the overlay words of j, j + 1 (j even)
 #pragma unroll
   for (int j = 0; j < NVW; ++j) {
     const int w = g * NVW + j;
     const u32 m = mw[j], q = pw[j / 2];
+    if (F3_OVERLAY && j % 2 == 0 && any_raw && !(GAAC_SKIP & 8)) ldv<4>(s.ov + ((j / 2) * 32 + lane) * 16, X);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int gd = 2 * (h * C + 4 * w);
-      u32 O[2], X[2];
+      u32 O[2], P[2];
       ldv<2>(s.base2 + gd, O);
-      ldv<2>(s.p3eo + gd, X);
-      if (h == 0) f3_pair<0, 0, 1, 0>(m, q, X[0], X[1], O[0], O[1], rot, H[j][h][0], H[j][h][1]);
-      else if (j % 2 == 0) f3_pair<2, 0, 3, 1>(m, q, X[0], X[1], O[0], O[1], rot, H[j][h][0], H[j][h][1]);
-      else f3_pair<2, 2, 3, 3>(m, q, X[0], X[1], O[0], O[1], rot, H[j][h][0], H[j][h][1]);
+      ldv<2>(s.p3eo + gd, P);
+      const u32 va = f3_ov(X[2 * (j % 2)], h), vb = f3_ov(X[2 * (j % 2) + 1], h);
+      if (h == 0) f3_pair<0, 0, 1, 0>(m, q, P[0], P[1], O[0], O[1], rot, H[j][h][0], H[j][h][1], va, vb);
+      else if (j % 2 == 0) f3_pair<2, 0, 3, 1>(m, q, P[0], P[1], O[0], O[1], rot, H[j][h][0], H[j][h][1], va, vb);
+      else f3_pair<2, 2, 3, 3>(m, q, P[0], P[1], O[0], O[1], rot, H[j][h][0], H[j][h][1], va, vb);
     }
   }
   if (GAAC_F3RAW == 2 && any_raw && !(GAAC_SKIP & 8)) {  // branch-free (see k_tile_f3)
@@ -714,7 +721,7 @@ __device__ __forceinline__ void v_tile_f3(const Params& p, const u8* buf, const 
           }
         }
       }
-  } else if (any_raw && !(GAAC_SKIP & 8)) {
+  } else if (GAAC_F3RAW == 1 && any_raw && !(GAAC_SKIP & 8)) {
 #pragma unroll
     for (int j = 0; j < NVW; ++j)
 #pragma unroll
