@@ -180,10 +180,11 @@ def compress_v2(k: torch.Tensor, v: torch.Tensor, fragment: bool = False):
 VARIANTS = (  # label, format, ws consumers, stages, CTAs per SM (ws) -- 0: the one-warp kernel, raw_patch (format 3),
     # more compile-time defines
     ("format_1", 1, 0, 0, 0, 2, ()), ("format_3", 3, 0, 0, 0, 2, ()), ("format_3_ov", 3, 0, 0, 0, 3, ()),
-    ("format_3_ov_fused", 3, 0, 0, 0, 3, ("GAAC_F3FUSE=1",)))
+    ("format_3_ov_dup", 3, 0, 0, 0, 3, ("GAAC_F3DUP=1",)))
 # Also measured, none the fastest: format 2, format 1/2/3 at ws 6, format 3 at ws 3 x 4 CTAs and with raw groups
 # patched per word (raw_patch 1) in session 12 (format_v3_probe_s12_rawbf.json); format 3 with the overlay at ws 3 x 3,
-# 5 x 2, 6 x 2 and 11 x 1 in session 13 (format_v3_probe_s13_overlay_first.json).
+# 5 x 2, 6 x 2 and 11 x 1 in session 13 (format_v3_probe_s13_overlay_first.json), and with each chunk pair fused
+# into its mmas (GAAC_F3FUSE=1, format_v3_probe_s13_overlay_second.json).
 
 
 def main():

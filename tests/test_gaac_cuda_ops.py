@@ -272,15 +272,16 @@ def test_fragment_order_prototype_equals_plain_twin(d):
     kv_len = torch.full((b,), s, dtype=torch.int32, device="cuda")
     packed, layout, info = compress_v2(k, v, fragment=True)
     assert info["raw_tiles"] > 0 and min(info["mode_shares"]) > 0, info
-    for nsplit, ws, raw_patch in ((1, 0, 1), (7, 0, 1), (12, 3, 1), (12, 6, 1), (8, 4, 1), (7, 0, 2), (12, 6, 2),
-                                  (1, 0, 3), (7, 0, 3), (12, 6, 3), (10, 5, 3), (11, 11, 3), (12, 3, 3), (7, 0, 4)):
-        fuse = raw_patch == 4  # the overlay with each chunk pair's high bytes straight into its mmas
+    cases = [(n, w, r, ()) for n, w, r in ((1, 0, 1), (7, 0, 1), (12, 3, 1), (12, 6, 1), (8, 4, 1), (7, 0, 2), (12, 6, 2),
+                                          (1, 0, 3), (7, 0, 3), (12, 6, 3), (10, 5, 3), (11, 11, 3), (12, 3, 3))]
+    cases += [(7, 0, 3, ("GAAC_F3FUSE=1",)), (7, 0, 3, ("GAAC_F3DUP=1",)), (12, 6, 3, ("GAAC_F3DUP=1",))]
+    for nsplit, ws, raw_patch, defines in cases:  # defines: the overlay's tile-code variants
         pc = plan(b, h, nrep, d, s, "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, ws=ws, format_version=3,
-                  raw_patch=3 if fuse else raw_patch, defines=("GAAC_F3FUSE=1",) if fuse else ())
+                  raw_patch=raw_patch, defines=defines)
         pp = plan(b, h, nrep, d, s, "cuda", plain=True, nsplit=nsplit, ws=0)
         got = decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, d ** -0.5, layout, pc)
         twin = plain_decode_attention(q, k, v, kv_len, None, d ** -0.5, pp)
-        assert torch.equal(bits(got), bits(twin)), (nsplit, ws, raw_patch)
+        assert torch.equal(bits(got), bits(twin)), (nsplit, ws, raw_patch, defines)
 
 
 @gpu

@@ -46,6 +46,9 @@
 #ifndef GAAC_F3RAW  // format 3: raw groups patched per word by a call (1), branch-free over the tile (2, faster:
 #define GAAC_F3RAW 2  // 78.2 against 82.0 us at 1x64K, benchmarks/results/attention_cuda.md session 12), or from an
 #endif               // overlay of code bits 3..6 in fragment order that the prepass scatters (3, see f3_overlay)
+#ifndef GAAC_F3DUP  // format 3 with the overlay: a tile with a raw group and one without run their own inlined copy of
+#define GAAC_F3DUP 0  // the tile code (1: the other never touches the overlay) or one copy (0)
+#endif
 #ifndef GAAC_F3FUSE  // format 3 with the overlay: each chunk pair's high bytes straight into its mmas (1) or the
 #define GAAC_F3FUSE 0  // whole tile's high bytes first, then the mmas (0, as with the other patches)
 #endif
@@ -346,22 +349,31 @@ __device__ __forceinline__ void plane3_window(const Params& p, const u8* esc, u3
 // words, A at bits 3..6 of each byte and B rotated left by 4 (so bits 7 and 0..2 of the next byte): K chunk s4, word
 // i: A = word (s4, h = 0, i), B = (s4, h = 1, i); V chunk j / 2, word 2 (j % 2) + k: A = (j, h = 0, k), B = (j, h = 1,
 // k). The tile takes A as x & M and B as rotr(x, 4) & M (M = 0x78787878) and adds it with the group base (disjoint
-// bits: a raw group's base is 0, every other group's overlay bits are 0). Rare (tiles with a raw group), so plain
-// code: the lanes zero their own words, then each raw group's 8 elements are ORed in (two groups may share a word).
+// bits: a raw group's base is 0, every other group's overlay bits are 0). Only in tiles with a raw group: the lanes
+// zero their own words, then the warp takes the raw groups one at a time (their owner lane broadcasts the group and
+// its 4 plane bytes) and lanes 0..7 OR in token b = lane (atomically: two V tokens, or two groups, share a word).
 template <bool IS_V>
 __device__ __forceinline__ void f3_overlay(const u8* esc, int esc_max, const Scratch& s, int lane, const LaneTags& lt) {
 #pragma unroll
   for (int x = 0; x < C / 64; ++x) *reinterpret_cast<uint4*>(s.ov + (x * 32 + lane) * 16) = make_uint4(0, 0, 0, 0);
   __syncwarp();
+  u32 rem = lt.rb;
 #pragma unroll 1
-  for (u32 rem = lt.rb; rem; rem &= rem - 1) {
-    const int k = __ffs(rem) - 1;
-    const u32 bl = (1u << k) - 1;
-    const int o = min(lt.off + __popc(lt.wb & bl) + 4 * __popc(lt.rb & bl), esc_max);
-    const int gi = lane * GPL + k, h = gi / C, ch = gi % C, w = ch >> 2;
-    const u32 e4 = esc[o + 1] | (u32)esc[o + 2] << 8 | (u32)esc[o + 3] << 16 | (u32)esc[o + 4] << 24;  // planes 4..7
-#pragma unroll
-    for (int b = 0; b < 8; ++b) {  // token 8 h + b of channel ch: bit b of each plane byte, gathered into bits 0..3
+  for (u32 who = __ballot_sync(0xffffffffu, rem != 0); who; who = __ballot_sync(0xffffffffu, rem != 0)) {
+    const int src = __ffs(who) - 1;
+    u32 gi = 0, e4 = 0;
+    if (lane == src) {
+      const int k = __ffs(rem) - 1;
+      const u32 bl = (1u << k) - 1;
+      const int o = min(lt.off + __popc(lt.wb & bl) + 4 * __popc(lt.rb & bl), esc_max);
+      e4 = esc[o + 1] | (u32)esc[o + 2] << 8 | (u32)esc[o + 3] << 16 | (u32)esc[o + 4] << 24;  // planes 4..7
+      gi = lane * GPL + k;
+      rem &= rem - 1;
+    }
+    gi = __shfl_sync(0xffffffffu, gi, src);
+    e4 = __shfl_sync(0xffffffffu, e4, src);
+    if (lane < 8) {  // token 8 h + b of channel ch: bit b of each plane byte, gathered into bits 0..3
+      const int b = lane, h = gi / C, ch = gi % C, w = ch >> 2;
       const u32 nib = ((((e4 >> b) & 0x01010101u) * 0x00204081u) >> 21) & 0xFu;
       int at, e;
       if (IS_V) {  // channels 4w + 2k2 + (e >> 1) x tokens 8h + 2t + (e & 1), w = g NVW + j
@@ -761,7 +773,8 @@ __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scr
                                        const u32 (&qb)[NKS][2], float (&sc)[2][4], bool any_raw,
                                        const RowSwizzle& sw) {
   if (KIND == 4 && GAAC_FORMAT == 3) {
-    k_tile_f3(p, buf, s, 4 * g + t, g, t, qb, sc, any_raw);
+    if (F3_OVERLAY && GAAC_F3DUP && any_raw) k_tile_f3(p, buf, s, 4 * g + t, g, t, qb, sc, true);
+    else k_tile_f3(p, buf, s, 4 * g + t, g, t, qb, sc, F3_OVERLAY && GAAC_F3DUP ? false : any_raw);
     return;
   }
   constexpr int NV = 4;  // words per vector load
@@ -866,7 +879,8 @@ template <int KIND>
 __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
                                        const u32 (&pb)[2], float (&o)[NVM][4], bool any_raw, const RowSwizzle& sw) {
   if (KIND == 4 && GAAC_FORMAT == 3) {
-    v_tile_f3(p, buf, s, 4 * g + t, g, t, pb, o, any_raw);
+    if (F3_OVERLAY && GAAC_F3DUP && any_raw) v_tile_f3(p, buf, s, 4 * g + t, g, t, pb, o, true);
+    else v_tile_f3(p, buf, s, 4 * g + t, g, t, pb, o, F3_OVERLAY && GAAC_F3DUP ? false : any_raw);
     return;
   }
   if (KIND == 0) {
