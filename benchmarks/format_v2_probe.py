@@ -140,6 +140,17 @@ def to_fragment_order(slots: torch.Tensor, c: int, layout: TileLayout, is_v: boo
     return torch.cat([low, words, slots[..., layout.planes_offset + 3 * g:]], -1)
 
 
+def head_major(packed: tuple) -> tuple:
+    """The same slots with each (row, K/V, head) run of units contiguous in the pool (GAACCache allocates a block's
+    slots of every head together, so one head's consecutive units lie 2 x heads slots apart); the table follows."""
+    slot_pool, raw_pool, table, *rest = packed
+    t = table.permute(0, 2, 3, 4, 1)  # [B, 2, H, T, n]: head-major order
+    old = t[t >= 0]
+    new_t = t.clone()
+    new_t[t >= 0] = torch.arange(old.numel(), dtype=table.dtype, device=table.device)
+    return (slot_pool[old.long()].contiguous(), raw_pool, new_t.permute(0, 4, 1, 2, 3).contiguous(), *rest)
+
+
 def compress_v2(k: torch.Tensor, v: torch.Tensor, fragment: bool = False):
     """`compress` of benchmarks/attention.py with even windows and the prototype encoder; bases returned halved
     (what the kernel adds to a code). `fragment`: format 3 (the same slots in fragment order)."""
@@ -177,14 +188,16 @@ def compress_v2(k: torch.Tensor, v: torch.Tensor, fragment: bool = False):
     return packed, layout, info
 
 
-VARIANTS = (  # label, format, ws consumers, stages, CTAs per SM (ws) -- 0: the one-warp kernel, raw_patch (format 3),
-    # more compile-time defines
+VARIANTS = (  # label, format, ws consumers (0: the one-warp kernel), stages and CTAs per SM (0: the defaults),
+    # raw_patch (format 3), more compile-time defines
     ("format_1", 1, 0, 0, 0, 2, ()), ("format_3", 3, 0, 0, 0, 2, ()), ("format_3_ov", 3, 0, 0, 0, 3, ()),
-    ("format_3_ov_dup", 3, 0, 0, 0, 3, ("GAAC_F3DUP=1",)))
+    ("format_3_ov_dup", 3, 0, 0, 0, 3, ("GAAC_F3DUP=1",)), ("format_3_ov_dup_ws6", 3, 6, 12, 2, 3, ("GAAC_F3DUP=1",)),
+    ("format_3_ov_dup_hm", 3, 0, 0, 0, 3, ("GAAC_F3DUP=1",)))  # _hm: slots head-major in the pool (head_major)
 # Also measured, none the fastest: format 2, format 1/2/3 at ws 6, format 3 at ws 3 x 4 CTAs and with raw groups
 # patched per word (raw_patch 1) in session 12 (format_v3_probe_s12_rawbf.json); format 3 with the overlay at ws 3 x 3,
 # 5 x 2, 6 x 2 and 11 x 1 in session 13 (format_v3_probe_s13_overlay_first.json), and with each chunk pair fused
-# into its mmas (GAAC_F3FUSE=1, format_v3_probe_s13_overlay_second.json).
+# into its mmas (GAAC_F3FUSE=1, format_v3_probe_s13_overlay_second.json); the one-warp kernel with 3 stages at 2 CTAs
+# per SM (format_v3_probe_s13_dup.json).
 
 
 def main():
@@ -216,11 +229,15 @@ def main():
         row = {"shape": f"{hq}/{hkv}/{d} {b}x{s}", "bf16_bytes": 4 * k.numel(), "nsplit": pp.nsplit}
         for label, fmt, ws, stages, ctas, raw_patch, defines in VARIANTS:
             packed, layout, info = encoded[fmt]
-            kw = dict(ws=ws) if not ws else dict(ws=ws, stages=stages, min_ctas=ctas)
+            if label.endswith("_hm"):
+                packed = head_major(packed)
+            kw = dict(ws=ws) if not stages else dict(ws=ws, stages=stages, min_ctas=ctas)
+            warps_per_sm = ws * ctas if ws else 4 * ctas if stages else 12
             kw.update(raw_patch=raw_patch, defines=defines)
-            # one wave: the twin's splits fill 12 warps per SM; a ws variant with fewer consumer warps per SM takes
+            # one wave: the twin's splits fill 12 warps per SM; a variant with fewer (consumer) warps per SM takes
             # proportionally fewer (whole CTAs) and is checked against the twin at that count
-            nsplit = pp.nsplit if not ws or ws * ctas == 12 else max(ws, pp.nsplit * ws * ctas // 12 // ws * ws)
+            per_cta = ws or 4
+            nsplit = pp.nsplit if warps_per_sm == 12 else max(per_cta, pp.nsplit * warps_per_sm // 12 // per_cta * per_cta)
             pc = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, format_version=fmt,
                                 nsplit=nsplit, **kw)
             got = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout, pc)
