@@ -121,7 +121,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
          plain: bool = False, nsplit: int | None = None, warps: int = 4, stages: int | None = None,
          min_ctas: int | None = None, skip: int = 0, trace: bool = False, format_version: int = 1,
          swizzle: bool = SWIZZLE, v_words: int | None = None, dense_slots: bool | None = None,
-         ws: int | None = None, raw_patch: int = 2, defines: tuple[str, ...] = ()) -> DecodePlan:
+         ws: int | None = None, raw_patch: int = 3, defines: tuple[str, ...] = ()) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
@@ -141,9 +141,9 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     each holding one of the one-warp kernel's splits (the same bits at the same split count), and one producer warp
     that streams the CTA's units through a ring of `stages` stages (a multiple of ws; default 2 ws) shared by the
     CTA. Default: WS_TWIN for plain KV at head_dim 64/128 without one-warp options, else 0 (the one-warp kernel).
-    `raw_patch` (format 3): raw groups patched per word by a call (1), branch-free over a tile that has any (2,
-    the default: measured faster than 1), or from an overlay of code bits 3..6 that the prepass scatters in
-    fragment order and the tile adds with the bases (3). `defines` (benchmarks): more `NAME=VALUE` compile-time
+    `raw_patch` (format 3): raw groups patched per word by a call (1), branch-free over a tile that has any (2), or
+    from an overlay of code bits 3..6 that the prepass scatters in fragment order and the tile adds with the bases
+    (3, the default: measured fastest, benchmarks/results/attention_cuda.md session 13). `defines` (benchmarks): more `NAME=VALUE` compile-time
     options of the kernel source, e.g. ("GAAC_F3FUSE=1",); they key the kernel cache like every option."""
     if not 1 <= rep <= MAX_GROUP_HEADS:
         raise ValueError(f"the CUDA decode kernel packs at most {MAX_GROUP_HEADS} query heads per kv-head, got {rep}")
@@ -164,8 +164,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     if raw_patch not in (1, 2, 3):
         raise ValueError(f"raw_patch is 1 (per word), 2 (branch-free) or 3 (overlay), not {raw_patch}")
     if format_version != 3:
-        raw_patch = 2  # (only format 3 reads it)
-    extra = ((f"-DGAAC_F3RAW={raw_patch}",) if format_version == 3 and raw_patch != 2 else ()) + tuple(
+        raw_patch = 3  # (only format 3 reads it)
+    extra = ((f"-DGAAC_F3RAW={raw_patch}",) if format_version == 3 and raw_patch != 3 else ()) + tuple(
         f"-D{d}" for d in defines)
     if ws:
         return _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, slot_bytes=slot_bytes, plain=plain,
@@ -218,7 +218,7 @@ def _default_nsplit(batch, kv_heads, max_tokens, device, tiles=1) -> int:
     return max(1, min(want, math.ceil(units / MIN_UNITS_PER_SPLIT)))
 
 
-def _scratch(channels: int, format_version: int, raw_patch: int = 2) -> int:
+def _scratch(channels: int, format_version: int, raw_patch: int = 3) -> int:
     """Per-consumer scratch for one slot: per group its base, planes 3..7 and raw mask (7 bytes); format 3 adds the
     V tiles' split plane-3 bytes (2 more; their doubled bases overlay base and plane 3), and with raw_patch 3 holds
     code bits 3..6 as a 4-bit-per-element overlay in place of planes 4..7 and the raw masks (8 in all): the kernel's
@@ -235,7 +235,7 @@ def _stage_buffer(channels: int, slot_bytes: int, plain: bool, dense_slots: bool
 
 
 def _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, *, slot_bytes, plain, nsplit, ws, stages, min_ctas,
-             skip, dense_slots, format_version=1, extra=(), raw_patch=2) -> DecodePlan:
+             skip, dense_slots, format_version=1, extra=(), raw_patch=3) -> DecodePlan:
     if head_dim not in (64, 128):
         raise ValueError(f"the warp-specialized kernel supports head_dim 64 and 128, not {head_dim}")
     if not 1 <= ws <= 15 or stages < ws or stages % ws:

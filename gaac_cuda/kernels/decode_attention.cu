@@ -43,14 +43,14 @@
 #ifndef GAAC_TRACE  // benchmark probe: per-warp globaltimer stamps into Params::trace
 #define GAAC_TRACE 0
 #endif
-#ifndef GAAC_F3RAW  // format 3: raw groups patched per word by a call (1), branch-free over the tile (2, faster:
-#define GAAC_F3RAW 2  // 78.2 against 82.0 us at 1x64K, benchmarks/results/attention_cuda.md session 12), or from an
-#endif               // overlay of code bits 3..6 in fragment order that the prepass scatters (3, see f3_overlay)
-#ifndef GAAC_F3DUP  // format 3 with the overlay: a tile with a raw group and one without run their own inlined copy of
-#define GAAC_F3DUP 0  // the tile code (1: the other never touches the overlay) or one copy (0)
+#ifndef GAAC_F3RAW  // format 3, code bits 3..6 of raw groups: patched per word by a call (1), branch-free over a tile
+#define GAAC_F3RAW 3  // that has any (2), or from an overlay in fragment order that the prepass scatters (3, see
+#endif               // f3_overlay; at 1x64K 82.0 / 78.1 / 74.8 us, benchmarks/results/attention_cuda.md sessions 12-13)
+#ifndef GAAC_F3DUP  // format 3 with the overlay: tiles with and without a raw group run their own inlined copy of the
+#define GAAC_F3DUP 1  // tile code (1: the other never touches the overlay; 74.8 against 77.5 us) or one copy (0)
 #endif
 #ifndef GAAC_F3FUSE  // format 3 with the overlay: each chunk pair's high bytes straight into its mmas (1) or the
-#define GAAC_F3FUSE 0  // whole tile's high bytes first, then the mmas (0, as with the other patches)
+#define GAAC_F3FUSE 0  // whole tile's high bytes first, then the mmas (0; as fast, 80.0 against 79.9 us)
 #endif
 #ifndef GAAC_FORMAT  // slot format: 1 (docs/format.md), 2 or 3 (byte-split prototypes of benchmarks/format_v2_probe.py)
 #define GAAC_FORMAT 1
