@@ -190,13 +190,16 @@ def compress_v2(k: torch.Tensor, v: torch.Tensor, fragment: bool = False):
 
 VARIANTS = (  # label, format, ws consumers (0: the one-warp kernel), stages and CTAs per SM (0: the defaults),
     # raw_patch (format 3), more compile-time defines
-    ("format_1", 1, 0, 0, 0, 3, ()), ("format_3_rawbf", 3, 0, 0, 0, 2, ()), ("format_3", 3, 0, 0, 0, 3, ()),
-    ("format_3_ws6", 3, 6, 12, 2, 3, ()), ("format_3_hm", 3, 0, 0, 0, 3, ()))  # _hm: slots head-major (head_major)
+    ("format_1", 1, 0, 0, 0, 3, ()), ("format_3", 3, 0, 0, 0, 3, ()),
+    ("format_3_ws6", 3, 6, 12, 2, 3, ()), ("format_3_ws3", 3, 3, 6, 3, 3, ()), ("format_3_ws2", 3, 2, 4, 4, 3, ()),
+    ("format_3_ws4", 3, 4, 8, 2, 3, ()), ("format_3_ws5", 3, 5, 10, 2, 3, ()))
 # Also measured, none the fastest: format 2, format 1/2/3 at ws 6, format 3 at ws 3 x 4 CTAs and with raw groups
-# patched per word (raw_patch 1) in session 12 (format_v3_probe_s12_rawbf.json); format 3 with the overlay at ws 3 x 3,
+# patched per word (raw_patch 1) in session 12 (format_v3_probe_s12_rawbf.json); format 3 with the branch-free patch
+# (raw_patch 2) and with the overlay at ws 3 x 3,
 # 5 x 2, 6 x 2 and 11 x 1 in session 13 (format_v3_probe_s13_overlay_first.json), and with each chunk pair fused
 # into its mmas (GAAC_F3FUSE=1, format_v3_probe_s13_overlay_second.json); the one-warp kernel with 3 stages at 2 CTAs
-# per SM and without the duplicated tile code (GAAC_F3DUP=0) (format_v3_probe_s13_dup.json).
+# per SM and without the duplicated tile code (GAAC_F3DUP=0) (format_v3_probe_s13_dup.json); slots head-major in the
+# pool (head_major, no faster: format_v3_probe_s13.json).
 
 
 def main():
