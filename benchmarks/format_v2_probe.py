@@ -151,9 +151,11 @@ def head_major(packed: tuple) -> tuple:
     return (slot_pool[old.long()].contiguous(), raw_pool, new_t.permute(0, 4, 1, 2, 3).contiguous(), *rest)
 
 
-def compress_v2(k: torch.Tensor, v: torch.Tensor, fragment: bool = False):
+def compress_v2(k: torch.Tensor, v: torch.Tensor, fragment: bool = False, capacity: int | None = None):
     """`compress` of benchmarks/attention.py with even windows and the prototype encoder; bases returned halved
-    (what the kernel adds to a code). `fragment`: format 3 (the same slots in fragment order)."""
+    (what the kernel adds to a code). `fragment`: format 3 (the same slots in fragment order). `capacity`: the slots'
+    escape capacity (default: the calibration's choice on the first 512 blocks; -1: the largest any tile needs, so
+    no tile is raw)."""
     b, h, s, d = k.shape
     c = tile_split(d)[1]
     n = s // 16
@@ -165,7 +167,12 @@ def compress_v2(k: torch.Tensor, v: torch.Tensor, fragment: bool = False):
     tiles = split_head(kv.reshape(b, h, 2, n, 16, d).permute(0, 3, 2, 1, 4, 5))  # [B, n, 2, H, T, 16, C]
     sample = tiles[:, : min(n, 512)]
     exp = (sample.view(torch.int16).to(torch.int32) >> 7) & 0xFF
-    capacity = choose_escape_capacity(escape_bytes(group_modes(exp, b3, b4)).reshape(-1), c)
+    if capacity is None:
+        capacity = choose_escape_capacity(escape_bytes(group_modes(exp, b3, b4)).reshape(-1), c)
+    elif capacity < 0:
+        need = max(int(escape_bytes(group_modes((tiles[:, j:j + 512].view(torch.int16).to(torch.int32) >> 7) & 0xFF,
+                                                b3, b4)).max()) for j in range(0, n, 512))
+        capacity = -(-need // 16) * 16
     slots, fits, modes = [], [], torch.zeros(3, dtype=torch.int64, device=k.device)
     step = max(1, 16384 // (2 * h * (d // c)))
     for j in range(0, n, step):

@@ -121,7 +121,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
          plain: bool = False, nsplit: int | None = None, warps: int = 4, stages: int | None = None,
          min_ctas: int | None = None, skip: int = 0, trace: bool = False, format_version: int = 1,
          swizzle: bool = SWIZZLE, v_words: int | None = None, dense_slots: bool | None = None,
-         ws: int | None = None, raw_patch: int = 3, defines: tuple[str, ...] = ()) -> DecodePlan:
+         ws: int | None = None, raw_patch: int = 3, defines: tuple[str, ...] = (),
+         buf_bytes: int | None = None) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
@@ -144,7 +145,9 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     `raw_patch` (format 3): raw groups patched per word by a call (1), branch-free over a tile that has any (2), or
     from an overlay of code bits 3..6 that the prepass scatters in fragment order and the tile adds with the bases
     (3, the default: measured fastest, benchmarks/results/attention_cuda.md session 13). `defines` (benchmarks): more `NAME=VALUE` compile-time
-    options of the kernel source, e.g. ("GAAC_F3FUSE=1",); they key the kernel cache like every option."""
+    options of the kernel source, e.g. ("GAAC_F3FUSE=1",); they key the kernel cache like every option.
+    `buf_bytes` (benchmarks, one-warp kernel, slots staged as stored): a ring stage's tile buffer, at least the slot;
+    below a BF16 tile's bytes only for KV without raw tiles (the caller's check: a raw tile would overrun it)."""
     if not 1 <= rep <= MAX_GROUP_HEADS:
         raise ValueError(f"the CUDA decode kernel packs at most {MAX_GROUP_HEADS} query heads per kv-head, got {rep}")
     one_warp = bool(trace or (swizzle and plain) or warps != 4)
@@ -167,6 +170,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         raw_patch = 3  # (only format 3 reads it)
     extra = ((f"-DGAAC_F3RAW={raw_patch}",) if format_version == 3 and raw_patch != 3 else ()) + tuple(
         f"-D{d}" for d in defines)
+    if ws and buf_bytes is not None:
+        raise ValueError("buf_bytes is a one-warp kernel option (ws=0)")
     if ws:
         return _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, slot_bytes=slot_bytes, plain=plain,
                         nsplit=nsplit, ws=ws, stages=2 * ws if stages is None else stages, min_ctas=min_ctas,
@@ -182,6 +187,11 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     channels = min(head_dim, 128)
     tiles = head_dim // channels
     buf = _stage_buffer(channels, slot_bytes, plain, dense_slots)
+    if buf_bytes is not None:
+        if plain or not dense_slots or buf_bytes < slot_bytes or buf_bytes % 16:
+            raise ValueError(f"buf_bytes {buf_bytes}: compressed KV staged as stored, a multiple of 16 bytes that "
+                             f"holds a {slot_bytes}-byte slot")
+        buf = buf_bytes
     scratch = 0 if plain else _scratch(channels, format_version, raw_patch)
     header = 128 if plain else 64  # stage barriers (K and V apart for plain KV) and slot bits: the kernel's HDR
     warp_bytes = -(-(header + stages * 2 * tiles * buf + scratch) // 128) * 128
