@@ -4,12 +4,12 @@ the stall samples, and the instructions that collect the most stall samples (wit
 
     python benchmarks/ncu_source_summary.py benchmarks/results/ncu_s6_twin_source.csv.gz --units 32768
 
-`--sass` attributes the executed instructions to the kernel's call sites: give the `nvdisasm -g` listing of a local
+`--sass` attributes the executed instructions to the kernel's call sites: give the `nvdisasm -gi` listing of a local
 `nvcc -cubin -lineinfo` build of the same source and options (ncu's SASS comes from NVRTC on the device, so the two
 listings are aligned by opcode sequence; the share that aligns is reported) and `--source` the .cu file:
 
     nvcc -cubin -lineinfo -std=c++17 -gencode=arch=compute_90a,code=sm_90a <plan -D options> -x cu \
-      gaac_cuda/kernels/decode_attention.cu -o k.cubin && nvdisasm -g k.cubin > k.sass
+      gaac_cuda/kernels/decode_attention.cu -o k.cubin && nvdisasm -gi k.cubin > k.sass
     python benchmarks/ncu_source_summary.py <csv> --units 32768 --sass k.sass --source <the .cu> \\
       --function gaac_decode_split
 """
@@ -70,15 +70,15 @@ def _opcode(sass: str) -> str:
 
 
 def sass_lines(listing: str, function: str) -> list[tuple[str, int | None]]:
-    """(opcode, source line) of every instruction of `function` in an `nvdisasm -g` listing (the line is the
-    outermost one nvdisasm names: for force-inlined helpers, the call site in the kernel)."""
+    """(opcode, source line) of every instruction of `function` in an `nvdisasm -g` or `-gi` listing (the line is the
+    outermost one nvdisasm names: with `-gi`, for force-inlined helpers, their call site in the kernel body)."""
     start = listing.index(f".text.{function}:")
     end = listing.find(".text.", start + len(function) + 7)
     line, out = None, []
     for ln in listing[start:end if end > 0 else None].splitlines():
-        m = re.search(r"line (\d+)", ln)
-        if "//## File" in ln and m:
-            line = int(m.group(1))
+        found = re.findall(r"line (\d+)", ln)
+        if "//## File" in ln and found:
+            line = int(found[-1])  # "line A inlined at ... line B": B, the outermost
             continue
         m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)", ln)
         if m:
