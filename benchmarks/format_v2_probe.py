@@ -198,8 +198,8 @@ def compress_v2(k: torch.Tensor, v: torch.Tensor, fragment: bool = False, capaci
 VARIANTS = (  # label, format, ws consumers (0: the one-warp kernel), stages and CTAs per SM (0: the defaults),
     # raw_patch (format 3), more compile-time defines
     ("format_1", 1, 0, 0, 0, 3, ()), ("format_3", 3, 0, 0, 0, 3, ()),
-    ("format_3_dyn1", 3, 0, 0, 0, 3, ()), ("format_3_dyn2", 3, 0, 0, 0, 3, ()), ("format_3_dyn3", 3, 0, 0, 0, 3, ()),
-    ("format_1_dyn2", 1, 0, 0, 0, 3, ()))  # _dynK: plan(dynamic=True) at K times the twin's splits
+    ("format_3_dyn1", 3, 0, 0, 0, 3, ()), ("format_3_dyn2", 3, 0, 0, 0, 3, ()), ("format_3_dyn3", 3, 0, 0, 0, 3, ()))
+# _dynK: plan(dynamic=True) at K times the twin's splits
 # Also measured, none the fastest: format 2, format 1/2/3 at ws 6, format 3 at ws 3 x 4 CTAs and with raw groups
 # patched per word (raw_patch 1) in session 12 (format_v3_probe_s12_rawbf.json); format 3 with the branch-free patch
 # (raw_patch 2) and with the overlay at ws 3 x 3,
@@ -207,7 +207,7 @@ VARIANTS = (  # label, format, ws consumers (0: the one-warp kernel), stages and
 # into its mmas (GAAC_F3FUSE=1, format_v3_probe_s13_overlay_second.json); the one-warp kernel with 3 stages at 2 CTAs
 # per SM and without the duplicated tile code (GAAC_F3DUP=0) (format_v3_probe_s13_dup.json); slots head-major in the
 # pool (head_major, no faster: format_v3_probe_s13.json); the warp-specialized kernel at ws 2..6 at one wave
-# (format_v3_probe_s13_ws.json).
+# (format_v3_probe_s13_ws.json); format 1 on the dynamic kernel with one shared counter (format_v3_probe_s13_dyn.json).
 
 
 def main():

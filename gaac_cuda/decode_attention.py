@@ -150,8 +150,9 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     `buf_bytes` (benchmarks, one-warp kernel, slots staged as stored): a ring stage's tile buffer, at least the slot;
     below a BF16 tile's bytes only for KV without raw tiles (the caller's check: a raw tile would overrun it).
     `dynamic` (compressed KV, one-warp kernel, head_dim 64/128): one wave of warps takes the splits from a device
-    counter, each warp's ring running on from one split into the next (the bits are those of the static kernel at
-    the same split count; the counter is one per device, so launches of dynamic plans must not overlap)."""
+    counter per row and kv-head, each warp's ring running on from one split into the next (the bits are those of the
+    static kernel at the same split count; the counters are one set per device, so launches of dynamic plans must
+    not overlap)."""
     if not 1 <= rep <= MAX_GROUP_HEADS:
         raise ValueError(f"the CUDA decode kernel packs at most {MAX_GROUP_HEADS} query heads per kv-head, got {rep}")
     one_warp = bool(trace or (swizzle and plain) or warps != 4)
@@ -287,11 +288,14 @@ def _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, *, slot_bytes, 
 _counters: dict = {}
 
 
+WORK_COUNTERS = 1 << 16  # rows x kv-heads a dynamic launch can take
+
+
 def _work_counter(dev: torch.device) -> torch.Tensor:
-    """The dynamic kernel's work counter on `dev` (int32, zero between launches)."""
+    """The dynamic kernel's work counters on `dev` (int32, one per row and kv-head, zero between launches)."""
     key = dev.index if dev.index is not None else torch.cuda.current_device()
     if key not in _counters:
-        _counters[key] = torch.zeros(1, dtype=torch.int32, device=dev)
+        _counters[key] = torch.zeros(WORK_COUNTERS, dtype=torch.int32, device=dev)
     return _counters[key]
 
 
@@ -343,7 +347,9 @@ def _run(p: DecodePlan, query, kv_len, mask, scale, fill, combine_too: bool = Tr
     grid = p.grid
     if p.dynamic:  # one wave; the combine zeroes the counter for the next launch
         if not combine_too:
-            raise ValueError("a dynamic plan's split kernel needs its combine (which resets the work counter)")
+            raise ValueError("a dynamic plan's split kernel needs its combine (which resets the work counters)")
+        if b * p.kv_heads > WORK_COUNTERS:
+            raise ValueError(f"a dynamic plan takes at most {WORK_COUNTERS} rows x kv-heads, not {b * p.kv_heads}")
         grid = min(grid, torch.cuda.get_device_properties(dev).multi_processor_count * p.dynamic)
         prm.spare0 = _work_counter(dev).data_ptr()
     with torch.cuda.device(dev):

@@ -1410,8 +1410,8 @@ __device__ __forceinline__ Item item_at(const Params& p, int id) {
   return it;
 }
 
-// Dynamic split kernel (GAAC_DYN): one wave of warps; each warp takes work items (splits) from a device counter
-// (p.spare0, zeroed by the combine kernel) and keeps its ring running across them: the next item's first units are
+// Dynamic split kernel (GAAC_DYN): one wave of warps; each warp takes work items (splits) from device counters
+// (p.spare0, one per row and kv-head, zeroed by the combine kernel) and keeps its ring running across them: the next item's first units are
 // in flight while the current one's last are consumed. A split's partial result is computed exactly as the static
 // kernel computes it (fresh state, its units in order, the same unit body), so the bits depend only on the split
 // count; which warp runs a split, and when, changes nothing.
@@ -1438,10 +1438,27 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   const int bf_row = lane / (C / 8), bf_col = 16 * (lane % (C / 8));
   constexpr int BF_ROWS = 32 / (C / 8);
 
+  // One counter per (row, kv-head): a warp takes the splits of its home (row, kv-head) (warps spread over them as
+  // the static kernel spreads its splits) and, once those are taken, of the first other one with splits left (the
+  // lanes read 32 counters at a time), so its query and bases change only when it moves on.
+  const int rows = p.batch * p.heads;
+  int gh = (int)(((i64)(blockIdx.x * GAAC_WARPS + warp) * rows) / ((i64)gridDim.x * GAAC_WARPS));
   auto grab = [&]() -> int {
-    int v = 0;
-    if (lane == 0) v = atomicAdd(counter, 1);
-    return __shfl_sync(0xffffffffu, v, 0);
+    for (;;) {
+      int v = 0;
+      if (lane == 0) v = atomicAdd(counter + gh, 1);
+      v = __shfl_sync(0xffffffffu, v, 0);
+      if (v < p.nsplit) return gh * p.nsplit + v;
+      int next = -1;  // the first (row, kv-head) after gh with splits left
+      for (int k0 = 1; k0 < rows && next < 0; k0 += 32) {
+        const int k = k0 + lane, hh = (gh + k) % rows;
+        const bool left = k < rows && *reinterpret_cast<volatile int*>(counter + hh) < p.nsplit;
+        const u32 any = __ballot_sync(0xffffffffu, left);
+        if (any) next = (gh + k0 + __ffs(any) - 1) % rows;
+      }
+      if (next < 0) return total;
+      gh = next;
+    }
   };
   // the issue cursor: item ic, its next unit ij; an empty item's partial is written when it is taken
   Item ic = {-1, 0, 0, 0, 0, 0, 0};
@@ -1494,7 +1511,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     if (lane == 0) {
       kinds[st] = slots;
       meta[2 * st] = ic.id;
-      meta[2 * st + 1] = u;
+      meta[2 * st + 1] = (u << 5) | (tail ? ic.tl : 16);  // the unit and its valid rows
     }
     fence_async();
     if (lane == 0) mbar_expect(bar, bytes);
@@ -1541,16 +1558,21 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     mbar_wait(bars + 8 * st, (phases >> st) & 1);
     phases ^= 1u << st;
     const u32 slots_here = kinds[st];
-    const int id = meta[2 * st], u = meta[2 * st + 1];
+    const int id = meta[2 * st], uv = meta[2 * st + 1], u = uv >> 5;
     if (id != cur.id) {  // a new split: the previous one's partial result, then fresh state
       if (cur.id >= 0) {
         write_ml(p, cur.id, g, t, m, l);
         write_o(p, cur.id, g, t, o);
       }
-      cur = item_at(p, id);
-      load_query(p, cur.b, cur.hk, g, t, qb);
-      load_bases(p, cur.hk, lane, b3, b4);
-      mrow = p.mask ? p.mask + (i64)cur.b * p.mask_sb : nullptr;
+      const int b = id / (p.heads * p.nsplit), hk = (id / p.nsplit) % p.heads;
+      if (cur.id < 0 || b != cur.b || hk != cur.hk) {  // another (row, kv-head): its query and bases
+        load_query(p, b, hk, g, t, qb);
+        load_bases(p, hk, lane, b3, b4);
+        mrow = p.mask ? p.mask + (i64)b * p.mask_sb : nullptr;
+      }
+      cur.id = id;
+      cur.b = b;
+      cur.hk = hk;
       m[0] = m[1] = NEG_INF;
       l[0] = l[1] = 0.f;
 #pragma unroll
@@ -1559,8 +1581,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         for (int c = 0; c < 4; ++c) o[0][n][c] = 0.f;
     }
     const u8* kbuf = ring + st * 2 * p.buf_bytes;
-    ws_unit(p, kbuf, kbuf + p.buf_bytes, slots_here, scr, lane, g, t, qb[0], b3, b4, u >= cur.nb ? cur.tl : 16, mrow,
-            u, m, l, o);
+    ws_unit(p, kbuf, kbuf + p.buf_bytes, slots_here, scr, lane, g, t, qb[0], b3, b4, uv & 31, mrow, u, m, l, o);
     __syncwarp();
     ++consumed;
   }
@@ -1773,7 +1794,8 @@ extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) gaac_combine(co
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int ch = 32 * chunk + lane;
   if (GAAC_TRACE && threadIdx.x == 0) p.trace[4 * (i64)p.batch * p.heads * p.nsplit + blockIdx.x] = gtimer();
-  if (GAAC_DYN && blockIdx.x == 0 && threadIdx.x == 0) *reinterpret_cast<int*>(p.spare0) = 0;  // for the next launch
+  if (GAAC_DYN && chunk == 0 && r == 0 && threadIdx.x == 0)  // the (row, kv-head)'s work counter, for the next launch
+    reinterpret_cast<int*>(p.spare0)[b * p.heads + hk] = 0;
   const i64 item0 = ((i64)b * p.heads + hk) * p.nsplit;
   float mw = NEG_INF, acc = 0.f, den = 0.f;
   for (int s0 = warp; s0 < p.nsplit; s0 += COMBINE_WARPS * COMBINE_UNROLL) {
