@@ -198,8 +198,7 @@ def compress_v2(k: torch.Tensor, v: torch.Tensor, fragment: bool = False, capaci
 VARIANTS = (  # label, format, ws consumers (0: the one-warp kernel), stages and CTAs per SM (0: the defaults),
     # raw_patch (format 3), more compile-time defines
     ("format_1", 1, 0, 0, 0, 3, ()), ("format_3", 3, 0, 0, 0, 3, ()),
-    ("format_3_dyn1", 3, 0, 0, 0, 3, ()), ("format_3_dyn2", 3, 0, 0, 0, 3, ()), ("format_3_dyn3", 3, 0, 0, 0, 3, ()))
-# _dynK: plan(dynamic=True) at K times the twin's splits
+    ("format_3_rawbf", 3, 0, 0, 0, 2, ()), ("format_3_ws6", 3, 6, 12, 2, 3, ()))
 # Also measured, none the fastest: format 2, format 1/2/3 at ws 6, format 3 at ws 3 x 4 CTAs and with raw groups
 # patched per word (raw_patch 1) in session 12 (format_v3_probe_s12_rawbf.json); format 3 with the branch-free patch
 # (raw_patch 2) and with the overlay at ws 3 x 3,
@@ -207,7 +206,8 @@ VARIANTS = (  # label, format, ws consumers (0: the one-warp kernel), stages and
 # into its mmas (GAAC_F3FUSE=1, format_v3_probe_s13_overlay_second.json); the one-warp kernel with 3 stages at 2 CTAs
 # per SM and without the duplicated tile code (GAAC_F3DUP=0) (format_v3_probe_s13_dup.json); slots head-major in the
 # pool (head_major, no faster: format_v3_probe_s13.json); the warp-specialized kernel at ws 2..6 at one wave
-# (format_v3_probe_s13_ws.json); format 1 on the dynamic kernel with one shared counter (format_v3_probe_s13_dyn.json).
+# (format_v3_probe_s13_ws.json); a dynamic split schedule, removed after measuring it (format_v3_probe_s13_dyn.json,
+# format_v3_probe_s13_dyn_home.json; the kernel is in git history, commit 1d8ca1f).
 
 
 def main():
@@ -248,9 +248,6 @@ def main():
             # proportionally fewer (whole CTAs) and is checked against the twin at that count
             per_cta = ws or 4
             nsplit = pp.nsplit if warps_per_sm == 12 else max(per_cta, pp.nsplit * warps_per_sm // 12 // per_cta * per_cta)
-            if "_dyn" in label:  # one wave of warps takes K x the splits from a counter
-                kw["dynamic"] = True
-                nsplit *= int(label.split("_dyn")[1])
             pc = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, format_version=fmt,
                                 nsplit=nsplit, **kw)
             got = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout, pc)
@@ -271,7 +268,7 @@ def main():
                      "registers": pc.kernels(dev)[0].registers, "smem": pc.smem}
             if (b, s, hq) == (1, 65536, 32):
                 skips = ((1, "no_math_us"), (2, "no_reconstruction_us"), (3, "loads_only_us"))
-                if ws or "_dyn" in label:
+                if ws:
                     skips = skips[1:]
                 elif fmt == 3:  # wrong results by design: what code bit 2 and the raw patch cost
                     skips += ((4, "no_code_bit2_us"), (8, "no_raw_patch_us"), (12, "neither_us"))

@@ -84,7 +84,6 @@ class DecodePlan:
     warp_bytes: int
     options: tuple
     ws: int = 0  # consumer warps of the warp-specialized kernel (`plan(ws=n)`); warp_bytes is then per CTA
-    dynamic: int = 0  # `plan(dynamic=True)`: CTAs per SM of the one wave that takes the splits from a counter
 
     @property
     def items(self) -> int:
@@ -123,7 +122,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
          min_ctas: int | None = None, skip: int = 0, trace: bool = False, format_version: int = 1,
          swizzle: bool = SWIZZLE, v_words: int | None = None, dense_slots: bool | None = None,
          ws: int | None = None, raw_patch: int = 3, defines: tuple[str, ...] = (),
-         buf_bytes: int | None = None, dynamic: bool = False) -> DecodePlan:
+         buf_bytes: int | None = None) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
@@ -148,11 +147,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     (3, the default: measured fastest, benchmarks/results/attention_cuda.md session 13). `defines` (benchmarks): more `NAME=VALUE` compile-time
     options of the kernel source, e.g. ("GAAC_F3FUSE=1",); they key the kernel cache like every option.
     `buf_bytes` (benchmarks, one-warp kernel, slots staged as stored): a ring stage's tile buffer, at least the slot;
-    below a BF16 tile's bytes only for KV without raw tiles (the caller's check: a raw tile would overrun it).
-    `dynamic` (compressed KV, one-warp kernel, head_dim 64/128): one wave of warps takes the splits from a device
-    counter per row and kv-head, each warp's ring running on from one split into the next (the bits are those of the
-    static kernel at the same split count; the counters are one set per device, so launches of dynamic plans must
-    not overlap)."""
+    below a BF16 tile's bytes only for KV without raw tiles (the caller's check: a raw tile would overrun it)."""
     if not 1 <= rep <= MAX_GROUP_HEADS:
         raise ValueError(f"the CUDA decode kernel packs at most {MAX_GROUP_HEADS} query heads per kv-head, got {rep}")
     one_warp = bool(trace or (swizzle and plain) or warps != 4)
@@ -175,12 +170,6 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         raw_patch = 3  # (only format 3 reads it)
     extra = ((f"-DGAAC_F3RAW={raw_patch}",) if format_version == 3 and raw_patch != 3 else ()) + tuple(
         f"-D{d}" for d in defines)
-    if dynamic and (plain or ws or one_warp or head_dim not in (64, 128) or (stages or 2) > 3):
-        raise ValueError("dynamic: compressed KV at head_dim 64/128 on the one-warp kernel (ws=0), at most 3 stages, "
-                         "none of trace, swizzle, warps")
-    if dynamic:
-        dense_slots = True
-        extra += ("-DGAAC_DYN=1",)
     if ws and buf_bytes is not None:
         raise ValueError("buf_bytes is a one-warp kernel option (ws=0)")
     if ws:
@@ -223,8 +212,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         options += (f"-DGAAC_SKIP={skip}",)
     if nsplit is None:
         nsplit = _default_nsplit(batch, kv_heads, max_tokens, device, tiles)
-    return DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes, options,
-                      dynamic=min_ctas if dynamic else 0)
+    return DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes, options)
 
 
 def _default_nsplit(batch, kv_heads, max_tokens, device, tiles=1) -> int:
@@ -285,20 +273,6 @@ def _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, *, slot_bytes, 
                       ws=ws)
 
 
-_counters: dict = {}
-
-
-WORK_COUNTERS = 1 << 16  # rows x kv-heads a dynamic launch can take
-
-
-def _work_counter(dev: torch.device) -> torch.Tensor:
-    """The dynamic kernel's work counters on `dev` (int32, one per row and kv-head, zero between launches)."""
-    key = dev.index if dev.index is not None else torch.cuda.current_device()
-    if key not in _counters:
-        _counters[key] = torch.zeros(WORK_COUNTERS, dtype=torch.int32, device=dev)
-    return _counters[key]
-
-
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -344,16 +318,8 @@ def _run(p: DecodePlan, query, kv_len, mask, scale, fill, combine_too: bool = Tr
         prm.trace = trace.data_ptr()
     keep = fill(prm)  # tensors the launch reads must outlive it
     split_kernel, combine = p.kernels(dev)
-    grid = p.grid
-    if p.dynamic:  # one wave; the combine zeroes the counter for the next launch
-        if not combine_too:
-            raise ValueError("a dynamic plan's split kernel needs its combine (which resets the work counters)")
-        if b * p.kv_heads > WORK_COUNTERS:
-            raise ValueError(f"a dynamic plan takes at most {WORK_COUNTERS} rows x kv-heads, not {b * p.kv_heads}")
-        grid = min(grid, torch.cuda.get_device_properties(dev).multi_processor_count * p.dynamic)
-        prm.spare0 = _work_counter(dev).data_ptr()
     with torch.cuda.device(dev):
-        split_kernel.launch(grid, p.warps * 32, p.smem, prm)
+        split_kernel.launch(p.grid, p.warps * 32, p.smem, prm)
         if combine_too:
             combine.launch(b * hq * (d // 32), COMBINE_THREADS, 0, prm)  # a block per (row, query head, 32 channels)
     del keep

@@ -42,11 +42,6 @@ def test_plan_rejects_shapes_the_kernel_does_not_cover():
     assert f3.smem == -(-(128 + 6 * 2 * 4096 + 3 * 8 * 256) // 128) * 128  # 8 scratch bytes per group (overlay)
     bf = plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, format_version=3, slot_bytes=2928, ws=3, raw_patch=2)
     assert "-DGAAC_F3RAW=2" in bf.options and bf.smem == -(-(128 + 6 * 2 * 4096 + 3 * 9 * 256) // 128) * 128
-    dyn = plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, format_version=3, slot_bytes=2928, ws=0, dynamic=True)
-    assert "-DGAAC_DYN=1" in dyn.options and dyn.dynamic == 3 and "-DGAAC_DENSE_SLOT=1" in dyn.options
-    for bad in (dict(plain=True), dict(ws=6), dict(stages=4), dict(warps=2)):
-        with pytest.raises(ValueError, match="dynamic"):
-            plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, slot_bytes=2928, **{"ws": 0, **bad}, dynamic=True)
     with pytest.raises(ValueError, match="raw_patch"):
         plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, format_version=3, slot_bytes=2928, ws=3, raw_patch=4)
     p = plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, slot_bytes=2928, ws=0)
@@ -109,23 +104,22 @@ def test_plan_of_the_warp_specialized_kernel():
                     reason="needs nvcc (CUDA 12.8+) and triton's cuobjdump")
 @pytest.mark.parametrize("config", [(128, 1, 0), (128, 1, 1), (64, 1, 0), (64, 1, 1), (128, 1, 2), (64, 1, 2),
                                     (128, 1, 3), (64, 1, 3), (128, 1, 4), (64, 1, 4), (128, 1, 5), (64, 1, 5),
-                                    (128, 1, 6), (64, 1, 6), (128, 1, 7), (64, 1, 7), (128, 1, 8), (64, 1, 8)])
+                                    (128, 1, 6), (64, 1, 6), (128, 1, 7), (64, 1, 7)])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     """The sm_90a build of every head_dim-64/128 variant, at the plan's default register cap (3 CTAs of 4 warps per
     SM), keeps its state in registers: no stack, no local memory."""
     # kind 0 compressed, 1 plain (K and V of a stage on their own barriers), 2 plain with swizzled rows, 3 compressed
     # with slots staged as stored, 4/5 the warp-specialized kernel (8 consumer warps + 1 producer per CTA, one CTA per
     # SM; slots staged as stored), compressed/plain, 6 the format-3 prototype (fragment order, staged as stored; raw
-    # groups from the scratch overlay), 7 the same with the branch-free raw patch (GAAC_F3RAW=2), 8 format 3 on the
-    # dynamic split kernel (GAAC_DYN)
+    # groups from the scratch overlay), 7 the same with the branch-free raw patch (GAAC_F3RAW=2)
     c, tiles, kind = config
     ws = kind in (4, 5)
     out = tmp_path / "k.cubin"
     defs = [f"-DGAAC_C={c}", f"-DGAAC_TILES={tiles}", f"-DGAAC_PLAIN={int(kind in (1, 2, 5))}",
-            f"-DGAAC_SWIZZLE={int(kind == 2)}", f"-DVT_WORDS={c // 32}", f"-DGAAC_DENSE_SLOT={int(kind in (3, 4, 6, 7, 8))}",
+            f"-DGAAC_SWIZZLE={int(kind == 2)}", f"-DVT_WORDS={c // 32}", f"-DGAAC_DENSE_SLOT={int(kind in (3, 4, 6, 7))}",
             f"-DGAAC_STAGES={16 if ws else 2}", "-DGAAC_WARPS=4", f"-DGAAC_MIN_CTAS={1 if ws else 3}",
-            f"-DGAAC_WS={8 if ws else 0}"] + (["-DGAAC_FORMAT=3"] if kind in (6, 7, 8) else []) + (
-                ["-DGAAC_F3RAW=2"] if kind == 7 else []) + (["-DGAAC_DYN=1"] if kind == 8 else [])
+            f"-DGAAC_WS={8 if ws else 0}"] + (["-DGAAC_FORMAT=3"] if kind in (6, 7) else []) + (
+                ["-DGAAC_F3RAW=2"] if kind == 7 else [])
     subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", *defs, "-x", "cu",
                     _SOURCE_FILE, "-o", str(out)], check=True, capture_output=True)
     usage = subprocess.run([CUOBJDUMP, "-res-usage", str(out)], check=True, capture_output=True, text=True).stdout
@@ -230,36 +224,6 @@ def test_cuda_compressed_equals_plain_twin(case):
     strided = plain_decode_attention(q, kw[..., :d], vw[..., :d], kv_len, mask, scale, pp)
     assert torch.equal(bits(strided), bits(plain_decode_attention(q, k, v, kv_len, mask, scale, pp)))
 
-
-
-@gpu
-@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[4] in (64, 128)],
-                         ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
-def test_dynamic_splits_give_the_static_kernels_bits(case):
-    """plan(dynamic=True): one wave of warps takes the splits from a counter (its ring running across them); the bits
-    are the static kernel's and the twin's at the same split count, also with more splits than units (empty ones),
-    on repeated launches (the combine resets the counter) and replayed in a CUDA graph."""
-    b, h, nrep, _, d, _, _, _ = case
-    (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case)
-    units = -(-int(kv_len.max()) // 16)
-    for nsplit in (1, 5, 2 * units + 3):
-        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, ws=0,
-                  dense_slots=True)
-        pdyn = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, ws=0,
-                    dynamic=True)
-        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=nsplit, ws=0)
-        want = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
-        assert torch.equal(bits(want), bits(plain_decode_attention(q, k, v, kv_len, mask, scale, pp)))
-        for _ in range(3):
-            got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pdyn)
-            assert torch.equal(bits(got), bits(want)), f"dynamic != static (nsplit {nsplit})"
-    graph, out = torch.cuda.CUDAGraph(), None
-    with torch.cuda.graph(graph):
-        out = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pdyn)
-    for _ in range(3):
-        out.zero_()
-        graph.replay()
-        assert torch.equal(bits(out), bits(want))
 
 
 @gpu

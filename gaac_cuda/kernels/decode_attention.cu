@@ -46,9 +46,6 @@
 #ifndef GAAC_F3RAW  // format 3, code bits 3..6 of raw groups: patched per word by a call (1), branch-free over a tile
 #define GAAC_F3RAW 3  // that has any (2), or from an overlay in fragment order that the prepass scatters (3, see
 #endif               // f3_overlay; at 1x64K 82.0 / 78.1 / 74.8 us, benchmarks/results/attention_cuda.md sessions 12-13)
-#ifndef GAAC_DYN  // the split kernel takes work items from a device counter, its ring running across them (1)
-#define GAAC_DYN 0
-#endif
 #ifndef GAAC_F3DUP  // format 3 with the overlay: tiles with and without a raw group run their own inlined copy of the
 #define GAAC_F3DUP 1  // tile code (1: the other never touches the overlay; 74.8 against 77.5 us) or one copy (0)
 #endif
@@ -1066,7 +1063,6 @@ __device__ __forceinline__ void load_bases(const Params& p, int hk, int lane, u3
       }
 }
 
-#if !GAAC_DYN
 extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaac_decode_split(const Params p) {
   extern __shared__ __align__(128) u8 smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1348,7 +1344,15 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   write_o(p, item, g, t, o);
   if (GAAC_TRACE && lane == 0) p.trace[4 * item + 2] = gtimer();
 }
-#endif  // !GAAC_DYN
+
+#if GAAC_WS
+#if TILES != 1 || GAAC_SWIZZLE || GAAC_TRACE
+#error "GAAC_WS: one tile per head (head_dim 64 or 128), no swizzle, no trace"
+#endif
+#if GAAC_STAGES % GAAC_WS
+#error "GAAC_WS: GAAC_STAGES must be a multiple of GAAC_WS (one consumer per stage)"
+#endif
+#define WS_HDR ((20 * GAAC_STAGES + 127) / 128 * 128)  // full and empty barriers and slot bits of every stage
 
 // One unit (16 tokens of K and V, staged in kbuf / vbuf) into a consumer's online softmax and output: the body of
 // the one-warp kernel's unit loop at its defaults.
@@ -1387,219 +1391,6 @@ __device__ __forceinline__ void ws_unit(const Params& p, const u8* kbuf, const u
     v_tile<0>(p, vbuf, scr, g, t, pb, o[0], false, sw);
   }
 }
-
-#if GAAC_DYN
-#if GAAC_PLAIN || TILES != 1 || !GAAC_DENSE_SLOT || GAAC_TRACE || GAAC_SWIZZLE || GAAC_WS
-#error "GAAC_DYN: compressed KV at head_dim 64/128, slots staged as stored, no trace, the one-warp kernel"
-#endif
-// A work item (one split of one row and kv-head) and its unit range, as the static kernel splits it.
-struct Item {
-  int id, b, hk, u0, n, nb, tl;
-};
-__device__ __forceinline__ Item item_at(const Params& p, int id) {
-  Item it;
-  it.id = id;
-  it.b = id / (p.heads * p.nsplit);
-  it.hk = (id / p.nsplit) % p.heads;
-  const int split = id % p.nsplit, len = p.kv_len[it.b];
-  it.nb = len >> 4;
-  it.tl = len & 15;
-  const int units = it.nb + (it.tl > 0 ? 1 : 0), per = (units + p.nsplit - 1) / p.nsplit;
-  it.u0 = min(units, split * per);
-  it.n = min(units, it.u0 + per) - it.u0;
-  return it;
-}
-
-// Dynamic split kernel (GAAC_DYN): one wave of warps; each warp takes work items (splits) from device counters
-// (p.spare0, one per row and kv-head, zeroed by the combine kernel) and keeps its ring running across them: the next item's first units are
-// in flight while the current one's last are consumed. A split's partial result is computed exactly as the static
-// kernel computes it (fresh state, its units in order, the same unit body), so the bits depend only on the split
-// count; which warp runs a split, and when, changes nothing.
-extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaac_decode_split(const Params p) {
-  extern __shared__ __align__(128) u8 smem[];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int total = p.batch * p.heads * p.nsplit;
-  int* counter = reinterpret_cast<int*>(p.spare0);
-  u8* ws = smem + warp * p.warp_bytes;
-  const u32 bars = smem_u32(ws);
-  volatile u32* kinds = reinterpret_cast<volatile u32*>(ws + 8 * GAAC_STAGES);
-  volatile int* meta = reinterpret_cast<volatile int*>(ws + 12 * GAAC_STAGES);  // [stage][item, unit]
-  u8* ring = ws + HDR;
-  Scratch scr;
-  scratch_at(scr, ring + GAAC_STAGES * 2 * p.buf_bytes);
-  if (lane == 0) {
-#pragma unroll
-    for (int st = 0; st < GAAC_STAGES; ++st) mbar_init(bars + 8 * st, 33);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncwarp();
-  u32 phases = 0;
-  const int bf_row = lane / (C / 8), bf_col = 16 * (lane % (C / 8));
-  constexpr int BF_ROWS = 32 / (C / 8);
-
-  // One counter per (row, kv-head): a warp takes the splits of its home (row, kv-head) (warps spread over them as
-  // the static kernel spreads its splits) and, once those are taken, of the first other one with splits left (the
-  // lanes read 32 counters at a time), so its query and bases change only when it moves on.
-  const int rows = p.batch * p.heads;
-  int gh = (int)(((i64)(blockIdx.x * GAAC_WARPS + warp) * rows) / ((i64)gridDim.x * GAAC_WARPS));
-  auto grab = [&]() -> int {
-    for (;;) {
-      int v = 0;
-      if (lane == 0) v = atomicAdd(counter + gh, 1);
-      v = __shfl_sync(0xffffffffu, v, 0);
-      if (v < p.nsplit) return gh * p.nsplit + v;
-      int next = -1;  // the first (row, kv-head) after gh with splits left
-      for (int k0 = 1; k0 < rows && next < 0; k0 += 32) {
-        const int k = k0 + lane, hh = (gh + k) % rows;
-        const bool left = k < rows && *reinterpret_cast<volatile int*>(counter + hh) < p.nsplit;
-        const u32 any = __ballot_sync(0xffffffffu, left);
-        if (any) next = (gh + k0 + __ffs(any) - 1) % rows;
-      }
-      if (next < 0) return total;
-      gh = next;
-    }
-  };
-  // the issue cursor: item ic, its next unit ij; an empty item's partial is written when it is taken
-  Item ic = {-1, 0, 0, 0, 0, 0, 0};
-  int ij = 0;
-  auto advance = [&](bool first) {
-    if (!first && ij < ic.n) return;
-    for (;;) {
-      const int id = grab();
-      if (id >= total) {
-        ic.id = -1;
-        ic.n = 0;
-        return;
-      }
-      ic = item_at(p, id);
-      ij = 0;
-      if (ic.n > 0) return;
-      float m0[2] = {NEG_INF, NEG_INF}, l0[2] = {0.f, 0.f}, o0[TILES][NVM][4];
-#pragma unroll
-      for (int n = 0; n < NVM; ++n)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) o0[0][n][c] = 0.f;
-      write_ml(p, id, g, t, m0, l0);
-      write_o(p, id, g, t, o0);
-    }
-  };
-  int ent[2] = {0, 0};  // table entries of the next unit to issue, loaded one issue ahead
-  auto load_ent = [&]() {
-    const int u = ic.u0 + ij;
-#pragma unroll
-    for (int kv = 0; kv < 2; ++kv)
-      ent[kv] = (ic.id < 0 || u >= ic.nb) ? 0
-                : p.table[(i64)ic.b * p.table_sb + (i64)u * 2 * p.heads + kv * p.heads + ic.hk];
-  };
-  int issued = 0, consumed = 0;
-  auto issue_one = [&]() {
-    if (ic.id < 0) return;
-    const int st = issued % GAAC_STAGES, u = ic.u0 + ij;
-    const u32 bar = bars + 8 * st;
-    const bool tail = u >= ic.nb;
-    u32 bytes = 0, slots = 0;
-#pragma unroll
-    for (int kv = 0; kv < 2; ++kv) {
-      if (!tail && ent[kv] >= 0) {
-        bytes += (u32)p.slot_bytes;
-        slots |= 1u << kv;
-      } else if (!tail) {
-        bytes += 32 * C;
-      }
-    }
-    if (lane == 0) {
-      kinds[st] = slots;
-      meta[2 * st] = ic.id;
-      meta[2 * st + 1] = (u << 5) | (tail ? ic.tl : 16);  // the unit and its valid rows
-    }
-    fence_async();
-    if (lane == 0) mbar_expect(bar, bytes);
-#pragma unroll
-    for (int kv = 0; kv < 2; ++kv) {
-      u8* dst = ring + (st * 2 + kv) * p.buf_bytes;
-      if (!tail && ent[kv] >= 0) {
-        if (lane == kv) bulk_copy(smem_u32(dst), p.slots + (i64)ent[kv] * p.slot_bytes, (u32)p.slot_bytes, bar);
-      } else if (!tail) {
-        if (lane == kv) bulk_copy(smem_u32(dst), p.raw + (i64)(-1 - ent[kv]) * 16 * C, 32 * C, bar);
-      } else {
-        const i64 row_bytes = 2 * p.kv_ss;
-        const u16* rows = (kv ? p.kv_v : p.kv_k) + (i64)ic.b * p.kv_sb + (i64)ic.hk * p.kv_sh;
-        const u8* sl = reinterpret_cast<const u8*>(rows) + bf_row * row_bytes + bf_col;
-#pragma unroll
-        for (int i = 0; i < C / 16; ++i) {
-          u8* dl = dst + bf_row * 2 * C + bf_col + i * BF_ROWS * 2 * C;
-          if (bf_row + BF_ROWS * i < ic.tl) cp_async16(smem_u32(dl), sl + i * BF_ROWS * row_bytes);
-          else *reinterpret_cast<uint4*>(dl) = make_uint4(0, 0, 0, 0);
-        }
-      }
-    }
-    cp_async_arrive(bar);
-    ++issued;
-    ++ij;
-    advance(false);
-    load_ent();
-  };
-
-  advance(true);
-  load_ent();
-#pragma unroll 1
-  for (int i = 0; i < GAAC_STAGES - 1; ++i) issue_one();
-
-  Item cur = {-1, 0, 0, 0, 0, 0, 0};
-  u32 qb[TILES][NKS][2];
-  u32 b3[2][TILES][GPL / 4], b4[2][TILES][GPL / 4];
-  float m[2], l[2], o[TILES][NVM][4];
-  const u8* mrow = nullptr;
-#pragma unroll 1
-  while (consumed < issued) {
-    issue_one();  // into the stage consumed last time (at most GAAC_STAGES - 1 others in flight)
-    const int st = consumed % GAAC_STAGES;
-    mbar_wait(bars + 8 * st, (phases >> st) & 1);
-    phases ^= 1u << st;
-    const u32 slots_here = kinds[st];
-    const int id = meta[2 * st], uv = meta[2 * st + 1], u = uv >> 5;
-    if (id != cur.id) {  // a new split: the previous one's partial result, then fresh state
-      if (cur.id >= 0) {
-        write_ml(p, cur.id, g, t, m, l);
-        write_o(p, cur.id, g, t, o);
-      }
-      const int b = id / (p.heads * p.nsplit), hk = (id / p.nsplit) % p.heads;
-      if (cur.id < 0 || b != cur.b || hk != cur.hk) {  // another (row, kv-head): its query and bases
-        load_query(p, b, hk, g, t, qb);
-        load_bases(p, hk, lane, b3, b4);
-        mrow = p.mask ? p.mask + (i64)b * p.mask_sb : nullptr;
-      }
-      cur.id = id;
-      cur.b = b;
-      cur.hk = hk;
-      m[0] = m[1] = NEG_INF;
-      l[0] = l[1] = 0.f;
-#pragma unroll
-      for (int n = 0; n < NVM; ++n)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) o[0][n][c] = 0.f;
-    }
-    const u8* kbuf = ring + st * 2 * p.buf_bytes;
-    ws_unit(p, kbuf, kbuf + p.buf_bytes, slots_here, scr, lane, g, t, qb[0], b3, b4, uv & 31, mrow, u, m, l, o);
-    __syncwarp();
-    ++consumed;
-  }
-  if (cur.id >= 0) {
-    write_ml(p, cur.id, g, t, m, l);
-    write_o(p, cur.id, g, t, o);
-  }
-}
-#endif  // GAAC_DYN
-
-#if GAAC_WS
-#if TILES != 1 || GAAC_SWIZZLE || GAAC_TRACE
-#error "GAAC_WS: one tile per head (head_dim 64 or 128), no swizzle, no trace"
-#endif
-#if GAAC_STAGES % GAAC_WS
-#error "GAAC_WS: GAAC_STAGES must be a multiple of GAAC_WS (one consumer per stage)"
-#endif
-#define WS_HDR ((20 * GAAC_STAGES + 127) / 128 * 128)  // full and empty barriers and slot bits of every stage
 
 // Warp-specialized split kernel: GAAC_WS consumer warps and one producer warp per CTA. CTA c of a (row, kv-head)
 // holds splits c * GAAC_WS .. c * GAAC_WS + GAAC_WS - 1 of its p.nsplit (consumer w: split c * GAAC_WS + w, the
@@ -1794,8 +1585,6 @@ extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) gaac_combine(co
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int ch = 32 * chunk + lane;
   if (GAAC_TRACE && threadIdx.x == 0) p.trace[4 * (i64)p.batch * p.heads * p.nsplit + blockIdx.x] = gtimer();
-  if (GAAC_DYN && chunk == 0 && r == 0 && threadIdx.x == 0)  // the (row, kv-head)'s work counter, for the next launch
-    reinterpret_cast<int*>(p.spare0)[b * p.heads + hk] = 0;
   const i64 item0 = ((i64)b * p.heads + hk) * p.nsplit;
   float mw = NEG_INF, acc = 0.f, den = 0.f;
   for (int s0 = warp; s0 < p.nsplit; s0 += COMBINE_WARPS * COMBINE_UNROLL) {
