@@ -203,31 +203,41 @@ VARIANTS = (  # label, format, ws consumers (0: the one-warp kernel), stages and
 # patched per word (raw_patch 1) in session 12 (format_v3_probe_s12_rawbf.json); format 3 with the branch-free patch
 # (raw_patch 2) and with the overlay at ws 3 x 3,
 # 5 x 2, 6 x 2 and 11 x 1 in session 13 (format_v3_probe_s13_overlay_first.json), and with each chunk pair fused
-# into its mmas (GAAC_F3FUSE=1, format_v3_probe_s13_overlay_second.json); the one-warp kernel with 3 stages at 2 CTAs
+# into its mmas (removed, format_v3_probe_s13_overlay_second.json); the one-warp kernel with 3 stages at 2 CTAs
 # per SM and without the duplicated tile code (GAAC_F3DUP=0) (format_v3_probe_s13_dup.json); slots head-major in the
 # pool (head_major, no faster: format_v3_probe_s13.json); the warp-specialized kernel at ws 2..6 at one wave
 # (format_v3_probe_s13_ws.json); a dynamic split schedule, removed after measuring it (format_v3_probe_s13_dyn.json,
 # format_v3_probe_s13_dyn_home.json; the kernel is in git history, commit 1d8ca1f).
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def probe_args(doc: str, shapes: str, out: str) -> argparse.Namespace:
+    """The command line of a probe over SHAPES on real-statistics KV."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--real-kv", default=".bench/real_kv_2k.safetensors")
     p.add_argument("--buffers", type=int, default=3)
-    p.add_argument("--shapes", default="0,1,2,3", help="indices into SHAPES")
-    p.add_argument("--out", default="benchmarks/results/format_v2_probe.json")
-    args = p.parse_args()
-    dev = torch.device("cuda")
+    p.add_argument("--shapes", default=shapes, help="indices into format_v2_probe.SHAPES")
+    p.add_argument("--out", default=out)
+    return p.parse_args()
+
+
+def probe_shapes(args: argparse.Namespace, dev: torch.device):
+    """Per shape of `args.shapes`: ((q heads, kv heads, head_dim, batch, tokens), K, V, q, scale, kv_len) on `dev`, K
+    and V real KV channels tiled to the shape."""
     pool = load_file(args.real_kv)["kv"]
     gen = torch.Generator().manual_seed(0)
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
     for si in (int(x) for x in args.shapes.split(",")):
-        name, hq, hkv, d, b, s = SHAPES[si]
-        t0 = time.time()
+        _, hq, hkv, d, b, s = SHAPES[si]
         k, v = (t.to(dev) for t in real_kv(pool, b, hkv, s, d, gen))
         q = torch.randn(b, hq, d, device=dev).to(torch.bfloat16)
-        scale = d ** -0.5
-        kv_len = torch.full((b,), s, dtype=torch.int32, device=dev)
+        yield (hq, hkv, d, b, s), k, v, q, d ** -0.5, torch.full((b,), s, dtype=torch.int32, device=dev)
+
+
+def main():
+    args = probe_args(__doc__, "0,1,2,3", "benchmarks/results/format_v2_probe.json")
+    dev = torch.device("cuda")
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+    for (hq, hkv, d, b, s), k, v, q, scale, kv_len in probe_shapes(args, dev):
+        t0 = time.time()
         p1, info1 = compress(k, v)
         l1 = TileLayout(tile_split(d)[1], info1["escape_capacity"])
         p3, l3, info3 = compress_v2(k, v, fragment=True)

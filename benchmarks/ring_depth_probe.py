@@ -13,21 +13,18 @@ warps per SM), with its loads alone (`GAAC_SKIP=3`) beside it:
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import gaac_cuda  # noqa: E402
-from benchmarks.attention import bench_graph, real_kv  # noqa: E402
-from benchmarks.format_v2_probe import SHAPES, compress_v2  # noqa: E402
+from benchmarks.attention import bench_graph  # noqa: E402
+from benchmarks.format_v2_probe import compress_v2, probe_args, probe_shapes  # noqa: E402
 
 # label, capacity (None: calibrated, -1: no raw tiles), compact buffers, warps per CTA, stages, CTAs per SM
 # (what fits 228 KB of shared memory per SM, 1 KB of it reserved per CTA, at head_dim 128 and ~3 KB slots)
@@ -38,23 +35,11 @@ VARIANTS = (("default", None, False, 4, 2, 3), ("no_raw_tiles", -1, False, 4, 2,
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--real-kv", default=".bench/real_kv_2k.safetensors")
-    p.add_argument("--buffers", type=int, default=3)
-    p.add_argument("--shapes", default="1,3,2", help="indices into format_v2_probe.SHAPES")
-    p.add_argument("--out", default="benchmarks/results/ring_depth_probe.json")
-    args = p.parse_args()
+    args = probe_args(__doc__, "1,3,2", "benchmarks/results/ring_depth_probe.json")
     dev = torch.device("cuda")
-    pool = load_file(args.real_kv)["kv"]
-    gen = torch.Generator().manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
-    for si in (int(x) for x in args.shapes.split(",")):
-        name, hq, hkv, d, b, s = SHAPES[si]
+    for (hq, hkv, d, b, s), k, v, q, scale, kv_len in probe_shapes(args, dev):
         t0 = time.time()
-        k, v = (t.to(dev) for t in real_kv(pool, b, hkv, s, d, gen))
-        q = torch.randn(b, hq, d, device=dev).to(torch.bfloat16)
-        scale = d ** -0.5
-        kv_len = torch.full((b,), s, dtype=torch.int32, device=dev)
         encoded = {cap: compress_v2(k, v, fragment=True, capacity=cap) for cap in (None, -1)}
         pp = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, ws=0)
         row = {"shape": f"{hq}/{hkv}/{d} {b}x{s}", "bf16_bytes": 4 * k.numel(), "twin_nsplit": pp.nsplit}

@@ -3,7 +3,6 @@
 word by word, prepass outputs included, each of the three raw-group patches) equals the BF16 it encodes, bit for
 bit."""
 
-import numpy as np
 import pytest
 import torch
 

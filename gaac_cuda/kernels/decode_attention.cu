@@ -49,9 +49,6 @@
 #ifndef GAAC_F3DUP  // format 3 with the overlay: tiles with and without a raw group run their own inlined copy of the
 #define GAAC_F3DUP 1  // tile code (1: the other never touches the overlay; 74.8 against 77.5 us) or one copy (0)
 #endif
-#ifndef GAAC_F3FUSE  // format 3 with the overlay: each chunk pair's high bytes straight into its mmas (1) or the
-#define GAAC_F3FUSE 0  // whole tile's high bytes first, then the mmas (0; as fast, 80.0 against 79.9 us)
-#endif
 #ifndef GAAC_FORMAT  // slot format: 1 (docs/format.md), 2 or 3 (byte-split prototypes of benchmarks/format_v2_probe.py)
 #define GAAC_FORMAT 1
 #endif
@@ -562,42 +559,6 @@ __device__ __forceinline__ void k_tile_f3(const Params& p, const u8* buf, const 
   u32 mw[C / 32], pw[C / 64];
   f3_words(p, buf, lane, mw, pw);
   const u32 rot = (g - 2) & 31;
-#if F3_OVERLAY && GAAC_F3FUSE  // each chunk pair's high bytes straight into its mmas
-#pragma unroll
-  for (int s4 = 0; s4 < NKS / 4; ++s4) {
-    u32 X[4] = {0u, 0u, 0u, 0u}, H[2][4];
-    if (any_raw && !(GAAC_SKIP & 8)) ldv<4>(s.ov + (s4 * 32 + lane) * 16, X);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int g0 = h * C + 4 * (t * NKS + 4 * s4);
-      u32 O[4], P3[4];
-      ldv<4>(s.base + g0, O);
-      ldv<4>(s.planes + g0, P3);
-      const u32 m = mw[2 * s4 + h], q = pw[s4];
-      f3_pair<0, 0, 1, 0>(m, q, P3[0], P3[1], O[0], O[1], rot, H[h][0], H[h][1], f3_ov(X[0], h), f3_ov(X[1], h));
-      if (h == 0)
-        f3_pair<2, 0, 3, 1>(m, q, P3[2], P3[3], O[2], O[3], rot, H[h][2], H[h][3], f3_ov(X[2], h), f3_ov(X[3], h));
-      else
-        f3_pair<2, 2, 3, 3>(m, q, P3[2], P3[3], O[2], O[3], rot, H[h][2], H[h][3], f3_ov(X[2], h), f3_ov(X[3], h));
-    }
-    u32 lo[2][4], hi[2][4];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      u32 L[4];
-      ldv<4>(buf + ((2 * s4 + h) * 32 + lane) * 16, L);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        lo[h][i] = prmt(L[i], H[h][i], 0x6240u);
-        hi[h][i] = prmt(L[i], H[h][i], 0x7351u);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int sl = 4 * s4 + i;
-      mma(sc[sl & 1], lo[0][i], lo[1][i], hi[0][i], hi[1][i], qb[sl][0], qb[sl][1]);
-    }
-  }
-#else
   constexpr int NC = NKS / 2;  // 16-byte chunks of 4 words per lane: chunk kc = 2 s4 + h
   u32 H[NC][4], X[4] = {0u, 0u, 0u, 0u};  // X: the overlay words of chunk pair s4 (GAAC_F3RAW 3; else 0)
 #pragma unroll
@@ -658,46 +619,12 @@ __device__ __forceinline__ void k_tile_f3(const Params& p, const u8* buf, const 
       mma(sc[sl & 1], lo[0][i], lo[1][i], hi[0][i], hi[1][i], qb[sl][0], qb[sl][1]);
     }
   }
-#endif
 }
 __device__ __forceinline__ void v_tile_f3(const Params& p, const u8* buf, const Scratch& s, int lane, int g, int t,
                                           const u32 (&pb)[2], float (&o)[NVM][4], bool any_raw) {
   u32 mw[C / 32], pw[C / 64];
   f3_words(p, buf, lane, mw, pw);
   const u32 rot = (2 * t - 2) & 31;
-#if F3_OVERLAY && GAAC_F3FUSE  // (see k_tile_f3)
-  u32 X[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-  for (int j = 0; j < NVW; ++j) {
-    if (j % 2 == 0 && any_raw && !(GAAC_SKIP & 8)) ldv<4>(s.ov + ((j / 2) * 32 + lane) * 16, X);
-    const int w = g * NVW + j;
-    const u32 m = mw[j], q = pw[j / 2];
-    u32 H[2][2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int gd = 2 * (h * C + 4 * w);
-      u32 O[2], P[2];
-      ldv<2>(s.base2 + gd, O);
-      ldv<2>(s.p3eo + gd, P);
-      const u32 va = f3_ov(X[2 * (j % 2)], h), vb = f3_ov(X[2 * (j % 2) + 1], h);
-      if (h == 0) f3_pair<0, 0, 1, 0>(m, q, P[0], P[1], O[0], O[1], rot, H[h][0], H[h][1], va, vb);
-      else if (j % 2 == 0) f3_pair<2, 0, 3, 1>(m, q, P[0], P[1], O[0], O[1], rot, H[h][0], H[h][1], va, vb);
-      else f3_pair<2, 2, 3, 3>(m, q, P[0], P[1], O[0], O[1], rot, H[h][0], H[h][1], va, vb);
-    }
-    u32 L[4];
-    ldv<4>(buf + (j * 32 + lane) * 16, L);
-    u32 a[2][2][2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        a[h][k][0] = prmt(L[2 * h + k], H[h][k], 0x5140u);
-        a[h][k][1] = prmt(L[2 * h + k], H[h][k], 0x7362u);
-      }
-#pragma unroll
-    for (int k = 0; k < 2; ++k) mma(o[2 * j + k], a[0][k][0], a[0][k][1], a[1][k][0], a[1][k][1], pb[0], pb[1]);
-  }
-#else
   u32 H[NVW][2][2], X[4] = {0u, 0u, 0u, 0u};  // [j][h][k]; X: the overlay words of j, j + 1 (j even)
 #pragma unroll
   for (int j = 0; j < NVW; ++j) {
@@ -762,7 +689,6 @@ __device__ __forceinline__ void v_tile_f3(const Params& p, const u8* buf, const 
 #pragma unroll
     for (int k = 0; k < 2; ++k) mma(o[2 * j + k], a[0][k][0], a[0][k][1], a[1][k][0], a[1][k][1], pb[0], pb[1]);
   }
-#endif
 }
 
 // Scores of one tile: k-slice s of thread (g, t) is word w = t*NKS + s (channels 4w..4w+3) of tokens g and g+8
