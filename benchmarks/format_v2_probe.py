@@ -24,13 +24,11 @@ splits, so it runs in one wave), and times them and cuDNN, graph-replayed:
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import load_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -42,102 +40,12 @@ import gaac_cuda  # noqa: E402
 from benchmarks.attention import bench_graph, compress, lay_out, real_kv  # noqa: E402
 from benchmarks.tied_windows import aligned_window  # noqa: E402
 from gaac_hf.calibrate import choose_escape_capacity, exponent_histogram  # noqa: E402
-from gaac_hf.codec import escape_bytes, group_modes, split_head, to_groups  # noqa: E402
-from gaac_hf.format import ESCAPE_BYTES_PER_GROUP, MODE_3BIT, MODE_4BIT, MODE_RAW, TileLayout, tile_split  # noqa: E402
+from gaac_hf.codec import escape_bytes, group_modes, split_head  # noqa: E402
+from gaac_hf.format import TileLayout, tile_split  # noqa: E402
+from gaac_hf.format_v2 import encode_tiles, to_fragment_order  # noqa: E402
 
 SHAPES = [("llama8b", 32, 8, 128, 1, 16384), ("llama8b", 32, 8, 128, 1, 65536), ("llama8b", 32, 8, 128, 4, 65536),
           ("smollm2", 9, 3, 64, 1, 65536)]
-
-
-def pack_bits(bits: torch.Tensor) -> torch.Tensor:
-    """`[..., n, 8]` of 0/1 -> `[..., n]` bytes (element i in bit i), int32."""
-    return (bits.to(torch.int32) << torch.arange(8, device=bits.device, dtype=torch.int32)).sum(-1, dtype=torch.int32)
-
-
-def encode_v2(x: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, capacity: int):
-    """Byte-split prototype slots of BF16 tiles `[..., 16, C]` under even windows `[..., C]` -> (slots uint8
-    `[..., slot_bytes]`, fits bool `[...]`, modes `[..., G]`)."""
-    c = x.shape[-1]
-    layout = TileLayout(c, capacity)
-    lead = x.shape[:-2]
-    base3, base4 = base3.expand(*lead, c), base4.expand(*lead, c)
-    bits = x.view(torch.int16).to(torch.int32) & 0xFFFF
-    exponent, low, sign = (bits >> 7) & 0xFF, bits & 0xFF, (bits >> 15) & 1
-    mode = group_modes(exponent, base3, base4)  # even windows: the format-1 rules, on the 7 high exponent bits
-    per_group = lambda b: to_groups(b.to(torch.int32).unsqueeze(-2).expand(exponent.shape))[..., 0]  # noqa: E731
-    half = torch.where(mode == MODE_3BIT, per_group(base3) >> 1,
-                       torch.where(mode == MODE_4BIT, per_group(base4) >> 1, 0))
-    code = (to_groups(exponent >> 1) - half.unsqueeze(-1)) & 0x7F  # [..., G, 8]
-    planes = torch.stack([pack_bits(to_groups(sign))] + [pack_bits((code >> p) & 1) for p in range(7)], -2)
-    tags = torch.stack([mode >= MODE_4BIT, mode == MODE_RAW], -2)
-    tags = pack_bits(tags.reshape(*lead, 2, layout.tag_plane_bytes, 8)).reshape(*lead, 2 * layout.tag_plane_bytes)
-    weights = torch.tensor(ESCAPE_BYTES_PER_GROUP, dtype=torch.int32, device=x.device)[mode.long()]
-    offsets = weights.cumsum(-1, dtype=torch.int32) - weights
-    k = torch.arange(5, device=x.device, dtype=torch.int32)
-    values = planes[..., 3:, :].transpose(-1, -2)  # [..., G, 5]: code bits 2..6 of each group
-    dump = max(5 * layout.groups, capacity)
-    index = torch.where(k < weights.unsqueeze(-1), offsets.unsqueeze(-1) + k, dump)
-    area = torch.zeros(*lead, dump + 1, dtype=torch.int32, device=x.device)
-    area.scatter_(-1, index.reshape(*lead, -1).long(), values.reshape(*lead, -1))
-    pad = torch.zeros(*lead, layout.escape_offset - layout.tags_end, dtype=torch.int32, device=x.device)
-    slots = torch.cat([low.reshape(*lead, layout.elements), planes[..., :3, :].reshape(*lead, 3 * layout.groups),
-                       tags, pad, area[..., :capacity]], -1).to(torch.uint8)
-    return slots, weights.sum(-1) <= capacity, mode
-
-
-@functools.lru_cache(maxsize=None)
-def fragment_maps(c: int, is_v: bool):
-    """Format 3 (the fragment-order prototype; the kernel's `k_tile_f3` / `v_tile_f3`): for every byte of the
-    low-byte area its source element (token * C + channel), and for every bit of the sign/code words its source
-    (plane 0..2, group, token bit). Returns (low_src [16 C], bit_plane, bit_group, bit_token [48 C])."""
-    n = c // 8  # words of 4 elements per lane
-    nks, nvw = c // 16, c // 32
-    low_src = np.full(16 * c, -1, dtype=np.int64)
-    nbits = 48 * c
-    plane, group, tbit = (np.full(nbits, -1, dtype=np.int64) for _ in range(3))
-
-    def put(word, lane, bit, pl, gi, tb):
-        at = ((word * 32 + lane) * 4 + bit // 8) * 8 + bit % 8
-        assert plane[at] < 0
-        plane[at], group[at], tbit[at] = pl, gi, tb
-
-    for lane in range(32):
-        g, t = lane // 4, lane % 4
-        for q in range(n):
-            for b in range(4):
-                if is_v:
-                    j, h, k = q // 4, (q % 4) // 2, q % 2
-                    ch, tok = 4 * (g * nvw + j) + 2 * k + (b >> 1), 8 * h + 2 * t + (b & 1)
-                else:
-                    s4, h, i = q // 8, (q // 4) % 2, q % 4
-                    ch, tok = 4 * (t * nks + 4 * s4 + i) + b, 8 * h + g
-                at = ((q // 4) * 32 + lane) * 16 + (q % 4) * 4 + b
-                assert low_src[at] < 0
-                low_src[at] = tok * c + ch
-                gi, tb = (tok // 8) * c + ch, tok % 8
-                mk, y = q // 4, q % 4
-                sign_bit = [8 * b + 7, (8 * b + 10) % 32, 8 * b + 5, 8 * b + 6][y]
-                put(mk, lane, sign_bit, 0, gi, tb)
-                if y < 2:
-                    code_word, c0 = mk, 8 * b + 3 * y
-                else:
-                    code_word, c0 = n // 4 + mk // 2, 8 * b + 2 * (2 * (mk % 2) + y - 2)
-                put(code_word, lane, c0, 1, gi, tb)
-                put(code_word, lane, c0 + 1, 2, gi, tb)
-    assert (low_src >= 0).all() and (plane >= 0).all()
-    return low_src, plane, group, tbit
-
-
-def to_fragment_order(slots: torch.Tensor, c: int, layout: TileLayout, is_v: bool) -> torch.Tensor:
-    """Format-2 prototype slots `[..., slot_bytes]` of K (or V) tiles -> format 3: the same bytes, low bytes and the
-    sign / code planes permuted into the kernel's fragment order (tags and escapes unchanged)."""
-    low_src, plane, group, tbit = (torch.from_numpy(a).to(slots.device) for a in fragment_maps(c, is_v))
-    g = layout.groups
-    low = slots[..., : 16 * c].index_select(-1, low_src)
-    planes = slots[..., layout.planes_offset: layout.planes_offset + 3 * g].to(torch.int32)
-    bits = (planes.index_select(-1, plane * g + group) >> tbit) & 1
-    words = pack_bits(bits.reshape(*bits.shape[:-1], -1, 8)).to(torch.uint8)
-    return torch.cat([low, words, slots[..., layout.planes_offset + 3 * g:]], -1)
 
 
 def head_major(packed: tuple) -> tuple:
@@ -176,10 +84,9 @@ def compress_v2(k: torch.Tensor, v: torch.Tensor, fragment: bool = False, capaci
     slots, fits, modes = [], [], torch.zeros(3, dtype=torch.int64, device=k.device)
     step = max(1, 16384 // (2 * h * (d // c)))
     for j in range(0, n, step):
-        sl, ft, md = encode_v2(tiles[:, j:j + step], b3, b4, capacity)
+        sl, ft, md = encode_tiles(tiles[:, j:j + step], b3, b4, capacity)
         if fragment:
-            lay = TileLayout(c, capacity)
-            sl = torch.stack([to_fragment_order(sl[:, :, kv], c, lay, kv == 1) for kv in range(2)], 2)
+            sl = torch.stack([to_fragment_order(sl[:, :, kv], c, kv == 1) for kv in range(2)], 2)
         slots.append(sl)
         fits.append(ft)
         modes += torch.bincount(md.reshape(-1).long(), minlength=3)

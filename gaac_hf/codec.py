@@ -85,26 +85,26 @@ def escape_bytes(modes: torch.Tensor) -> torch.Tensor:
     return weights[modes.long()].sum(-1, dtype=torch.int32)
 
 
-def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """`[..., n, 8]` of 0/1 -> `[..., n]` bytes, element i in bit i."""
     shifts = torch.arange(8, device=bits.device, dtype=torch.int32)
     return (bits.to(torch.int32) << shifts).sum(-1, dtype=torch.int32)
 
 
-def _unpack_bits(bytes_: torch.Tensor) -> torch.Tensor:
+def unpack_bits(bytes_: torch.Tensor) -> torch.Tensor:
     """`[..., n]` bytes -> `[..., n, 8]` bits."""
     shifts = torch.arange(8, device=bytes_.device, dtype=torch.int32)
     return (bytes_.to(torch.int32).unsqueeze(-1) >> shifts) & 1
 
 
-def _bases(mode: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, shape) -> torch.Tensor:
+def group_bases(mode: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, shape) -> torch.Tensor:
     b3 = to_groups(base3.to(torch.int32).unsqueeze(-2).expand(shape))
     b4 = to_groups(base4.to(torch.int32).unsqueeze(-2).expand(shape))
     m = mode.unsqueeze(-1)
     return torch.where(m == MODE_3BIT, b3, torch.where(m == MODE_4BIT, b4, torch.zeros_like(b3)))
 
 
-def _escape_offsets(mode: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def escape_offsets(mode: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     weights = torch.tensor(ESCAPE_BYTES_PER_GROUP, dtype=torch.int32, device=mode.device)[mode.long()]
     return torch.cumsum(weights, -1) - weights, weights
 
@@ -131,12 +131,12 @@ def encode_tiles(x: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, esca
     base4 = base4.expand(*lead, layout.channels)
     exponent, signmant = split_fields(x)
     mode = group_modes(exponent, base3, base4)
-    code = (to_groups(exponent) - _bases(mode, base3, base4, exponent.shape)) & 0xFF  # [..., G, 8]
-    planes = torch.stack([_pack_bits((code >> p) & 1) for p in range(8)], -2)  # [..., 8, G]
+    code = (to_groups(exponent) - group_bases(mode, base3, base4, exponent.shape)) & 0xFF  # [..., G, 8]
+    planes = torch.stack([pack_bits((code >> p) & 1) for p in range(8)], -2)  # [..., 8, G]
     tags = torch.stack([(mode >= MODE_4BIT), (mode == MODE_RAW)], -2)  # [..., 2, G]
-    tags = _pack_bits(tags.reshape(*lead, 2, layout.tag_plane_bytes, 8)).reshape(*lead, 2 * layout.tag_plane_bytes)
+    tags = pack_bits(tags.reshape(*lead, 2, layout.tag_plane_bytes, 8)).reshape(*lead, 2 * layout.tag_plane_bytes)
 
-    offsets, weights = _escape_offsets(mode)
+    offsets, weights = escape_offsets(mode)
     total = weights.sum(-1)
     k = torch.arange(5, device=x.device, dtype=torch.int32)
     values = planes[..., CODE_PLANES_IN_STREAM:, :].transpose(-1, -2)  # [..., G, 5]: planes 3..7 of each group
@@ -163,26 +163,26 @@ def decode_tiles(slots: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, 
     s = slots.to(torch.int32)
     signmant = s[..., :layout.planes_offset].reshape(*lead, BLOCK_TOKENS, channels)
     planes = s[..., layout.planes_offset:layout.tags_offset].reshape(*lead, CODE_PLANES_IN_STREAM, layout.groups)
-    tags = _unpack_bits(s[..., layout.tags_offset:layout.tags_end].reshape(*lead, 2, layout.tag_plane_bytes)).reshape(
+    tags = unpack_bits(s[..., layout.tags_offset:layout.tags_end].reshape(*lead, 2, layout.tag_plane_bytes)).reshape(
         *lead, 2, layout.groups)
     wide, raw = tags[..., 0, :], tags[..., 1, :]
     if bool((raw > wide).any()):
         raise ValueError("corrupt GAAC slot: a mode tag has the raw bit without the wide bit")
     mode = wide + raw
-    offsets, weights = _escape_offsets(mode)
+    offsets, weights = escape_offsets(mode)
     if bool((weights.sum(-1) > escape_capacity).any()):
         raise ValueError("corrupt GAAC slot: its mode tags need more escape bytes than the slot holds")
 
-    code = sum(_unpack_bits(planes[..., p, :]) << p for p in range(CODE_PLANES_IN_STREAM))  # [..., G, 8]
+    code = sum(unpack_bits(planes[..., p, :]) << p for p in range(CODE_PLANES_IN_STREAM))  # [..., G, 8]
     area = torch.nn.functional.pad(s[..., layout.escape_offset:], (0, 5))
     k = torch.arange(5, device=slots.device, dtype=torch.int32)
     index = (offsets.unsqueeze(-1) + k).clamp(max=escape_capacity + 4).reshape(*lead, 5 * layout.groups).long()
     values = torch.gather(area, -1, index).reshape(*lead, layout.groups, 5)
     values = torch.where(k < weights.unsqueeze(-1), values, 0)
     for j in range(5):
-        code = code | (_unpack_bits(values[..., j]) << (CODE_PLANES_IN_STREAM + j))
+        code = code | (unpack_bits(values[..., j]) << (CODE_PLANES_IN_STREAM + j))
     shape = (*lead, BLOCK_TOKENS, channels)
-    exponent = from_groups((code + _bases(mode, base3.expand(*lead, channels), base4.expand(*lead, channels),
+    exponent = from_groups((code + group_bases(mode, base3.expand(*lead, channels), base4.expand(*lead, channels),
                                           shape)) & 0xFF, channels)
     return join_fields(exponent, signmant)
 

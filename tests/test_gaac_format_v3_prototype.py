@@ -6,7 +6,7 @@ bit."""
 import pytest
 import torch
 
-from benchmarks.format_v2_probe import encode_v2, fragment_maps, to_fragment_order
+from gaac_hf.format_v2 import encode_tiles, fragment_maps, to_fragment_order
 from gaac_hf.format import MODE_3BIT, MODE_4BIT, MODE_RAW, TileLayout
 
 M32 = 0xFFFFFFFF
@@ -154,9 +154,9 @@ def test_emulated_kernel_decode_of_format_3_is_lossless(c, is_v):
     base3 = (e.reshape(-1, c).median(0).values.to(torch.int32) - 4) & ~1  # even windows
     base4 = (base3 - 4) & ~1
     layout = TileLayout(c, 512)
-    slots, fits, mode = encode_v2(x, base3.to(torch.uint8), base4.to(torch.uint8), 512)
+    slots, fits, mode = encode_tiles(x, base3.to(torch.uint8), base4.to(torch.uint8), 512)
     assert fits.all() and (mode == MODE_4BIT).any() and (mode == MODE_RAW).any() and (mode == MODE_3BIT).any()
-    f3 = to_fragment_order(slots, c, layout, is_v)
+    f3 = to_fragment_order(slots, c, is_v)
     assert f3.shape == slots.shape
     for n in range(x.shape[0]):
         base, planes, raw = tile_groups(x[n], mode[n], base3, base4)

@@ -1,0 +1,184 @@
+"""Reference encoder and decoder of the GAAC bitstream, format version 2 (draft; docs/format.md, "Format version 2").
+
+Version 2 splits a BF16 value at its byte boundary: the low byte (exponent bit 0 and the 7 mantissa bits) is kept
+verbatim, the high byte's 7 exponent bits are coded against windows that start at even exponents, and the sign is
+bit-plane 0. Units, groups, modes, the slot's section sizes and the escape bytes per mode are version 1's
+(`format.py`, `codec.py`); tiles of 64 and 128 channels are stored in the order the CUDA kernel's mma fragments
+consume them (`to_fragment_order`), narrower tiles in plane order. No cache writes version 2 yet: the CUDA kernel
+reads it (`gaac_cuda.plan(format_version=3)`, the fragment-order layout) and `benchmarks/format_v2_probe.py` times it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from .codec import check_bf16, escape_offsets, from_groups, group_bases, group_modes, pack_bits, to_groups, unpack_bits
+from .format import BLOCK_TOKENS, CODE_PLANES_IN_STREAM, MODE_4BIT, MODE_RAW, TileLayout
+
+FORMAT_VERSION = 2
+FRAGMENT_CHANNELS = (64, 128)  # tiles stored in fragment order; narrower ones in plane order
+
+
+def check_even_windows(base3: torch.Tensor, base4: torch.Tensor) -> None:
+    """Version 2 codes the 7 high exponent bits, so every window starts at an even exponent."""
+    for name, base in (("base3", base3), ("base4", base4)):
+        if bool((base.to(torch.int32) & 1).any()):
+            raise ValueError(f"format version 2 needs windows that start at even exponents; {name} has odd starts "
+                             "(calibrate with even windows)")
+
+
+def encode_tiles(x: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, capacity: int):
+    """BF16 tiles `[..., 16, C]` and even windows `[..., C]` (uint8, broadcastable) -> (slots uint8
+    `[..., slot_bytes]` in plane order, fits bool `[...]`, modes `[..., G]`). Where `fits` is False the escape
+    area is truncated (the tile is stored raw)."""
+    check_bf16(x)
+    check_even_windows(base3, base4)
+    c = x.shape[-1]
+    layout = TileLayout(c, capacity)
+    lead = x.shape[:-2]
+    base3, base4 = base3.expand(*lead, c), base4.expand(*lead, c)
+    bits = x.view(torch.int16).to(torch.int32) & 0xFFFF
+    exponent, low, sign = (bits >> 7) & 0xFF, bits & 0xFF, (bits >> 15) & 1
+    mode = group_modes(exponent, base3, base4)  # version 1's rules: even windows cover the same exponents
+    half = group_bases(mode, base3, base4, exponent.shape) >> 1
+    code = (to_groups(exponent >> 1) - half) & 0x7F  # [..., G, 8]
+    planes = torch.stack([pack_bits(to_groups(sign))] + [pack_bits((code >> p) & 1) for p in range(7)], -2)
+    tags = torch.stack([mode >= MODE_4BIT, mode == MODE_RAW], -2)
+    tags = pack_bits(tags.reshape(*lead, 2, layout.tag_plane_bytes, 8)).reshape(*lead, 2 * layout.tag_plane_bytes)
+    offsets, weights = escape_offsets(mode)
+    k = torch.arange(5, device=x.device, dtype=torch.int32)
+    values = planes[..., CODE_PLANES_IN_STREAM:, :].transpose(-1, -2)  # [..., G, 5]: code bits 2..6 of each group
+    dump = max(5 * layout.groups, capacity)
+    index = torch.where(k < weights.unsqueeze(-1), offsets.unsqueeze(-1) + k, dump)
+    area = torch.zeros(*lead, dump + 1, dtype=torch.int32, device=x.device)
+    area.scatter_(-1, index.reshape(*lead, -1).long(), values.reshape(*lead, -1))
+    pad = torch.zeros(*lead, layout.escape_offset - layout.tags_end, dtype=torch.int32, device=x.device)
+    slots = torch.cat([low.reshape(*lead, layout.elements),
+                       planes[..., :CODE_PLANES_IN_STREAM, :].reshape(*lead, CODE_PLANES_IN_STREAM * layout.groups),
+                       tags, pad, area[..., :capacity]], -1).to(torch.uint8)
+    return slots, weights.sum(-1) <= capacity, mode
+
+
+def decode_tiles(slots: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, channels: int) -> torch.Tensor:
+    """Slots `[..., slot_bytes]` (uint8, plane order) -> the BF16 tiles `[..., 16, C]`, bit-exactly."""
+    if slots.dtype != torch.uint8:
+        raise TypeError(f"slots must be uint8, got {slots.dtype}")
+    check_even_windows(base3, base4)
+    layout = TileLayout.of_slot_bytes(channels, slots.shape[-1])
+    lead = slots.shape[:-1]
+    s = slots.to(torch.int32)
+    low = s[..., :layout.planes_offset].reshape(*lead, BLOCK_TOKENS, channels)
+    planes = s[..., layout.planes_offset:layout.tags_offset].reshape(*lead, CODE_PLANES_IN_STREAM, layout.groups)
+    tags = unpack_bits(s[..., layout.tags_offset:layout.tags_end].reshape(*lead, 2, layout.tag_plane_bytes)).reshape(
+        *lead, 2, layout.groups)
+    wide, raw = tags[..., 0, :], tags[..., 1, :]
+    if bool((raw > wide).any()):
+        raise ValueError("corrupt GAAC slot: a mode tag has the raw bit without the wide bit")
+    mode = wide + raw
+    offsets, weights = escape_offsets(mode)
+    if bool((weights.sum(-1) > layout.escape_capacity).any()):
+        raise ValueError("corrupt GAAC slot: its mode tags need more escape bytes than the slot holds")
+    sign = unpack_bits(planes[..., 0, :])  # [..., G, 8]
+    code = unpack_bits(planes[..., 1, :]) | (unpack_bits(planes[..., 2, :]) << 1)
+    area = torch.nn.functional.pad(s[..., layout.escape_offset:], (0, 5))
+    k = torch.arange(5, device=slots.device, dtype=torch.int32)
+    index = (offsets.unsqueeze(-1) + k).clamp(max=layout.escape_capacity + 4).reshape(*lead, -1).long()
+    values = torch.where(k < weights.unsqueeze(-1), torch.gather(area, -1, index).reshape(*lead, layout.groups, 5), 0)
+    for j in range(5):
+        code = code | (unpack_bits(values[..., j]) << (2 + j))
+    shape = (*lead, BLOCK_TOKENS, channels)
+    half = group_bases(mode, base3.expand(*lead, channels), base4.expand(*lead, channels), shape) >> 1
+    high = from_groups((sign << 7) | ((code + half) & 0x7F), channels)
+    return ((high << 8) | low).to(torch.int16).view(torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def fragment_maps(c: int, is_v: bool):
+    """The fragment order of a `c`-channel K (or V) tile: for every byte of the low-byte area its source element
+    (token * C + channel), and for every bit of the sign / code words its source (plane 0..2, group, token bit).
+    Returns numpy (low_src [16 C], bit_plane, bit_group, bit_token [48 C])."""
+    if c not in FRAGMENT_CHANNELS:
+        raise ValueError(f"the fragment order covers tiles of {FRAGMENT_CHANNELS} channels, not {c}")
+    n = c // 8  # words of 4 elements per lane
+    nks, nvw = c // 16, c // 32
+    low_src = np.full(16 * c, -1, dtype=np.int64)
+    nbits = 48 * c
+    plane, group, tbit = (np.full(nbits, -1, dtype=np.int64) for _ in range(3))
+
+    def put(word, lane, bit, pl, gi, tb):
+        at = ((word * 32 + lane) * 4 + bit // 8) * 8 + bit % 8
+        assert plane[at] < 0
+        plane[at], group[at], tbit[at] = pl, gi, tb
+
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for q in range(n):
+            for b in range(4):
+                if is_v:  # word q = 4 j + 2 h + k: channels 4w + 2k, 4w + 2k + 1 x tokens 8h + 2t, 8h + 2t + 1
+                    j, h, k = q // 4, (q % 4) // 2, q % 2
+                    ch, tok = 4 * (g * nvw + j) + 2 * k + (b >> 1), 8 * h + 2 * t + (b & 1)
+                else:  # word q = 8 s4 + 4 h + i: channels 4w .. 4w + 3 of token 8h + g, w = t NKS + 4 s4 + i
+                    s4, h, i = q // 8, (q // 4) % 2, q % 4
+                    ch, tok = 4 * (t * nks + 4 * s4 + i) + b, 8 * h + g
+                at = ((q // 4) * 32 + lane) * 16 + (q % 4) * 4 + b
+                assert low_src[at] < 0
+                low_src[at] = tok * c + ch
+                gi, tb = (tok // 8) * c + ch, tok % 8
+                mk, y = q // 4, q % 4
+                sign_bit = [8 * b + 7, (8 * b + 10) % 32, 8 * b + 5, 8 * b + 6][y]
+                put(mk, lane, sign_bit, 0, gi, tb)
+                if y < 2:
+                    code_word, c0 = mk, 8 * b + 3 * y
+                else:
+                    code_word, c0 = n // 4 + mk // 2, 8 * b + 2 * (2 * (mk % 2) + y - 2)
+                put(code_word, lane, c0, 1, gi, tb)
+                put(code_word, lane, c0 + 1, 2, gi, tb)
+    assert (low_src >= 0).all() and (plane >= 0).all()
+    return low_src, plane, group, tbit
+
+
+def _maps(c: int, is_v: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    low_src, plane, group, tbit = fragment_maps(c, is_v)
+    return (torch.from_numpy(low_src).to(device),
+            torch.from_numpy(((plane * 2 * c + group) * 8 + tbit)).to(device))  # bit index in the 3 planes
+
+
+def to_fragment_order(slots: torch.Tensor, c: int, is_v: bool) -> torch.Tensor:
+    """Slots `[..., slot_bytes]` of K (or V) tiles in plane order -> fragment order: the low bytes and the sign /
+    code planes permuted (tags and escapes unchanged)."""
+    low_src, bit_src = _maps(c, is_v, slots.device)
+    n_low, n_planes = 16 * c, 3 * 2 * c
+    bits = unpack_bits(slots[..., n_low:n_low + n_planes]).reshape(*slots.shape[:-1], -1)
+    words = pack_bits(bits.index_select(-1, bit_src).reshape(*slots.shape[:-1], n_planes, 8)).to(torch.uint8)
+    return torch.cat([slots[..., :n_low].index_select(-1, low_src), words, slots[..., n_low + n_planes:]], -1)
+
+
+def from_fragment_order(slots: torch.Tensor, c: int, is_v: bool) -> torch.Tensor:
+    """The inverse of `to_fragment_order`."""
+    low_src, bit_src = _maps(c, is_v, slots.device)
+    n_low, n_planes = 16 * c, 3 * 2 * c
+    low = torch.empty_like(slots[..., :n_low])
+    low[..., low_src] = slots[..., :n_low]
+    bits = unpack_bits(slots[..., n_low:n_low + n_planes]).reshape(*slots.shape[:-1], -1)
+    planes = torch.empty_like(bits)
+    planes[..., bit_src] = bits
+    words = pack_bits(planes.reshape(*slots.shape[:-1], n_planes, 8)).to(torch.uint8)
+    return torch.cat([low, words, slots[..., n_low + n_planes:]], -1)
+
+
+def encode(x: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, capacity: int, is_v: bool):
+    """`encode_tiles`, stored as version 2 stores a tile: fragment order for 64- and 128-channel tiles."""
+    slots, fits, mode = encode_tiles(x, base3, base4, capacity)
+    if x.shape[-1] in FRAGMENT_CHANNELS:
+        slots = to_fragment_order(slots, x.shape[-1], is_v)
+    return slots, fits, mode
+
+
+def decode(slots: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, channels: int, is_v: bool) -> torch.Tensor:
+    """The inverse of `encode` for tiles that fit their slot."""
+    if channels in FRAGMENT_CHANNELS:
+        slots = from_fragment_order(slots, channels, is_v)
+    return decode_tiles(slots, base3, base4, channels)
