@@ -137,6 +137,33 @@ def test_encode_kernel_is_bit_exact(d, kind, capacity):
     assert torch.equal(modes.cpu(), counts.to(torch.int32))
 
 
+@pytest.mark.parametrize("d, kind, capacity", [(64, "mixed", 32), (128, "mixed", 16), (64, "raw", 48),
+                                               (128, "4bit", 64), (80, "mixed", 16), (96, "raw", 320)])
+def test_encode_kernel_writes_format_2_bit_exactly(d, kind, capacity):
+    """format_version=2: the byte-split slots of gaac_hf.format_v2 (plane order), escapes truncated alike."""
+    from gaac_hf.codec import split_head
+    from gaac_hf.format_v2 import encode_tiles
+    from triton_ops.gaac_encode import gaac_encode
+
+    gen = torch.Generator().manual_seed(11 * d + capacity)
+    k, v, b3, b4 = realistic_kv(2, 2, 48, d, gen, kind)
+    b3, b4 = b3 & 0xFE, b4 & 0xFE  # even windows
+    c = tile_split(d)[1]
+    tiles = split_head(torch.stack([k, v], 2).reshape(2, 2, 2, 3, 16, d).permute(0, 3, 2, 1, 4, 5))
+    shape = (2, 2, d // c, c)
+    ref, fits, mode = encode_tiles(tiles, b3.reshape(shape), b4.reshape(shape), capacity)
+    period = 2 * 2 * (d // c)
+    slots, esc, modes = gaac_encode(tiles.reshape(2, 3, period, 16, c).to(DEVICE), b3.reshape(period, c).to(DEVICE),
+                                    b4.reshape(period, c).to(DEVICE), TileLayout(c, capacity), format_version=2)
+    assert torch.equal(slots.cpu(), ref.reshape(2, 3, period, -1))
+    assert torch.equal((esc.cpu() <= capacity), fits.reshape(2, 3, period))
+    counts = torch.stack([(mode == m).sum(-1) for m in range(3)], -1).reshape(2, 3, period, 3)
+    assert torch.equal(modes.cpu(), counts.to(torch.int32))
+    with pytest.raises(ValueError, match="even exponents"):
+        gaac_encode(tiles.reshape(2, 3, period, 16, c)[:1].to(DEVICE), (b3 | 1).reshape(period, c).to(DEVICE),
+                    b4.reshape(period, c).to(DEVICE), TileLayout(c, capacity), format_version=2)
+
+
 class _PaddedLayout:
     """A slot layout with 16 spare bytes before the code planes, the mode tags and the escape area: a stand-in for a
     format change, to show that the kernels take every section offset from the layout they are given."""

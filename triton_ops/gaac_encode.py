@@ -1,7 +1,8 @@
 """Encode kernel: BF16 tiles -> GAAC slots (block finalization), one program per tile.
 
-Bitstream: docs/format.md. Output bits equal `gaac_hf.codec.encode_tiles` (the torch reference), including the
-escape area of tiles whose escapes overflow the slot (truncated to the capacity; such tiles stay raw BF16).
+Bitstream: docs/format.md. Output bits equal `gaac_hf.codec.encode_tiles` (the torch reference; format version 2:
+`gaac_hf.format_v2.encode_tiles`, in plane order), including the escape area of tiles whose escapes overflow the
+slot (truncated to the capacity; such tiles stay raw BF16).
 """
 
 import torch
@@ -13,11 +14,12 @@ from .layout import slot_constants
 
 
 @triton.jit
-def tile_modes(bits, b3, b4, C: tl.constexpr):
-    """BF16 bits of one tile (int32 `[16, C]`) and its bases (int32 `[C]`) -> (sign+mantissa `[16, C]`,
-    codes `[2, 8, C]`, modes `[2, C]` (group (half h, channel c)), escape bytes of the tile)."""
+def tile_modes(bits, b3, b4, C: tl.constexpr, VERSION: tl.constexpr = 1):
+    """BF16 bits of one tile (int32 `[16, C]`) and its bases (int32 `[C]`) -> (the verbatim byte of each element
+    `[16, C]`, the bit-plane bits `[2, 8, C]` (bit p: plane p), modes `[2, C]` (group (half h, channel c)), escape
+    bytes of the tile). Version 1: sign+mantissa kept, planes = the 8-bit exponent code; version 2: the low byte kept,
+    plane 0 = the sign, planes 1..7 = the code of the 7 high exponent bits against the halved (even) bases."""
     e = (bits >> 7) & 0xFF
-    sm = ((bits >> 8) & 0x80) | (bits & 0x7F)
     eg = tl.reshape(e, [2, 8, C])  # group (half h, channel c) = tokens 8h..8h+7 of channel c
     d3 = eg - b3[None, None, :]
     d4 = eg - b4[None, None, :]
@@ -25,7 +27,13 @@ def tile_modes(bits, b3, b4, C: tl.constexpr):
     fit4 = (tl.min(d4, axis=1) >= 0) & (tl.max(d4, axis=1) < 16)
     mode = tl.where(fit3, 0, tl.where(fit4, 1, 2))  # [2, C]
     base = tl.where(mode == 0, b3[None, :], tl.where(mode == 1, b4[None, :], 0))
-    code = (eg - base[:, None, :]) & 0xFF  # [2, 8, C]
+    if VERSION == 2:
+        sm = bits & 0xFF
+        sign = tl.reshape((bits >> 15) & 1, [2, 8, C])
+        code = sign | ((((eg >> 1) - (base[:, None, :] >> 1)) & 0x7F) << 1)
+    else:
+        sm = ((bits >> 8) & 0x80) | (bits & 0x7F)
+        code = (eg - base[:, None, :]) & 0xFF  # [2, 8, C]
     w = (mode >= 1).to(tl.int32) + 4 * (mode == 2).to(tl.int32)  # escape bytes per group
     total = tl.sum(tl.sum(w, axis=1), axis=0)
     return sm, code, mode, total
@@ -84,7 +92,7 @@ def mode_counts(mode):
 @triton.jit
 def _encode_kernel(x_ptr, b3_ptr, b4_ptr, slot_ptr, esc_out, modes_out, PERIOD, SLOT_BYTES, CAPACITY,
                    C: tl.constexpr, E_PAD: tl.constexpr, PLANES: tl.constexpr, TAGS: tl.constexpr,
-                   ESC: tl.constexpr):
+                   ESC: tl.constexpr, VERSION: tl.constexpr):
     pid = tl.program_id(0)
     kind = pid % PERIOD
     out = slot_ptr + pid.to(tl.int64) * SLOT_BYTES
@@ -93,20 +101,25 @@ def _encode_kernel(x_ptr, b3_ptr, b4_ptr, slot_ptr, esc_out, modes_out, PERIOD, 
     bits = tl.load(x_ptr + pid.to(tl.int64) * 16 * C + t[:, None] * C + c[None, :]).to(tl.int32) & 0xFFFF
     b3 = tl.load(b3_ptr + kind * C + c).to(tl.int32)
     b4 = tl.load(b4_ptr + kind * C + c).to(tl.int32)
-    sm, code, mode, total = tile_modes(bits, b3, b4, C)
+    sm, code, mode, total = tile_modes(bits, b3, b4, C, VERSION)
     store_slot(out, sm, code, mode, CAPACITY, C, E_PAD, PLANES, TAGS, ESC)
     tl.store(esc_out + pid, total)
     m = tl.arange(0, 4)
     tl.store(modes_out + pid * 3 + m, mode_counts(mode), mask=m < 3)
 
 
-def gaac_encode(tiles: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, layout):
+def gaac_encode(tiles: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, layout, format_version: int = 1):
     """Encode BF16 tiles `[..., P, 16, C]` with bases uint8 `[P, C]` (P = positions with their own windows, e.g.
     2 * H * tiles) into slots of `layout` (a `gaac_hf.format.TileLayout`, see `triton_ops.layout`). Returns
     `(slots uint8 [..., P, slot_bytes], escape_bytes int32 [..., P], mode_counts int32 [..., P, 3])`; a tile fits
-    its slot iff escape_bytes <= layout.escape_capacity."""
+    its slot iff escape_bytes <= layout.escape_capacity. `format_version` 2: the byte-split slots of
+    `gaac_hf.format_v2` in plane order (even bases; `format_v2.to_fragment_order` gives the stored order)."""
     if tiles.dtype != torch.bfloat16:
         raise TypeError(f"the GAAC encoder takes BF16 tiles, not {tiles.dtype}")
+    if format_version not in (1, 2):
+        raise ValueError(f"the GAAC encoder writes format versions 1 and 2, not {format_version}")
+    if format_version == 2 and bool(((base3 | base4) & 1).any()):
+        raise ValueError("format version 2 needs windows that start at even exponents (calibrate with even windows)")
     *lead, period, tokens, channels = tiles.shape
     if tokens != 16 or base3.shape != (period, channels) or base4.shape != (period, channels):
         raise ValueError(f"tiles {tuple(tiles.shape)} and bases {tuple(base3.shape)} do not line up")
@@ -121,5 +134,5 @@ def gaac_encode(tiles: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, l
         with on_device_of(x):
             _encode_kernel[(n,)](x, base3.contiguous(), base4.contiguous(), slots, esc, modes, period, slot_bytes,
                                  escape_capacity, C=channels, E_PAD=max(16, triton.next_power_of_2(escape_capacity)),
-                                 **offsets)
+                                 VERSION=format_version, **offsets)
     return slots, esc, modes
