@@ -32,7 +32,7 @@ from hf_common.cache_layers import RowSelectionMixin, full_attention_layers, sto
 
 from . import ops
 from .calibration import CalibrationMismatchError, GAACCalibration
-from .format import BLOCK_TABLE_ENTRY_BYTES, BLOCK_TOKENS, MODE_NAMES, TileLayout, tile_split
+from .format import BLOCK_TABLE_ENTRY_BYTES, BLOCK_TOKENS, FORMAT_VERSION, MODE_NAMES, TileLayout, tile_split
 from .model_layers import text_config
 from .tile_pool import TilePool, grow
 
@@ -54,10 +54,15 @@ def _check_kv_dtype(key_states: torch.Tensor, value_states: torch.Tensor) -> Non
 
 def resolve_calibration(calibration, what: str, **hub_kwargs) -> GAACCalibration:
     """A `GAACCalibration`, or one loaded from a path / Hub id; a clear `TypeError` for anything else."""
-    if isinstance(calibration, GAACCalibration):
-        return calibration
     if isinstance(calibration, str) or hasattr(calibration, "__fspath__"):
-        return GAACCalibration.from_pretrained(str(calibration), **hub_kwargs)
+        calibration = GAACCalibration.from_pretrained(str(calibration), **hub_kwargs)
+    if isinstance(calibration, GAACCalibration):
+        if calibration.config.format_version != FORMAT_VERSION:
+            raise ValueError(
+                f"{what} writes GAAC format version {FORMAT_VERSION}; this calibration is for version "
+                f"{calibration.config.format_version}, which no cache writes yet: use "
+                f"calibration.convert({FORMAT_VERSION}) (the windows carry over)")
+        return calibration
     raise TypeError(f"{what} takes as calibration a GAACCalibration or the path / Hub id of one, not "
                     f"{type(calibration).__name__}")
 

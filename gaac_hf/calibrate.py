@@ -36,17 +36,21 @@ def window_sums(hist: torch.Tensor, width: int) -> torch.Tensor:
     return cum[..., width:] - cum[..., :-width]
 
 
-def best_window(hist: torch.Tensor, width: int) -> torch.Tensor:
-    """Base of the contiguous window of `width` exponents that covers the most values (lowest base on ties)."""
+def best_window(hist: torch.Tensor, width: int, align: int = 1) -> torch.Tensor:
+    """Base of the contiguous window of `width` exponents that covers the most values (lowest base on ties), among
+    the windows that start at multiples of `align`."""
     sums = window_sums(hist, width)
-    best = sums.max(-1, keepdim=True).values
     first = torch.arange(sums.shape[-1], device=hist.device).expand_as(sums)
+    sums = torch.where(first % align == 0, sums, -1)
+    best = sums.max(-1, keepdim=True).values
     return torch.where(sums == best, first, sums.shape[-1]).min(-1).values.to(torch.uint8)
 
 
-def windows_from_histogram(hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(base3, base4)`, each uint8 `[..., D]`: the best 8- and 16-wide windows per channel."""
-    return best_window(hist, WINDOW_3BIT), best_window(hist, WINDOW_4BIT)
+def windows_from_histogram(hist: torch.Tensor, format_version: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(base3, base4)`, each uint8 `[..., D]`: the best 8- and 16-wide windows per channel (format version 2:
+    starting at even exponents)."""
+    align = 2 if format_version == 2 else 1
+    return best_window(hist, WINDOW_3BIT, align), best_window(hist, WINDOW_4BIT, align)
 
 
 def complete_blocks(kv: torch.Tensor) -> torch.Tensor:
@@ -119,7 +123,7 @@ def size_summary(escapes: torch.Tensor, channels: int, capacity: int) -> SizeSum
     return SizeSummary(codec, resident, (escapes > capacity).double().mean().item())
 
 
-def calibrate_from_captures(captures) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+def calibrate_from_captures(captures, format_version: int = 1) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """Windows and escape capacity from captured KV.
 
     `captures` is a callable returning a fresh iterator of `[L, 2, H, T, D]` captures (it is walked twice: once
@@ -132,17 +136,18 @@ def calibrate_from_captures(captures) -> tuple[torch.Tensor, torch.Tensor, int, 
         hist = h if hist is None else hist + h
     if hist is None:
         raise ValueError("no KV was captured: the corpus gave no prompts")
-    base3, base4 = windows_from_histogram(hist)
+    base3, base4 = windows_from_histogram(hist, format_version)
     escapes = torch.cat([tile_escape_bytes(kv, base3, base4).reshape(-1) for kv in captures()])
     channels = tile_split(base3.shape[-1])[1]
     return base3, base4, choose_escape_capacity(escapes, channels), escapes
 
 
 def calibrate(model, prompts: list[torch.Tensor], corpus: str, store: str | None = None,
-              chunk_tokens: int = 1024):
+              chunk_tokens: int = 1024, format_version: int = 1):
     """Calibrate GAAC for `model` on token prompts; returns a `GAACCalibration`.
 
-    Captured KV goes through `store` (a folder; a temporary one if None) so memory stays bounded.
+    Captured KV goes through `store` (a folder; a temporary one if None) so memory stays bounded. `format_version`
+    2 (the byte-split draft of docs/format.md) chooses windows that start at even exponents.
     """
     import tempfile
 
@@ -158,10 +163,11 @@ def calibrate(model, prompts: list[torch.Tensor], corpus: str, store: str | None
         def captures():
             return capture_corpus(model, prompts, chunk_tokens=chunk_tokens, store=folder, desc="read KV")
 
-        base3, base4, capacity, escapes = calibrate_from_captures(captures)
+        base3, base4, capacity, escapes = calibrate_from_captures(captures, format_version)
     summary = size_summary(escapes, tile_split(geometry.head_dim)[1], capacity)
     cfg = text_config(model.config)
     config = CalibrationConfig(
+        format_version=format_version,
         base_model=str(getattr(model.config, "name_or_path", "") or cfg.model_type),
         architecture=(cfg.architectures or [type(model).__name__])[0] if getattr(cfg, "architectures", None)
         else type(model).__name__,

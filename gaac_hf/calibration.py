@@ -22,6 +22,8 @@ from hf_common.model_config import identity_mismatches, kv_geometry, model_name,
 
 from .format import BLOCK_TOKENS, FORMAT_VERSION, GROUP_SIZE, TileLayout, tile_split
 
+READABLE_VERSIONS = (1, 2)  # 2: the byte-split draft (docs/format.md), even windows; no cache writes it yet
+
 WINDOWS_FILE = "windows.safetensors"
 CONFIG_FILE = "config.json"
 
@@ -61,9 +63,10 @@ class CalibrationConfig:
     measured: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.format_version != FORMAT_VERSION:
+        if self.format_version not in READABLE_VERSIONS:
             raise CorruptArtifactError(
-                f"unknown GAAC format version {self.format_version!r}; this gaac-hf reads version {FORMAT_VERSION}"
+                f"unknown GAAC format version {self.format_version!r}; this gaac-hf reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}"
             )
         for name in ("base_model", "num_hidden_layers", "num_kv_heads", "head_dim", "escape_capacity"):
             if getattr(self, name) is None:
@@ -71,7 +74,7 @@ class CalibrationConfig:
         if (self.block_tokens, self.group_size, self.grouping) != (BLOCK_TOKENS, GROUP_SIZE, "token"):
             raise CorruptArtifactError(
                 f"calibration uses blocks of {self.block_tokens}, groups of {self.group_size} ({self.grouping}); "
-                f"format version {FORMAT_VERSION} has {BLOCK_TOKENS}, {GROUP_SIZE} (token)"
+                f"format version {self.format_version} has {BLOCK_TOKENS}, {GROUP_SIZE} (token)"
             )
         _, channels = tile_split(self.head_dim)
         self.slot_bytes = TileLayout(channels, self.escape_capacity).slot_bytes
@@ -133,8 +136,27 @@ class GAACCalibration(
                 )
         if int(base3.max()) > 256 - 8 or int(base4.max()) > 256 - 16:
             raise CorruptArtifactError("calibration windows reach past exponent 255")
+        if config.format_version == 2 and bool(((base3 | base4) & 1).any()):
+            raise CorruptArtifactError("a format-version-2 calibration has windows that start at odd exponents")
         self.base3, self.base4 = base3.contiguous(), base4.contiguous()
         self._layer_rows = {layer: i for i, layer in enumerate(config.layers)}
+
+    def convert(self, format_version: int) -> "GAACCalibration":
+        """This calibration for another format version. Windows are format-independent, except that version 2
+        starts them at even exponents: to 2, each window moves down to the even start at or below it (it then
+        covers one exponent less at the top, so the sizes measured for version 1 no longer hold and are dropped);
+        to 1, they are kept as they are."""
+        if format_version not in READABLE_VERSIONS:
+            raise ValueError(f"format version {format_version}: this gaac-hf knows versions "
+                             f"{', '.join(map(str, READABLE_VERSIONS))}")
+        cfg = CalibrationConfig(**{**asdict(self.config), "format_version": format_version})
+        if format_version == self.config.format_version:
+            return GAACCalibration(cfg, self.base3.clone(), self.base4.clone())
+        if format_version == 2:
+            cfg.measured = {"converted": f"from format version {self.config.format_version}: windows moved down to "
+                                         "even starts, sizes not re-measured"}
+            return GAACCalibration(cfg, self.base3 & 0xFE, self.base4 & 0xFE)
+        return GAACCalibration(cfg, self.base3.clone(), self.base4.clone())
 
     # --- use ---------------------------------------------------------------------------------------------------
     def windows(self, layer_idx: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:

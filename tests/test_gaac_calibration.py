@@ -141,6 +141,47 @@ def test_corrupt_artifacts_give_clear_errors(tmp_path, tiny_calibration):
             GAACCalibration.from_pretrained(variant(name, edit))
 
 
+def test_even_windows_for_format_2():
+    """windows_from_histogram(hist, 2): the best window among those that start at even exponents."""
+    from gaac_hf.calibrate import windows_from_histogram
+
+    gen = torch.Generator().manual_seed(1)
+    hist = torch.randint(0, 50, (5, 256), generator=gen) * (torch.rand(5, 256, generator=gen) < 0.3)
+    b3, b4 = windows_from_histogram(hist, 2)
+    for base, width in ((b3, 8), (b4, 16)):
+        assert not bool((base & 1).any())
+        for row in range(5):
+            sums = torch.tensor([hist[row, b:b + width].sum() if b % 2 == 0 else -1 for b in range(257 - width)])
+            assert int(base[row]) == int(torch.nonzero(sums == sums.max())[0])
+
+
+def test_a_format_2_calibration_converts_saves_and_is_refused_by_the_caches(tmp_path, tiny_calibration, tiny_llama):
+    from gaac_hf import GAACCache, GAACStaticCache
+
+    v2 = tiny_calibration.convert(2)
+    assert v2.config.format_version == 2 and not bool(((v2.base3 | v2.base4) & 1).any())
+    assert bool((v2.base3 <= tiny_calibration.base3).all()) and bool((tiny_calibration.base3 - v2.base3 <= 1).all())
+    assert "converted" in v2.config.measured
+    v2.save_pretrained(tmp_path / "v2")
+    loaded = GAACCalibration.from_pretrained(str(tmp_path / "v2"))
+    assert loaded.config.format_version == 2 and torch.equal(loaded.base4, v2.base4)
+    for make in (lambda c: GAACCache(tiny_llama.config, c), lambda c: GAACStaticCache(tiny_llama.config, 64, c)):
+        with pytest.raises(ValueError, match=r"format version 1; this calibration is for version 2.*convert\(1\)"):
+            make(loaded)
+    back = loaded.convert(1)
+    assert back.config.format_version == 1 and torch.equal(back.base3, v2.base3)
+    GAACCache(tiny_llama.config, back)  # even windows are valid version-1 windows
+    with pytest.raises(ValueError, match="format version 7"):
+        tiny_calibration.convert(7)
+    # a version-2 artifact whose windows start at odd exponents is corrupt
+    odd = GAACCalibration(back.config, back.base3 | 1, back.base4)
+    odd.save_pretrained(tmp_path / "odd")
+    cfg = json.loads((tmp_path / "odd" / "config.json").read_text())
+    (tmp_path / "odd" / "config.json").write_text(json.dumps({**cfg, "format_version": 2}))
+    with pytest.raises(CorruptArtifactError, match="odd exponents"):
+        GAACCalibration.from_pretrained(str(tmp_path / "odd"))
+
+
 def test_hub_round_trip_without_network(tmp_path, tiny_calibration):
     """push_to_hub uploads the saved folder; from_pretrained(repo_id) reads it through hf_hub_download."""
     uploaded = tmp_path / "hub"
