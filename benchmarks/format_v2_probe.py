@@ -164,7 +164,8 @@ def main():
             # one wave: the twin's splits fill 12 warps per SM; a variant with fewer (consumer) warps per SM takes
             # proportionally fewer (whole CTAs) and is checked against the twin at that count
             per_cta = ws or 4
-            nsplit = pp.nsplit if warps_per_sm == 12 else max(per_cta, pp.nsplit * warps_per_sm // 12 // per_cta * per_cta)
+            nsplit = pp.nsplit if warps_per_sm == 12 else max(
+                per_cta, pp.nsplit * warps_per_sm // 12 // per_cta * per_cta)
             pc = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, format_version=fmt,
                                 nsplit=nsplit, **kw)
             got = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout, pc)

@@ -144,8 +144,9 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     CTA. Default: WS_TWIN for plain KV at head_dim 64/128 without one-warp options, else 0 (the one-warp kernel).
     `raw_patch` (format 3): raw groups patched per word by a call (1), branch-free over a tile that has any (2), or
     from an overlay of code bits 3..6 that the prepass scatters in fragment order and the tile adds with the bases
-    (3, the default: measured fastest, benchmarks/results/attention_cuda.md session 13). `defines` (benchmarks): more `NAME=VALUE` compile-time
-    options of the kernel source, e.g. ("GAAC_F3DUP=0",); they key the kernel cache like every option.
+    (3, the default: measured fastest, benchmarks/results/attention_cuda.md session 13). `defines` (benchmarks):
+    more `NAME=VALUE` compile-time options of the kernel source, e.g. ("GAAC_F3DUP=0",); they key the kernel cache
+    like every option.
     `buf_bytes` (benchmarks, one-warp kernel, slots staged as stored): a ring stage's tile buffer, at least the slot;
     below a BF16 tile's bytes only for KV without raw tiles (the caller's check: a raw tile would overrun it)."""
     if not 1 <= rep <= MAX_GROUP_HEADS:

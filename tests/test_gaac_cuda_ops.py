@@ -272,8 +272,9 @@ def test_fragment_order_prototype_equals_plain_twin(d):
     kv_len = torch.full((b,), s, dtype=torch.int32, device="cuda")
     packed, layout, info = compress_v2(k, v, fragment=True)
     assert info["raw_tiles"] > 0 and min(info["mode_shares"]) > 0, info
-    cases = [(n, w, r, ()) for n, w, r in ((1, 0, 1), (7, 0, 1), (12, 3, 1), (12, 6, 1), (8, 4, 1), (7, 0, 2), (12, 6, 2),
-                                          (1, 0, 3), (7, 0, 3), (12, 6, 3), (10, 5, 3), (11, 11, 3), (12, 3, 3))]
+    cases = [(n, w, r, ()) for n, w, r in ((1, 0, 1), (7, 0, 1), (12, 3, 1), (12, 6, 1), (8, 4, 1), (7, 0, 2),
+                                          (12, 6, 2), (1, 0, 3), (7, 0, 3), (12, 6, 3), (10, 5, 3), (11, 11, 3),
+                                          (12, 3, 3))]
     cases += [(7, 0, 3, ("GAAC_F3DUP=0",)), (12, 6, 3, ("GAAC_F3DUP=0",))]
     for nsplit, ws, raw_patch, defines in cases:  # defines: the overlay's tile-code variants
         pc = plan(b, h, nrep, d, s, "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, ws=ws, format_version=3,
