@@ -551,9 +551,10 @@ __device__ __forceinline__ void f3_words(const Params& p, const u8* buf, int lan
 #pragma unroll
   for (int x = 0; x < C / 64; ++x) pw[x] = lds(words + 128 * (C / 32 + x));
 }
-// The tile's high bytes are built first for all of a lane's words; raw groups (0.2% of the groups, but in ~40% of the
-// tiles of real KV) are then patched in one warp-uniform branch per tile, branch-free over the tile (GAAC_F3RAW 2; a
-// call per raw word cost 15 us of 82 at 1x64K, session 12), and the byte permutes and mmas follow.
+// The tile's high bytes are built first for all of a lane's words, then the byte permutes and mmas follow. Raw groups
+// (0.2% of the groups, but in ~40% of the tiles of real KV): by default their code bits 3..6 come from the overlay
+// (f3_overlay) in the same add as the bases, and the caller runs a separate inlined copy for tiles that have any
+// (GAAC_F3DUP); GAAC_F3RAW 2 patches them branch-free over such a tile, 1 by a call per raw word (sessions 12-13).
 __device__ __forceinline__ void k_tile_f3(const Params& p, const u8* buf, const Scratch& s, int lane, int g, int t,
                                           const u32 (&qb)[NKS][2], float (&sc)[2][4], bool any_raw) {
   u32 mw[C / 32], pw[C / 64];
