@@ -41,7 +41,8 @@ def cmd_calibrate(args) -> None:
     model, tokenizer = load_model(args.model)
     corpus = read_corpus(args)
     prompts = token_prompts(tokenizer, corpus.text, args.prompt_tokens, args.max_prompts)
-    calibration = calibrate(model, prompts, corpus.description, store=args.store, chunk_tokens=args.chunk_tokens)
+    calibration = calibrate(model, prompts, corpus.description, store=args.store, chunk_tokens=args.chunk_tokens,
+                            format_version=args.format_version)
     if args.heldout_text:
         import torch
 

@@ -45,6 +45,8 @@ def gaac_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-prompts", type=int, default=None, help="at most this many prompts (default: all)")
     c.add_argument("--chunk-tokens", type=int, default=1024, help="chunked-prefill size")
     c.add_argument("--store", default=None, help="folder to keep captured KV in (default: temporary)")
+    c.add_argument("--format-version", type=int, choices=(1, 2), default=1,
+                   help="GAAC format version (2: the byte-split draft, even windows; no cache writes it yet)")
     c.add_argument("--heldout-text", nargs="+", default=None, help="also measure the ratio on this text")
     c.add_argument("--heldout-store", default=None, help="folder to keep the held-out KV in (default: temporary)")
     c.set_defaults(func="gaac_hf.cli:cmd_calibrate")

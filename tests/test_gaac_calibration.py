@@ -221,7 +221,8 @@ def test_cli_calibrate_on_local_text(tmp_path, tiny_llama, sample_corpus):
     text.write_text(sample_corpus.text[:4000])
     out = tmp_path / "calib"
     main(["calibrate", str(model_dir), "--text", str(text), "--out", str(out), "--prompt-tokens", "512",
-          "--max-prompts", "2", "--heldout-text", str(text)])
+          "--max-prompts", "2", "--heldout-text", str(text), "--format-version", "2"])
     loaded = GAACCalibration.from_pretrained(str(out))
     assert loaded.config.corpus_tokens == 1024
+    assert loaded.config.format_version == 2 and not bool(((loaded.base3 | loaded.base4) & 1).any())
     assert any(k.startswith("held-out") for k in loaded.config.measured)
