@@ -119,6 +119,60 @@ class EncodedTiles:
     modes: torch.Tensor  # int32 [..., G]
 
 
+def pack_slots(verbatim: torch.Tensor, planes: torch.Tensor, mode: torch.Tensor, escape_capacity: int):
+    """The slot container, shared by the format versions: the verbatim byte of every element `[..., 16, C]`, the 8
+    bit-planes of every group `[..., 8, G]` (planes 0-2 stored, 3 escaped by wide groups, 3-7 by raw ones) and the
+    modes `[..., G]` -> `(slots uint8 [..., slot_bytes], escape bytes int32 [...])`; escapes past the capacity are
+    cut (such a tile does not fit its slot)."""
+    *lead, _, channels = verbatim.shape
+    layout = TileLayout(channels, escape_capacity)
+    tags = torch.stack([(mode >= MODE_4BIT), (mode == MODE_RAW)], -2)  # [..., 2, G]
+    tags = pack_bits(tags.reshape(*lead, 2, layout.tag_plane_bytes, 8)).reshape(*lead, 2 * layout.tag_plane_bytes)
+    offsets, weights = escape_offsets(mode)
+    k = torch.arange(5, device=mode.device, dtype=torch.int32)
+    values = planes[..., CODE_PLANES_IN_STREAM:, :].transpose(-1, -2)  # [..., G, 5]: planes 3..7 of each group
+    dump = max(5 * layout.groups, escape_capacity)  # every escape byte of a tile lies below this index
+    index = torch.where(k < weights.unsqueeze(-1), offsets.unsqueeze(-1) + k, dump)
+    area = torch.zeros(*lead, dump + 1, dtype=torch.int32, device=mode.device)
+    area.scatter_(-1, index.reshape(*lead, 5 * layout.groups).long(), values.reshape(*lead, 5 * layout.groups))
+    pad = torch.zeros(*lead, layout.escape_offset - layout.tags_end,
+                      dtype=torch.int32, device=mode.device)  # zero bytes that align the escape area (C = 16 only)
+    slots = torch.cat(
+        [verbatim.reshape(*lead, layout.elements),
+         planes[..., :CODE_PLANES_IN_STREAM, :].reshape(*lead, CODE_PLANES_IN_STREAM * layout.groups), tags, pad,
+         area[..., :escape_capacity]], -1).to(torch.uint8)
+    return slots, weights.sum(-1)
+
+
+def unpack_slots(slots: torch.Tensor, channels: int):
+    """The inverse of `pack_slots` for slots that fit: `(verbatim int32 [..., 16, C], planes int32 [..., 8, G, 8]
+    (bit i of group g's plane p: element i), modes [..., G])`, escaped planes 0 where a group has none. A corrupt
+    slot (a raw tag without its wide tag, more escapes than the slot holds) raises `ValueError`."""
+    if slots.dtype != torch.uint8:
+        raise TypeError(f"slots must be uint8, got {slots.dtype}")
+    layout = TileLayout.of_slot_bytes(channels, slots.shape[-1])
+    lead = slots.shape[:-1]
+    s = slots.to(torch.int32)
+    verbatim = s[..., :layout.planes_offset].reshape(*lead, BLOCK_TOKENS, channels)
+    stored = s[..., layout.planes_offset:layout.tags_offset].reshape(*lead, CODE_PLANES_IN_STREAM, layout.groups)
+    tags = unpack_bits(s[..., layout.tags_offset:layout.tags_end].reshape(*lead, 2, layout.tag_plane_bytes)).reshape(
+        *lead, 2, layout.groups)
+    wide, raw = tags[..., 0, :], tags[..., 1, :]
+    if bool((raw > wide).any()):
+        raise ValueError("corrupt GAAC slot: a mode tag has the raw bit without the wide bit")
+    mode = wide + raw
+    offsets, weights = escape_offsets(mode)
+    if bool((weights.sum(-1) > layout.escape_capacity).any()):
+        raise ValueError("corrupt GAAC slot: its mode tags need more escape bytes than the slot holds")
+    area = torch.nn.functional.pad(s[..., layout.escape_offset:], (0, 5))
+    k = torch.arange(5, device=slots.device, dtype=torch.int32)
+    index = (offsets.unsqueeze(-1) + k).clamp(max=layout.escape_capacity + 4).reshape(*lead, 5 * layout.groups)
+    values = torch.gather(area, -1, index.long()).reshape(*lead, layout.groups, 5)
+    values = torch.where(k < weights.unsqueeze(-1), values, 0)
+    planes = torch.cat([stored, values.transpose(-1, -2)], -2)  # [..., 8, G]
+    return verbatim, unpack_bits(planes), mode
+
+
 def encode_tiles(x: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, escape_capacity: int) -> EncodedTiles:
     """Encode BF16 tiles `[..., 16, C]` (C = 16, 32, 64 or 128) with per-channel bases `[..., C]` (uint8,
     broadcastable)."""
@@ -133,57 +187,18 @@ def encode_tiles(x: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, esca
     mode = group_modes(exponent, base3, base4)
     code = (to_groups(exponent) - group_bases(mode, base3, base4, exponent.shape)) & 0xFF  # [..., G, 8]
     planes = torch.stack([pack_bits((code >> p) & 1) for p in range(8)], -2)  # [..., 8, G]
-    tags = torch.stack([(mode >= MODE_4BIT), (mode == MODE_RAW)], -2)  # [..., 2, G]
-    tags = pack_bits(tags.reshape(*lead, 2, layout.tag_plane_bytes, 8)).reshape(*lead, 2 * layout.tag_plane_bytes)
-
-    offsets, weights = escape_offsets(mode)
-    total = weights.sum(-1)
-    k = torch.arange(5, device=x.device, dtype=torch.int32)
-    values = planes[..., CODE_PLANES_IN_STREAM:, :].transpose(-1, -2)  # [..., G, 5]: planes 3..7 of each group
-    dump = max(5 * layout.groups, escape_capacity)  # every escape byte of a tile lies below this index
-    index = torch.where(k < weights.unsqueeze(-1), offsets.unsqueeze(-1) + k, dump)
-    area = torch.zeros(*lead, dump + 1, dtype=torch.int32, device=x.device)
-    area.scatter_(-1, index.reshape(*lead, 5 * layout.groups).long(), values.reshape(*lead, 5 * layout.groups))
-    pad = torch.zeros(*lead, layout.escape_offset - layout.tags_end,
-                      dtype=torch.int32, device=x.device)  # zero bytes that align the escape area (C = 16 only)
-    slots = torch.cat(
-        [signmant.reshape(*lead, layout.elements),
-         planes[..., :CODE_PLANES_IN_STREAM, :].reshape(*lead, CODE_PLANES_IN_STREAM * layout.groups), tags, pad,
-         area[..., :escape_capacity]], -1).to(torch.uint8)
+    slots, total = pack_slots(signmant, planes, mode, escape_capacity)
     return EncodedTiles(slots, total <= escape_capacity, total, mode)
 
 
 def decode_tiles(slots: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, channels: int) -> torch.Tensor:
     """Decode slots `[..., slot_bytes]` (uint8) back to BF16 tiles `[..., 16, C]`, bit-exactly."""
-    if slots.dtype != torch.uint8:
-        raise TypeError(f"slots must be uint8, got {slots.dtype}")
-    escape_capacity = slots.shape[-1] - TileLayout(channels, 0).fixed_bytes
-    layout = TileLayout(channels, escape_capacity)
+    signmant, planes, mode = unpack_slots(slots, channels)
     lead = slots.shape[:-1]
-    s = slots.to(torch.int32)
-    signmant = s[..., :layout.planes_offset].reshape(*lead, BLOCK_TOKENS, channels)
-    planes = s[..., layout.planes_offset:layout.tags_offset].reshape(*lead, CODE_PLANES_IN_STREAM, layout.groups)
-    tags = unpack_bits(s[..., layout.tags_offset:layout.tags_end].reshape(*lead, 2, layout.tag_plane_bytes)).reshape(
-        *lead, 2, layout.groups)
-    wide, raw = tags[..., 0, :], tags[..., 1, :]
-    if bool((raw > wide).any()):
-        raise ValueError("corrupt GAAC slot: a mode tag has the raw bit without the wide bit")
-    mode = wide + raw
-    offsets, weights = escape_offsets(mode)
-    if bool((weights.sum(-1) > escape_capacity).any()):
-        raise ValueError("corrupt GAAC slot: its mode tags need more escape bytes than the slot holds")
-
-    code = sum(unpack_bits(planes[..., p, :]) << p for p in range(CODE_PLANES_IN_STREAM))  # [..., G, 8]
-    area = torch.nn.functional.pad(s[..., layout.escape_offset:], (0, 5))
-    k = torch.arange(5, device=slots.device, dtype=torch.int32)
-    index = (offsets.unsqueeze(-1) + k).clamp(max=escape_capacity + 4).reshape(*lead, 5 * layout.groups).long()
-    values = torch.gather(area, -1, index).reshape(*lead, layout.groups, 5)
-    values = torch.where(k < weights.unsqueeze(-1), values, 0)
-    for j in range(5):
-        code = code | (unpack_bits(values[..., j]) << (CODE_PLANES_IN_STREAM + j))
+    code = sum(planes[..., p, :, :] << p for p in range(8))  # [..., G, 8]
     shape = (*lead, BLOCK_TOKENS, channels)
     exponent = from_groups((code + group_bases(mode, base3.expand(*lead, channels), base4.expand(*lead, channels),
-                                          shape)) & 0xFF, channels)
+                                                shape)) & 0xFF, channels)
     return join_fields(exponent, signmant)
 
 

@@ -15,8 +15,18 @@ import functools
 import numpy as np
 import torch
 
-from .codec import check_bf16, escape_offsets, from_groups, group_bases, group_modes, pack_bits, to_groups, unpack_bits
-from .format import BLOCK_TOKENS, CODE_PLANES_IN_STREAM, MODE_4BIT, MODE_RAW, TileLayout
+from .codec import (
+    check_bf16,
+    from_groups,
+    group_bases,
+    group_modes,
+    pack_bits,
+    pack_slots,
+    to_groups,
+    unpack_bits,
+    unpack_slots,
+)
+from .format import BLOCK_TOKENS
 
 FORMAT_VERSION = 2
 FRAGMENT_CHANNELS = (64, 128)  # tiles stored in fragment order; narrower ones in plane order
@@ -37,7 +47,6 @@ def encode_tiles(x: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, capa
     check_bf16(x)
     check_even_windows(base3, base4)
     c = x.shape[-1]
-    layout = TileLayout(c, capacity)
     lead = x.shape[:-2]
     base3, base4 = base3.expand(*lead, c), base4.expand(*lead, c)
     bits = x.view(torch.int16).to(torch.int32) & 0xFFFF
@@ -46,52 +55,19 @@ def encode_tiles(x: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, capa
     half = group_bases(mode, base3, base4, exponent.shape) >> 1
     code = (to_groups(exponent >> 1) - half) & 0x7F  # [..., G, 8]
     planes = torch.stack([pack_bits(to_groups(sign))] + [pack_bits((code >> p) & 1) for p in range(7)], -2)
-    tags = torch.stack([mode >= MODE_4BIT, mode == MODE_RAW], -2)
-    tags = pack_bits(tags.reshape(*lead, 2, layout.tag_plane_bytes, 8)).reshape(*lead, 2 * layout.tag_plane_bytes)
-    offsets, weights = escape_offsets(mode)
-    k = torch.arange(5, device=x.device, dtype=torch.int32)
-    values = planes[..., CODE_PLANES_IN_STREAM:, :].transpose(-1, -2)  # [..., G, 5]: code bits 2..6 of each group
-    dump = max(5 * layout.groups, capacity)
-    index = torch.where(k < weights.unsqueeze(-1), offsets.unsqueeze(-1) + k, dump)
-    area = torch.zeros(*lead, dump + 1, dtype=torch.int32, device=x.device)
-    area.scatter_(-1, index.reshape(*lead, -1).long(), values.reshape(*lead, -1))
-    pad = torch.zeros(*lead, layout.escape_offset - layout.tags_end, dtype=torch.int32, device=x.device)
-    slots = torch.cat([low.reshape(*lead, layout.elements),
-                       planes[..., :CODE_PLANES_IN_STREAM, :].reshape(*lead, CODE_PLANES_IN_STREAM * layout.groups),
-                       tags, pad, area[..., :capacity]], -1).to(torch.uint8)
-    return slots, weights.sum(-1) <= capacity, mode
+    slots, total = pack_slots(low, planes, mode, capacity)
+    return slots, total <= capacity, mode
 
 
 def decode_tiles(slots: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, channels: int) -> torch.Tensor:
     """Slots `[..., slot_bytes]` (uint8, plane order) -> the BF16 tiles `[..., 16, C]`, bit-exactly."""
-    if slots.dtype != torch.uint8:
-        raise TypeError(f"slots must be uint8, got {slots.dtype}")
     check_even_windows(base3, base4)
-    layout = TileLayout.of_slot_bytes(channels, slots.shape[-1])
+    low, planes, mode = unpack_slots(slots, channels)  # plane 0: signs, plane 1 + p: code bit p
     lead = slots.shape[:-1]
-    s = slots.to(torch.int32)
-    low = s[..., :layout.planes_offset].reshape(*lead, BLOCK_TOKENS, channels)
-    planes = s[..., layout.planes_offset:layout.tags_offset].reshape(*lead, CODE_PLANES_IN_STREAM, layout.groups)
-    tags = unpack_bits(s[..., layout.tags_offset:layout.tags_end].reshape(*lead, 2, layout.tag_plane_bytes)).reshape(
-        *lead, 2, layout.groups)
-    wide, raw = tags[..., 0, :], tags[..., 1, :]
-    if bool((raw > wide).any()):
-        raise ValueError("corrupt GAAC slot: a mode tag has the raw bit without the wide bit")
-    mode = wide + raw
-    offsets, weights = escape_offsets(mode)
-    if bool((weights.sum(-1) > layout.escape_capacity).any()):
-        raise ValueError("corrupt GAAC slot: its mode tags need more escape bytes than the slot holds")
-    sign = unpack_bits(planes[..., 0, :])  # [..., G, 8]
-    code = unpack_bits(planes[..., 1, :]) | (unpack_bits(planes[..., 2, :]) << 1)
-    area = torch.nn.functional.pad(s[..., layout.escape_offset:], (0, 5))
-    k = torch.arange(5, device=slots.device, dtype=torch.int32)
-    index = (offsets.unsqueeze(-1) + k).clamp(max=layout.escape_capacity + 4).reshape(*lead, -1).long()
-    values = torch.where(k < weights.unsqueeze(-1), torch.gather(area, -1, index).reshape(*lead, layout.groups, 5), 0)
-    for j in range(5):
-        code = code | (unpack_bits(values[..., j]) << (2 + j))
+    code = sum(planes[..., 1 + p, :, :] << p for p in range(7))  # [..., G, 8]
     shape = (*lead, BLOCK_TOKENS, channels)
     half = group_bases(mode, base3.expand(*lead, channels), base4.expand(*lead, channels), shape) >> 1
-    high = from_groups((sign << 7) | ((code + half) & 0x7F), channels)
+    high = from_groups((planes[..., 0, :, :] << 7) | ((code + half) & 0x7F), channels)
     return ((high << 8) | low).to(torch.int16).view(torch.bfloat16)
 
 
