@@ -60,8 +60,8 @@ def head_major(packed: tuple) -> tuple:
 
 
 def compress_v2(k: torch.Tensor, v: torch.Tensor, fragment: bool = False, capacity: int | None = None):
-    """`compress` of benchmarks/attention.py with even windows and the prototype encoder; bases returned halved
-    (what the kernel adds to a code). `fragment`: format 3 (the same slots in fragment order). `capacity`: the slots'
+    """`compress` of benchmarks/attention.py with even windows and the prototype encoder (the kernel halves the
+    bases itself). `fragment`: format 3 (the same slots in fragment order). `capacity`: the slots'
     escape capacity (default: the calibration's choice on the first 512 blocks; -1: the largest any tile needs, so
     no tile is raw)."""
     b, h, s, d = k.shape
@@ -98,7 +98,7 @@ def compress_v2(k: torch.Tensor, v: torch.Tensor, fragment: bool = False, capaci
             "bytes": int(fits.sum()) * layout.slot_bytes + int((~fits).sum()) * layout.raw_bytes + table.numel() * 4
             + 2 * k[:, :, n * 16:].numel() * 2}
     packed = (slot_pool, raw_pool, table, k[:, :, n * 16:].contiguous(), v[:, :, n * 16:].contiguous(),
-              (base3 >> 1).contiguous(), (base4 >> 1).contiguous())
+              base3.contiguous(), base4.contiguous())
     return packed, layout, info
 
 

@@ -88,7 +88,7 @@ def llama31_8b_config(tiny: bool):
                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
 
 
-def own_kv_calibration(model, tiny: bool, device):
+def own_kv_calibration(model, tiny: bool, device, format_version: int = 2):
     """A random-weight model calibrated on its own KV: (sample ids, calibration, seconds, the sample's KV per layer as
     (k, v) `[1, H, T, D]`, reused to fill every cache). Leaves the model on SDPA attention."""
     from transformers import DynamicCache
@@ -96,7 +96,7 @@ def own_kv_calibration(model, tiny: bool, device):
     gen = torch.Generator().manual_seed(1)
     sample = torch.randint(0, model.config.vocab_size, (SAMPLE_TOKENS if not tiny else 64,), generator=gen)
     t = time.time()
-    calibration = calibrate(model, [sample], "random ids (the model's own KV)")
+    calibration = calibrate(model, [sample], "random ids (the model's own KV)", format_version=format_version)
     seconds = time.time() - t
     model.set_attn_implementation("sdpa")
     dyn = DynamicCache(config=model.config)
@@ -449,6 +449,9 @@ def main(argv=None):
     p.add_argument("--skip-module-guards", action="store_true",
                    help="compile with gaac_hf.compile_kwargs(): the same CUDA-graph step without Dynamo's guards on "
                         "the model's modules and parameters (torch.compiler.skip_guard_on_all_nn_modules_unsafe)")
+    p.add_argument("--format-version", type=int, default=2, choices=(1, 2),
+                   help="calibration format (2: even windows; the GAAC caches then store format version 2 where the "
+                        "CUDA kernel reads it, on Hopper)")
     p.add_argument("--out", default="benchmarks/results/generate_h200.json")
     args = p.parse_args(argv)
     from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
@@ -478,7 +481,7 @@ def main(argv=None):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     param_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     log(f"model built ({param_bytes / 1e9:.2f} GB)")
-    sample, calibration, t_cal, kv = own_kv_calibration(model, args.tiny, device)
+    sample, calibration, t_cal, kv = own_kv_calibration(model, args.tiny, device, args.format_version)
     log(f"calibrated ({t_cal:.1f} s), sample KV taken")
     steps, warmup = args.steps, args.warmup
     cap = max(args.contexts) + warmup + steps + BLOCK_TOKENS + 8  # + the diagnosis and profiled steps
@@ -489,6 +492,7 @@ def main(argv=None):
                "eager_steps": args.eager_steps, "command": "python benchmarks/generate.py " + " ".join(
                    sys.argv[1:] if argv is None else argv),
                "calibration": {"escape_capacity": calibration.config.escape_capacity,
+                               "format_version": calibration.config.format_version,
                                "measured": calibration.config.measured, "seconds": round(t_cal, 1)},
                "fill": f"the model's KV of one {sample.numel()}-token random prompt, repeated to the context",
                "split_method": "GPU time of each op over all layers from CUDA graph replays (median of "
@@ -569,7 +573,8 @@ def main(argv=None):
                 s = cache.stats()
                 row["resident_kv"] = {"gaac_bytes": s["bytes"]["total"], "bf16_bytes": s["bf16_bytes"],
                                       "saving": round(s["saving"], 4), "allocated_bytes": s["allocated_bytes"],
-                                      "raw_tiles": s["raw_tiles"], "slots": s["slots"]}
+                                      "raw_tiles": s["raw_tiles"], "slots": s["slots"],
+                                      "format_version": s["format_version"]}
             t = time_update_and_attention(cache, kv, device, args.reps)
             step_s = row[label]["step_ms"] / 1e3
             split = {"attention_ms": ms(t["attention"]) if "attention" in t else None,

@@ -78,13 +78,15 @@ def main(argv=None):
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--caches", nargs="*", help="labels to time (default: all; DynamicCache always runs)")
     p.add_argument("--out", default="benchmarks/results/lowbit_speed_cpu.json")
+    p.add_argument("--text", nargs="*", default=list(DEBIAN_REFERENCE),
+                   help="text files of the prompt (default: the Debian reference, Debian package debian-reference-en)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     model, tok = load_default_model()
     model = model.to(device=device, dtype=getattr(torch, args.dtype))
-    text = read_text_files(DEBIAN_REFERENCE)
+    text = read_text_files(args.text)
     ids = token_prompts(tok, text.text, args.context, 1)[0][None].to(device)
     rows = {}
     todo = caches(model.config)

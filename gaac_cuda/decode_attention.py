@@ -127,9 +127,9 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
     `trace` (benchmarks): the kernels write globaltimer stamps into a `trace` tensor (see `trace_size`).
-    `format_version` 2: the byte-split slot prototype of `benchmarks/format_v2_probe.py` (bases passed halved), not a
-    format the caches write; 3: the same slots in fragment order (`to_fragment_order` there; head_dim 64/128, slots
-    staged as stored). `swizzle` (plain KV): stage BF16 rows with an XOR swizzle of their 16-byte chunks, so the
+    `format_version` 2: slots of format version 2 (docs/format.md) in plane order, a prototype no cache writes
+    (`benchmarks/format_v2_probe.py`); 3: format version 2 as stored, in fragment order (what `GAACCache` writes on
+    Hopper; head_dim 64/128, slots staged as stored). Both take the even windows as given (the kernel halves them). `swizzle` (plain KV): stage BF16 rows with an XOR swizzle of their 16-byte chunks, so the
     fragment loads are free of shared-memory bank conflicts (the bits do not change). The one-warp kernel over plain
     KV completes K and V of a ring stage on their own barriers and re-issues each with the unit `stages` ahead as soon
     as its tile is read, so K copies are in flight while V is consumed (same bits; measured faster for the twin only:

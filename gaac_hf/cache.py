@@ -32,7 +32,7 @@ from hf_common.cache_layers import RowSelectionMixin, full_attention_layers, sto
 
 from . import ops
 from .calibration import CalibrationMismatchError, GAACCalibration
-from .format import BLOCK_TABLE_ENTRY_BYTES, BLOCK_TOKENS, FORMAT_VERSION, MODE_NAMES, TileLayout, tile_split
+from .format import BLOCK_TABLE_ENTRY_BYTES, BLOCK_TOKENS, MODE_NAMES, TileLayout, tile_split
 from .model_layers import text_config
 from .tile_pool import TilePool, grow
 
@@ -57,14 +57,43 @@ def resolve_calibration(calibration, what: str, **hub_kwargs) -> GAACCalibration
     if isinstance(calibration, str) or hasattr(calibration, "__fspath__"):
         calibration = GAACCalibration.from_pretrained(str(calibration), **hub_kwargs)
     if isinstance(calibration, GAACCalibration):
-        if calibration.config.format_version != FORMAT_VERSION:
-            raise ValueError(
-                f"{what} writes GAAC format version {FORMAT_VERSION}; this calibration is for version "
-                f"{calibration.config.format_version}, which no cache writes yet: use "
-                f"calibration.convert({FORMAT_VERSION}) (the windows carry over)")
         return calibration
     raise TypeError(f"{what} takes as calibration a GAACCalibration or the path / Hub id of one, not "
                     f"{type(calibration).__name__}")
+
+
+STORAGE_VERSIONS = (1, 2)
+
+
+def storage_calibration(calibration: GAACCalibration, format_version: int | None, what: str) -> GAACCalibration:
+    """The calibration a cache that stores `format_version` (None: chosen per device) codes with. Version 2 codes
+    against windows that start at even exponents: a version-2 calibration has them; asking for version 2 with a
+    version-1 calibration converts it (`convert(2)`: each window moves down to the even start at or below it, a
+    slightly lower ratio). Version 1 reads any windows."""
+    if format_version not in (None, *STORAGE_VERSIONS):
+        raise ValueError(f"{what} stores GAAC format version 1 or 2 (None: chosen per device), not {format_version!r}")
+    if format_version == 2 and calibration.config.format_version != 2:
+        return calibration.convert(2)
+    return calibration
+
+
+def choose_format(requested: int | None, calibration: GAACCalibration, head_dim: int, group_heads: int,
+                  device) -> int:
+    """The format version a cache layer stores on `device`: `requested`, or (None) version 2 where a fused kernel
+    reads it (the CUDA kernel on Hopper, head_dim 64/128) and the calibration's windows are even (a version-2
+    calibration: `gaac-hf calibrate --format-version 2`), else version 1."""
+    if requested is not None:
+        return requested
+    even = calibration.config.format_version == 2
+    return 2 if even and ops.fused_reads(2, head_dim, group_heads, device) else 1
+
+
+def group_heads_of(config) -> int:
+    """Query heads per KV head of a model config (1 where the config does not say)."""
+    cfg = text_config(config)
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    return heads // kv if heads and kv else 1
 
 
 def _is_model_config(x) -> bool:
@@ -160,7 +189,7 @@ class CompressedKV:
         plan = ops.DecodePlan(self.batch, self.heads, self.n_blocks, self.head_dim, str(self.table.device),
                               ops.splits(self.batch, self.heads, self.n_blocks, self.table.device))
         return ops.DecodeRecord(self.slot_pool, self.raw_pool, self.table, self.tail_k, self.tail_v, base3, base4,
-                                kv_len, plan)
+                                kv_len, plan, layer.format_version)
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The full K, V `[B, H, length, D]`, BF16 (decoded once, then cached)."""
@@ -228,10 +257,13 @@ class GAACLayer(RowSelectionMixin, CacheLayerMixin):
     is_compileable = False
 
     def __init__(self, calibration: GAACCalibration, layer_idx: int, tp_rank: int | None = None,
-                 tp_size: int | None = None):
+                 tp_size: int | None = None, format_version: int | None = None, group_heads: int = 1):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
         cfg = calibration.config
+        self.calibration = calibration
+        self.requested_format, self.group_heads = format_version, group_heads
+        self.format_version = None  # of the stored slots: chosen on the first update, per device (`choose_format`)
         self.layer_idx = layer_idx
         self.num_kv_heads, self.head_dim = cfg.num_kv_heads, cfg.head_dim
         self.tiles, self.channels = tile_split(cfg.head_dim)
@@ -288,6 +320,8 @@ class GAACLayer(RowSelectionMixin, CacheLayerMixin):
                 f"the GAAC calibration has "
                 f"{self.num_kv_heads} KV heads of dim {self.head_dim}")
         device = key_states.device
+        self.format_version = choose_format(self.requested_format, self.calibration, self.head_dim, self.group_heads,
+                                            device)
         self.pool.on(device)
         self.device = device
         self._base3, self._base4 = self._base3.to(device), self._base4.to(device)
@@ -343,7 +377,7 @@ class GAACLayer(RowSelectionMixin, CacheLayerMixin):
             b1 = min(nb, b0 + step)
             t0, t1 = b0 * BLOCK_TOKENS, b1 * BLOCK_TOKENS
             tiles = ops.tiles_of(k[:, :, t0:t1], v[:, :, t0:t1])  # [B, n, P, 16, C]
-            slots, fits, counts = ops.encode(tiles, b3, b4, self.layout.escape_capacity)
+            slots, fits, counts = ops.encode(tiles, b3, b4, self.layout.escape_capacity, self.format_version)
             entries = self.pool.store(slots.reshape(-1, slots.shape[-1]),
                                       tiles.reshape(-1, BLOCK_TOKENS, self.channels), fits.reshape(-1),
                                       counts.reshape(-1, 3), self._live)
@@ -356,7 +390,8 @@ class GAACLayer(RowSelectionMixin, CacheLayerMixin):
         """Table entries `[B, n, 2, H, tiles]` (then `tails` K, V `[B, H, s, D]`) -> BF16 K, V `[B, H, n * 16 + s,
         D]`, bit-exact."""
         b3, b4 = self._flat_bases()
-        return ops.expand_kv(table, slot_pool, raw_pool, b3, b4, *(tails or ()))
+        tail_k, tail_v = tails or (None, None)
+        return ops.expand_kv(table, slot_pool, raw_pool, b3, b4, tail_k, tail_v, self.format_version)
 
     def _decode_blocks(self, b0: int, b1: int,
                        tails: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -480,7 +515,7 @@ class GAACLayer(RowSelectionMixin, CacheLayerMixin):
         """Resident bytes per storage class, BF16-equivalent bytes, ratio and group-mode counts of this layer."""
         tokens = self.get_seq_length()
         out = {"layer": self.layer_idx, "rows": self.batch, "tokens": tokens, "blocks": self.n_blocks,
-               "tail_tokens": self.tail_length}
+               "tail_tokens": self.tail_length, "format_version": self.format_version}
         if not self.is_initialized:
             out.update(slots=0, raw_tiles=0, bytes={"slots": 0, "raw": 0, "tail": 0, "block_table": 0, "total": 0},
                        bf16_bytes=0, ratio=float("nan"), modes={m: 0 for m in MODE_NAMES},
@@ -524,13 +559,20 @@ class GAACCache(Cache):
     expanded K/V are transient, so memory is saved but decode costs O(context) codec work per step); the `"gaac"`
     attention decodes them chunk by chunk instead. Pass the cache empty to `generate` (like DynamicCache, it is not
     expanded for `num_beams`/`num_return_sequences`); `reset()` it before reusing it for an unrelated prompt.
+
+    `format_version` of the stored slots (docs/format.md): None (default) picks version 2 where the CUDA kernel
+    reads it (Hopper, head_dim 64/128) and the calibration is a version-2 one (even windows), else version 1; 1 or
+    2 force it (2 with a version-1 calibration converts its windows, `GAACCalibration.convert(2)`). Both are
+    lossless; version 2 is what the CUDA kernel reads fastest, version 1 what the Triton kernels and the CPU
+    decoder read (elsewhere version 2 is decoded by the torch reference: correct, slower). `stats()` says which.
     """
 
     def __init__(self, *args, config=None, calibration: GAACCalibration | str | None = None,
                  lazy: bool | str = "auto", offloading: bool = False, offload_only_non_sliding: bool = False,
-                 tp_rank: int | None = None, tp_size: int | None = None):
+                 tp_rank: int | None = None, tp_size: int | None = None, format_version: int | None = None):
         config, calibration = config_and_calibration("GAACCache", args, config, calibration)
         calibration.check_model(config)
+        calibration = storage_calibration(calibration, format_version, "GAACCache")
         if lazy not in ("auto", True, False):
             raise ValueError(f"lazy must be 'auto', True or False, not {lazy!r}")
         self.config = config
@@ -538,15 +580,19 @@ class GAACCache(Cache):
         self.lazy = lazy
         # Under tensor parallelism each rank's layers see a contiguous slice of the KV heads; the rank comes from
         # tp_rank/tp_size or, when they are not given, from torch.distributed (the whole world is one TP group).
-        layers = full_attention_layers(config, lambda i: GAACLayer(calibration, i, tp_rank, tp_size))
+        group_heads = group_heads_of(config)
+        layers = full_attention_layers(
+            config, lambda i: GAACLayer(calibration, i, tp_rank, tp_size, format_version, group_heads))
         super().__init__(layers=layers, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
 
     @classmethod
     def from_pretrained(cls, pretrained_calibration, config, *, lazy: bool | str = "auto", tp_rank: int | None = None,
-                        tp_size: int | None = None, **hub_kwargs) -> "GAACCache":
+                        tp_size: int | None = None, format_version: int | None = None,
+                        **hub_kwargs) -> "GAACCache":
         """Load a `GAACCalibration` (Hub repo id or local folder) and build the cache for a model `config`."""
         calibration = GAACCalibration.from_pretrained(pretrained_calibration, **hub_kwargs)
-        return cls(config=config, calibration=calibration, lazy=lazy, tp_rank=tp_rank, tp_size=tp_size)
+        return cls(config=config, calibration=calibration, lazy=lazy, tp_rank=tp_rank, tp_size=tp_size,
+                   format_version=format_version)
 
     @property
     def gaac_layers(self) -> list[int]:

@@ -116,7 +116,29 @@ def fragment_maps(c: int, is_v: bool):
     return low_src, plane, group, tbit
 
 
+@functools.lru_cache(maxsize=None)
+def fragment_destinations(c: int, is_v: bool) -> np.ndarray:
+    """`fragment_maps` inverted, per element `e = token * C + channel` of a K (or V) tile: int32 `[3, 16 C]`, the
+    byte offset of its low byte in the low-byte area, the bit of its sign and the bit of its code bit 0 in the
+    plane area (bit `8 * byte + k`; code bit 1 is the next bit). What an encoder that scatters needs."""
+    low_src, plane, group, tbit = fragment_maps(c, is_v)
+    out = np.full((3, 16 * c), -1, dtype=np.int64)
+    out[0, low_src] = np.arange(16 * c)
+    element = (group // c) * 8 * c + tbit * c + group % c
+    for row, pl in ((1, 0), (2, 1)):
+        at = np.nonzero(plane == pl)[0]
+        out[row, element[at]] = at
+    code1 = np.nonzero(plane == 2)[0]
+    assert (out >= 0).all() and (out[2, element[code1]] + 1 == code1).all()  # code bit 1 next to bit 0
+    return out.astype(np.int32)
+
+
 def _maps(c: int, is_v: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return _device_maps(c, is_v, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_maps(c: int, is_v: bool, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     low_src, plane, group, tbit = fragment_maps(c, is_v)
     return (torch.from_numpy(low_src).to(device),
             torch.from_numpy(((plane * 2 * c + group) * 8 + tbit)).to(device))  # bit index in the 3 planes
@@ -158,3 +180,44 @@ def decode(slots: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, channe
     if channels in FRAGMENT_CHANNELS:
         slots = from_fragment_order(slots, channels, is_v)
     return decode_tiles(slots, base3, base4, channels)
+
+
+def fragment_map(c: int, device) -> torch.Tensor | None:
+    """`fragment_destinations` of K and V tiles as one int32 `[2, 3, 16 C]` tensor on `device` (what the Triton
+    encoders take), or None for tiles stored in plane order."""
+    if c not in FRAGMENT_CHANNELS:
+        return None
+    return _fragment_map(c, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=None)
+def _fragment_map(c: int, device: str) -> torch.Tensor:
+    both = np.stack([fragment_destinations(c, False), fragment_destinations(c, True)])
+    return torch.from_numpy(both).to(device).contiguous()
+
+
+def encode_kv(tiles: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, capacity: int):
+    """`encode` of tiles `[..., P, 16, C]` whose first P / 2 positions are K tiles and the rest V tiles (the cache's
+    position order), bases `[P, C]` -> (slots `[..., P, slot_bytes]`, fits `[..., P]`, modes `[..., P, G]`)."""
+    slots, fits, mode = encode_tiles(tiles, base3, base4, capacity)
+    c = tiles.shape[-1]
+    if c in FRAGMENT_CHANNELS:
+        p = slots.shape[-2]
+        slots = torch.cat([to_fragment_order(slots[..., :p // 2, :], c, False),
+                           to_fragment_order(slots[..., p // 2:, :], c, True)], -2)
+    return slots, fits, mode
+
+
+def decode_slots(slots: torch.Tensor, is_v: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor,
+                 channels: int) -> torch.Tensor:
+    """Stored slots `[N, slot_bytes]` with bases `[N, C]` and `is_v` bool `[N]` (V tiles: their own fragment
+    order) -> BF16 tiles `[N, 16, C]`."""
+    if channels in FRAGMENT_CHANNELS and slots.shape[0]:
+        plane = torch.empty_like(slots)
+        for v in (False, True):
+            at = (is_v == v).nonzero().reshape(-1)
+            if at.numel():
+                plane[at] = from_fragment_order(slots[at], channels, v)
+        slots = plane
+    return decode_tiles(slots, base3, base4, channels)
+

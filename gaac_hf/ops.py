@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import format_v2
 from .codec import encode_tiles
 from .cpu_decode import expand_into
 from .format import BLOCK_TOKENS, TileLayout, tile_split
@@ -100,9 +101,11 @@ def plan(batch: int, kv_heads: int, max_blocks: int, head_dim: int, device) -> D
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_plan(batch, kv_heads, rep, head_dim, max_blocks, slot_bytes, plain, nsplit, device):
+def _cuda_plan(batch, kv_heads, rep, head_dim, max_blocks, slot_bytes, plain, nsplit, device, format_version=1):
+    # format version 2 as stored (fragment order) is what the kernel calls its format 3
     return gaac_cuda.plan(batch, kv_heads, rep, head_dim, max_blocks * BLOCK_TOKENS, torch.device(device),
-                          slot_bytes=slot_bytes, plain=plain, nsplit=nsplit)
+                          slot_bytes=slot_bytes, plain=plain, nsplit=nsplit,
+                          format_version=3 if format_version == 2 else 1)
 
 
 FUSED_HEAD_DIMS = (64, 128, 256)  # what the fused kernels (CUDA, Triton) cover; other head dims use the reference
@@ -116,29 +119,57 @@ def fused_serves(head_dim: int) -> bool:
     return head_dim in FUSED_HEAD_DIMS
 
 
-def _cuda_serves(query: torch.Tensor, kv_heads: int) -> bool:
-    """The CUDA kernel covers this shape (at most 8 query heads per kv-head, head_dim 64/128/256); else Triton."""
-    return query.shape[1] // kv_heads <= gaac_cuda.MAX_GROUP_HEADS and fused_serves(query.shape[-1])
+def _cuda_serves(query: torch.Tensor, kv_heads: int, format_version: int = 1) -> bool:
+    """The CUDA kernel covers this shape (at most 8 query heads per kv-head, head_dim 64/128/256; format version 2:
+    64/128); else Triton (format version 1) or the torch reference."""
+    return query.shape[1] // kv_heads <= gaac_cuda.MAX_GROUP_HEADS and fused_serves(query.shape[-1]) and (
+        format_version == 1 or query.shape[-1] in CUDA_V2_HEAD_DIMS)
+
+
+# Format version 2 (docs/format.md): the CUDA kernel reads it at these head dims (one 64- or 128-channel tile in
+# fragment order); the Triton attention kernels read version 1 only, and the torch reference reads both.
+CUDA_V2_HEAD_DIMS = (64, 128)
+
+
+def fused_reads(format_version: int, head_dim: int, group_heads: int, device) -> bool:
+    """A fused kernel (capturable, no host synchronization) reads this storage on `device`: what a static cache
+    needs, and what `GAACCache`'s choice of format version asks before it picks version 2."""
+    if not fused_serves(head_dim):
+        return False
+    backend = _backend(device)
+    if format_version == 1:
+        return backend != "torch"
+    return (backend == "gaac_cuda" and head_dim in CUDA_V2_HEAD_DIMS and group_heads <= gaac_cuda.MAX_GROUP_HEADS)
 
 
 # --- tiles -------------------------------------------------------------------------------------------------------
-def encode(tiles: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, capacity: int):
-    """BF16 tiles `[..., P, 16, C]`, bases uint8 `[P, C]` -> `(slots [..., P, slot_bytes], fits [..., P],
-    mode counts int32 [..., P, 3])`."""
+def encode(tiles: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, capacity: int, format_version: int = 1):
+    """BF16 tiles `[..., P, 16, C]` (positions: K tiles, then V tiles), bases uint8 `[P, C]` -> `(slots [..., P,
+    slot_bytes], fits [..., P], mode counts int32 [..., P, 3])`, in format version `format_version` (2: the bases
+    are even windows, the caller's check)."""
+    c = tiles.shape[-1]
     if tiles.is_cuda:
         from triton_ops.gaac_encode import gaac_encode
 
-        slots, esc, counts = gaac_encode(tiles, base3, base4, _tile_layout(tiles.shape[-1], capacity))
+        frag = format_v2.fragment_map(c, tiles.device) if format_version == 2 else None
+        slots, esc, counts = gaac_encode(tiles, base3, base4, _tile_layout(c, capacity), format_version, frag)
         return slots, esc <= capacity, counts
+    if format_version == 2:
+        slots, fits, modes = format_v2.encode_kv(tiles, base3, base4, capacity)
+        counts = torch.stack([(modes == m).sum(-1, dtype=torch.int32) for m in range(3)], -1)
+        return slots, fits, counts
     enc = encode_tiles(tiles, base3, base4, capacity)
     counts = torch.stack([(enc.modes == m).sum(-1, dtype=torch.int32) for m in range(3)], -1)
     return enc.slots, enc.fits, counts
 
 
 def expand_tiles(table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor, base3: torch.Tensor,
-                 base4: torch.Tensor) -> torch.Tensor:
-    """Entries `[..., P]` (slot >= 0, else -1 - raw) with bases uint8 `[P, C]` -> BF16 tiles `[..., P, 16, C]`."""
+                 base4: torch.Tensor, format_version: int = 1) -> torch.Tensor:
+    """Entries `[..., P]` (slot >= 0, else -1 - raw; positions: K tiles, then V tiles) with bases uint8 `[P, C]` ->
+    BF16 tiles `[..., P, 16, C]`."""
     channels = raw_pool.shape[-1]
+    if format_version == 2:
+        return _expand_tiles_v2(table, slot_pool, raw_pool, base3, base4)
     if table.is_cuda:
         from triton_ops.gaac_decode import expand_tiles as triton_expand_tiles
 
@@ -152,9 +183,27 @@ def expand_tiles(table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.T
     return out
 
 
+def _expand_tiles_v2(table, slot_pool, raw_pool, base3, base4) -> torch.Tensor:
+    """`expand_tiles` of format version 2: the torch reference decoder (`format_v2.decode_slots`) on any device (no
+    kernel decodes version 2 on its own yet; the CUDA attention reads it in place)."""
+    lead, p = table.shape[:-1], table.shape[-1]
+    c = raw_pool.shape[-1]
+    flat = table.reshape(-1).long()
+    pos = torch.arange(flat.numel(), device=flat.device) % max(p, 1)
+    out = torch.empty(flat.numel(), BLOCK_TOKENS, c, dtype=raw_pool.dtype, device=raw_pool.device)
+    fit = flat >= 0
+    at, raw_at = fit.nonzero().reshape(-1), (~fit).nonzero().reshape(-1)
+    if at.numel():
+        where = pos[at]
+        out[at] = format_v2.decode_slots(slot_pool[flat[at]], where >= p // 2, base3[where], base4[where], c)
+    if raw_at.numel():
+        out[raw_at] = raw_pool[-1 - flat[raw_at]]
+    return out.reshape(*lead, p, BLOCK_TOKENS, c)
+
+
 def expand_kv(table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor, base3: torch.Tensor,
               base4: torch.Tensor, tail_k: torch.Tensor | None = None,
-              tail_v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              tail_v: torch.Tensor | None = None, format_version: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Entries `[B, n, 2, H, tiles]` with bases uint8 `[2 * H * tiles, C]` (then the BF16 tails `[B, H, s, D]`, if
     given) -> contiguous K, V `[B, H, n * 16 + s, D]`.
 
@@ -162,8 +211,9 @@ def expand_kv(table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tens
     K and V (no `blocks_of` permute, no concatenation with the tail)."""
     b, n, _, h, t = table.shape
     c = raw_pool.shape[-1]
-    if table.is_cuda:
-        kv = blocks_of(expand_tiles(table.reshape(b, n, 2 * h * t), slot_pool, raw_pool, base3, base4), h)
+    if table.is_cuda or format_version == 2:
+        kv = blocks_of(expand_tiles(table.reshape(b, n, 2 * h * t), slot_pool, raw_pool, base3, base4,
+                                    format_version), h)
         if tail_k is None:
             return kv[:, 0], kv[:, 1]
         return torch.cat([kv[:, 0], tail_k], -2), torch.cat([kv[:, 1], tail_v], -2)
@@ -244,7 +294,7 @@ def reference_attention(query: torch.Tensor, chunks, length: int, scale: float, 
     return out.reshape(b, hq, d).to(query.dtype)
 
 
-def _compressed_chunks(slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, kv_len_list):
+def _compressed_chunks(slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, kv_len_list, format_version=1):
     """`chunks(start, end)` over a compressed layer: finalized blocks decoded from the table, each row's tail placed
     after its own finalized blocks."""
     b, _, _, h, t = table.shape
@@ -255,7 +305,7 @@ def _compressed_chunks(slot_pool, raw_pool, table, tail_k, tail_v, base3, base4,
 
     def chunks(start: int, end: int):
         b0, b1 = start // BLOCK_TOKENS, -(-end // BLOCK_TOKENS)
-        tiles = expand_tiles(table[:, b0:b1].reshape(b, b1 - b0, p), slot_pool, raw_pool, b3, b4)
+        tiles = expand_tiles(table[:, b0:b1].reshape(b, b1 - b0, p), slot_pool, raw_pool, b3, b4, format_version)
         kv = blocks_of(tiles, h)  # [B, 2, H, (b1 - b0) * 16, D]
         for row, nf in enumerate(n_fin):
             if b0 <= nf < b1:
@@ -276,26 +326,27 @@ def _mask4(mask: torch.Tensor | None) -> torch.Tensor | None:
 # --- custom ops ----------------------------------------------------------------------------------------------------
 # Each op's body is a plain function too: eager callers (GAACCache) skip the dispatcher's per-call cost.
 def _decode_attention_impl(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, kv_len, mask, scale,
-                           num_splits):
+                           num_splits, format_version=1):
     backend = _backend(query.device)
     if not fused_serves(query.shape[-1]):
         backend = "torch"
-    if backend == "gaac_cuda" and _cuda_serves(query, table.shape[3]):
+    if backend == "gaac_cuda" and _cuda_serves(query, table.shape[3], format_version):
         b, hq, d = query.shape
         h = table.shape[3]
         channels = raw_pool.shape[-1]
         layout = _slot_layout(channels, slot_pool.shape[-1])
-        plan_ = _cuda_plan(b, h, hq // h, d, table.shape[1], layout.slot_bytes, False, num_splits, str(query.device))
+        plan_ = _cuda_plan(b, h, hq // h, d, table.shape[1], layout.slot_bytes, False, num_splits, str(query.device),
+                           format_version)
         return gaac_cuda.decode_attention(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, kv_len,
                                           mask, scale, layout, plan_)
-    if backend in ("triton", "gaac_cuda"):
+    if backend in ("triton", "gaac_cuda") and format_version == 1:
         from triton_ops.gaac_attention import fused_compressed_attention
 
         layout = _slot_layout(raw_pool.shape[-1], slot_pool.shape[-1])
         return fused_compressed_attention(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, scale,
                                           layout, mask, kv_len=kv_len, num_splits=num_splits)
     lens = kv_len.tolist()
-    chunks = _compressed_chunks(slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, lens)
+    chunks = _compressed_chunks(slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, lens, format_version)
     return reference_attention(query, chunks, max(lens), scale, _mask4(mask), kv_len)
 
 
@@ -303,13 +354,14 @@ def _decode_attention_impl(query, slot_pool, raw_pool, table, tail_k, tail_v, ba
 def _decode_attention_op(query: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor, table: torch.Tensor,
                          tail_k: torch.Tensor, tail_v: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor,
                          kv_len: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                         num_splits: int) -> torch.Tensor:
+                         num_splits: int, format_version: int) -> torch.Tensor:
     return _decode_attention_impl(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, kv_len, mask,
-                                  scale, num_splits)
+                                  scale, num_splits, format_version)
 
 
 @_decode_attention_op.register_fake
-def _(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, kv_len, mask, scale, num_splits):
+def _(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, kv_len, mask, scale, num_splits,
+      format_version):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
@@ -358,6 +410,7 @@ class DecodeRecord:
     base4: torch.Tensor
     kv_len: torch.Tensor
     plan: DecodePlan
+    format_version: int = 1  # of the slots (docs/format.md); the windows are the same either way (even for 2)
 
 
 @dataclass
@@ -378,7 +431,7 @@ def decode_attention(query: torch.Tensor, record: DecodeRecord, mask: torch.Tens
     r = record
     op = torch.ops.gaac.decode_attention if torch.compiler.is_compiling() else _decode_attention_impl
     return op(query, r.slot_pool, r.raw_pool, r.table, r.tail_k, r.tail_v, r.base3, r.base4, r.kv_len, mask, scale,
-              r.plan.splits)
+              r.plan.splits, r.format_version)
 
 
 def plain_decode_attention(query: torch.Tensor, record: PlainRecord, mask: torch.Tensor | None,
@@ -390,9 +443,9 @@ def plain_decode_attention(query: torch.Tensor, record: PlainRecord, mask: torch
 
 # --- the static layer's decode-step update -------------------------------------------------------------------------
 def store_blocks(tiles: torch.Tensor, rows: torch.Tensor, first_block: torch.Tensor, base3, base4, capacity: int,
-                 slot_pool, raw_pool, table, slot_modes, raw_modes, counts) -> None:
+                 slot_pool, raw_pool, table, slot_modes, raw_modes, counts, format_version: int = 1) -> None:
     """Encode complete blocks and store them (eager): `encode`, then `place_blocks`."""
-    slots, fits, modes = encode(tiles, base3, base4, capacity)
+    slots, fits, modes = encode(tiles, base3, base4, capacity, format_version)
     place_blocks(slots, fits, modes, tiles, rows, first_block, slot_pool, raw_pool, table, slot_modes, raw_modes,
                  counts)
 
@@ -430,15 +483,16 @@ def place_blocks(slots, fits, modes, tiles: torch.Tensor, rows: torch.Tensor, fi
 def _append_token_op(key: torch.Tensor, value: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor,
                      kv_len: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, slot_pool: torch.Tensor,
                      raw_pool: torch.Tensor, table: torch.Tensor, slot_modes: torch.Tensor, raw_modes: torch.Tensor,
-                     counts: torch.Tensor) -> None:
+                     counts: torch.Tensor, format_version: int) -> None:
     c = raw_pool.shape[-1]
     p = base3.numel() // c
     layout = _slot_layout(c, slot_pool.shape[-1])
     if _backend(key.device) != "torch":
         from triton_ops.gaac_append import gaac_append
 
+        frag = format_v2.fragment_map(c, key.device) if format_version == 2 else None
         gaac_append(key, value, tail_k, tail_v, kv_len, base3.reshape(p, c), base4.reshape(p, c), slot_pool,
-                    raw_pool, table, slot_modes, raw_modes, counts, layout)
+                    raw_pool, table, slot_modes, raw_modes, counts, layout, format_version, frag)
         kv_len.add_(1)
         return
     rows = torch.arange(key.shape[0], device=key.device)
@@ -451,11 +505,12 @@ def _append_token_op(key: torch.Tensor, value: torch.Tensor, tail_k: torch.Tenso
         tiles = tiles_of(tail_k[done], tail_v[done])  # [R, 1, P, 16, C]
         store_blocks(tiles, done, (kv_len[done] // BLOCK_TOKENS - 1).long(), base3.reshape(p, c),
                      base4.reshape(p, c), layout.escape_capacity, slot_pool, raw_pool, table, slot_modes, raw_modes,
-                     counts)
+                     counts, format_version)
 
 
 @_append_token_op.register_fake
-def _(key, value, tail_k, tail_v, kv_len, base3, base4, slot_pool, raw_pool, table, slot_modes, raw_modes, counts):
+def _(key, value, tail_k, tail_v, kv_len, base3, base4, slot_pool, raw_pool, table, slot_modes, raw_modes, counts,
+      format_version):
     return None
 
 
@@ -464,7 +519,7 @@ def append_token(key: torch.Tensor, value: torch.Tensor, record: DecodeRecord, s
     """One token per row (`[B, H, 1, D]`) into a static compressed layer, finalizing completed blocks in place."""
     r = record
     torch.ops.gaac.append_token(key, value, r.tail_k, r.tail_v, r.kv_len, r.base3, r.base4, r.slot_pool, r.raw_pool,
-                                r.table, slot_modes, raw_modes, counts)
+                                r.table, slot_modes, raw_modes, counts, r.format_version)
 
 
 @torch.library.custom_op("gaac::plain_append_token", mutates_args=("keys", "values", "kv_len"))

@@ -43,7 +43,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from hf_common.cache_layers import full_attention_layers
 
 from . import ops
-from .cache import GAAC_ATTENTION_NAME, _check_kv_dtype, resolve_calibration
+from .cache import (GAAC_ATTENTION_NAME, _check_kv_dtype, choose_format, group_heads_of, resolve_calibration,
+                    storage_calibration)
 from .calibration import CalibrationMismatchError, GAACCalibration
 from .format import BLOCK_TABLE_ENTRY_BYTES, BLOCK_TOKENS, MODE_NAMES, TileLayout, tile_split
 from .model_layers import text_config
@@ -242,10 +243,12 @@ class _GAACStack(_LayerStack):
     together (one reallocation of the stacked pool)."""
 
     def __init__(self, calibration: GAACCalibration, max_cache_len: int, max_batch_size: int | None = None,
-                 raw_tiles: int | None = None):
+                 raw_tiles: int | None = None, format_version: int | None = None, group_heads: int = 1):
         cfg = calibration.config
         super().__init__(max_cache_len, max_batch_size, cfg.num_kv_heads, cfg.head_dim)
         self.calibration = calibration
+        self.requested_format, self.group_heads = format_version, group_heads
+        self.format_version = None  # of the stored slots: chosen at allocation, per device (`choose_format`)
         self.layout = TileLayout(self.channels, cfg.escape_capacity)
         self.raw_share = calibrated_raw_share(calibration)
         self.raw_tiles = raw_tiles
@@ -257,6 +260,12 @@ class _GAACStack(_LayerStack):
         return 2 * self.num_kv_heads * self.tiles
 
     def _allocate(self, layers: int, b: int, dev: torch.device) -> None:
+        fmt = choose_format(self.requested_format, self.calibration, self.head_dim, self.group_heads, dev)
+        if fmt == 2 and dev.type == "cuda" and not ops.fused_reads(2, self.head_dim, self.group_heads, dev):
+            raise ValueError(f"GAACStaticCache: no fused kernel reads format version 2 on {dev} at head_dim "
+                             f"{self.head_dim} with {self.group_heads} query heads per KV head (the CUDA kernel "
+                             f"on Hopper reads it at head_dim 64/128, up to 8): use format_version=1")
+        self.format_version = fmt
         self.headroom = b * self.tile_positions
         n_all = b * self.max_blocks * self.tile_positions
         n_raw = self.raw_tiles if self.raw_tiles is not None else \
@@ -286,7 +295,8 @@ class _GAACStack(_LayerStack):
     def record(self, j: int) -> ops.DecodeRecord:
         return ops.DecodeRecord(slot_pool=self.slot_pool[j], raw_pool=self.raw_pool[j], table=self.table[j],
                                 tail_k=self.tails[j, 0], tail_v=self.tails[j, 1], base3=self.bases[j, 0],
-                                base4=self.bases[j, 1], kv_len=self.kv_len[j], plan=self.plan)
+                                base4=self.bases[j, 1], kv_len=self.kv_len[j], plan=self.plan,
+                                format_version=self.format_version)
 
     def grow_raw(self, needed: int) -> None:
         """Make room for `needed` raw tiles in every layer (eager; the stacked pool moves, so compiled graphs are
@@ -419,7 +429,7 @@ class GAACStaticLayer(_StaticLayerBase):
             t0, t1 = b0 * BLOCK_TOKENS, b1 * BLOCK_TOKENS
             tiles = ops.tiles_of(k[:, :, t0:t1], v[:, :, t0:t1])
             slots, fits, modes = ops.encode(tiles, r.base3.reshape(p, c), r.base4.reshape(p, c),
-                                            self.layout.escape_capacity)
+                                            self.layout.escape_capacity, r.format_version)
             slots_used, raws_used = self.counts.tolist()
             self.check_counts(slots_used, raws_used)
             self.grow_raw(raws_used + int((~fits).sum()) + 2 * self.headroom)  # exactly what this chunk needs
@@ -456,7 +466,7 @@ class GAACStaticLayer(_StaticLayerBase):
         for b0 in range(0, n_blocks, step):
             b1 = min(n_blocks, b0 + step)
             tiles = ops.expand_tiles(r.table[:, b0:b1].reshape(b, b1 - b0, p), r.slot_pool, r.raw_pool,
-                               r.base3.reshape(p, c), r.base4.reshape(p, c))
+                                     r.base3.reshape(p, c), r.base4.reshape(p, c), r.format_version)
             kv = ops.blocks_of(tiles, h)
             keys[:, :, b0 * BLOCK_TOKENS:b1 * BLOCK_TOKENS] = kv[:, 0]
             values[:, :, b0 * BLOCK_TOKENS:b1 * BLOCK_TOKENS] = kv[:, 1]
@@ -633,21 +643,25 @@ class GAACStaticCache(_StaticCacheBase):
     checked against `config` before anything is allocated. `max_batch_size` bounds the batch (buffers are sized from
     the first batch); `raw_tiles` overrides the raw pool size per layer (default: from the calibration's raw-tile
     share). Needs `attn_implementation="gaac"`. `model.generate(..., past_key_values=cache)` compiles the decode
-    step by itself on CUDA (as for `StaticCache`; `compile_config` is honoured).
+    step by itself on CUDA (as for `StaticCache`; `compile_config` is honoured). `format_version`: of the stored
+    slots, as for `GAACCache` (None: version 2 where the CUDA kernel reads it and the calibration's windows are
+    even; forcing 2 where no fused kernel reads it on a GPU raises at the first update).
     """
 
     def __init__(self, config, max_cache_len: int, calibration: GAACCalibration | str | None = None, *,
                  max_batch_size: int | None = None, raw_tiles: int | None = None, offloading: bool = False,
-                 **hub_kwargs):
+                 format_version: int | None = None, **hub_kwargs):
         if calibration is None:
             raise TypeError("GAACStaticCache needs a calibration: GAACStaticCache(config, max_cache_len, calibration)")
         calibration = resolve_calibration(calibration, "GAACStaticCache", **hub_kwargs)
         calibration.check_model(config)
+        calibration = storage_calibration(calibration, format_version, "GAACStaticCache")
         if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
             raise ValueError(f"max_batch_size must be a positive int, not {max_batch_size!r}")
         self.calibration = calibration
         self._max_batch_size = max_batch_size
-        stack = _GAACStack(calibration, max_cache_len, max_batch_size, raw_tiles)
+        stack = _GAACStack(calibration, max_cache_len, max_batch_size, raw_tiles, format_version,
+                           group_heads_of(config))
         self._build(config, max_cache_len, stack,
                     lambda i: GAACStaticLayer(calibration, i, max_cache_len, max_batch_size, raw_tiles, stack),
                     offloading)
@@ -655,10 +669,11 @@ class GAACStaticCache(_StaticCacheBase):
     @classmethod
     def from_pretrained(cls, pretrained_calibration, config, max_cache_len: int, *,
                         max_batch_size: int | None = None, raw_tiles: int | None = None,
-                        **hub_kwargs) -> "GAACStaticCache":
+                        format_version: int | None = None, **hub_kwargs) -> "GAACStaticCache":
         """Load a `GAACCalibration` (Hub repo id or local folder) and build the cache for a model `config`."""
         calibration = GAACCalibration.from_pretrained(pretrained_calibration, **hub_kwargs)
-        return cls(config, max_cache_len, calibration, max_batch_size=max_batch_size, raw_tiles=raw_tiles)
+        return cls(config, max_cache_len, calibration, max_batch_size=max_batch_size, raw_tiles=raw_tiles,
+                   format_version=format_version)
 
     def stats(self) -> dict:
         """Resident and allocated bytes per storage class, per GAAC layer and overall (checks the pools first)."""
@@ -673,7 +688,9 @@ class GAACStaticCache(_StaticCacheBase):
                 "ratio": bf16 / total["total"] if total["total"] else float("nan"),
                 "saving": 1 - total["total"] / bf16 if bf16 else float("nan"),
                 "slots": sum(s["slots"] for s in layers.values()),
-                "raw_tiles": sum(s["raw_tiles"] for s in layers.values()), "layers": layers}
+                "raw_tiles": sum(s["raw_tiles"] for s in layers.values()),
+                "format_version": self.layers[self.own_layers[0]].stack.format_version if self.own_layers else None,
+                "layers": layers}
 
 
 class PlainStaticCache(_StaticCacheBase):

@@ -8,8 +8,9 @@ from .cache import GAACCache
 from .model_layers import cache_kwarg
 
 
-def gqa_model_and_calibration(device):
-    """A 3-layer BF16 Llama (8 query / 2 KV heads, head_dim 128) on `device`, GAAC-calibrated on its own KV."""
+def gqa_model_and_calibration(device, format_version: int = 1):
+    """A 3-layer BF16 Llama (8 query / 2 KV heads, head_dim 128) on `device`, GAAC-calibrated on its own KV (a
+    calibration of `format_version`: 2 has even windows, which the caches store as format version 2 on Hopper)."""
     from transformers import AutoModelForCausalLM
 
     from hf_common.testing import tiny_llama_config
@@ -21,7 +22,8 @@ def gqa_model_and_calibration(device):
                             hidden_size=256)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).to(device).eval()
     gen = torch.Generator().manual_seed(1)
-    calibration = calibrate(model, [torch.randint(0, 512, (1024,), generator=gen)], "random ids")
+    calibration = calibrate(model, [torch.randint(0, 512, (1024,), generator=gen)], "random ids",
+                            format_version=format_version)
     return model, calibration
 
 

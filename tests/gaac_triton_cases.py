@@ -29,15 +29,16 @@ def compress_kv(k: torch.Tensor, v: torch.Tensor, base3: torch.Tensor, base4: to
     return slot_pool, raw_pool, table, k[:, :, n * 16:], v[:, :, n * 16:], fits
 
 
-def realistic_kv(b, h, s, d, gen, kind="mixed"):
-    """K/V with per-channel magnitudes (like real keys), and bases that give the requested mode mix."""
+def realistic_kv(b, h, s, d, gen, kind="mixed", even=False):
+    """K/V with per-channel magnitudes (like real keys), and bases that give the requested mode mix (`even`: windows
+    that start at even exponents, as format version 2 needs)."""
     scale = torch.exp2(torch.randint(-3, 4, (1, h, 1, d), generator=gen).float())
     k = (torch.randn(b, h, s, d, generator=gen) * scale).to(torch.bfloat16)
     v = torch.randn(b, h, s, d, generator=gen).to(torch.bfloat16)
     from gaac_hf.calibrate import exponent_histogram, windows_from_histogram
 
     hist = exponent_histogram(torch.stack([k, v], 1).transpose(0, 1).reshape(1, 2, h, b * s, d))
-    base3, base4 = windows_from_histogram(hist[0])  # [2, H, D]
+    base3, base4 = windows_from_histogram(hist[0], 2 if even else 1)  # [2, H, D]
     if kind == "raw":  # windows far from the data: every group raw
         base3 = torch.full_like(base3, 10)
         base4 = torch.full_like(base4, 10)

@@ -17,10 +17,12 @@ def bench():
     return mod
 
 
-def test_lowbit_speed_times_each_cache_and_writes_json(bench, tmp_path):
+def test_lowbit_speed_times_each_cache_and_writes_json(bench, tmp_path, sample_corpus):
     out = tmp_path / "speed.json"
+    text = tmp_path / "text.txt"  # real text on any machine (the default, the Debian reference, may be absent)
+    text.write_text(sample_corpus.text)
     bench.main(["--context", "48", "--steps", "2", "--threads", "1", "--caches", "K2V2 default",
-                "--out", str(out)])
+                "--out", str(out), "--text", str(text)])
     res = json.loads(out.read_text())
     assert set(res["rows"]) == {"DynamicCache", "K2V2 default"}
     for row in res["rows"].values():
@@ -28,6 +30,9 @@ def test_lowbit_speed_times_each_cache_and_writes_json(bench, tmp_path):
     assert res["context"] == 48 and "--caches" in res["command"]
 
 
-def test_lowbit_speed_rejects_unknown_caches(bench, tmp_path):
+def test_lowbit_speed_rejects_unknown_caches(bench, tmp_path, sample_corpus):
+    text = tmp_path / "text.txt"
+    text.write_text(sample_corpus.text)
     with pytest.raises(SystemExit, match="unknown caches"):
-        bench.main(["--context", "48", "--caches", "K3V3 default", "--out", str(tmp_path / "x.json")])
+        bench.main(["--context", "48", "--caches", "K3V3 default", "--out", str(tmp_path / "x.json"), "--text",
+                    str(text)])

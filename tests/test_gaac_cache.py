@@ -145,10 +145,10 @@ def assert_same_generation(a, b):
             assert torch.equal(_bits(x), _bits(y)), f"{name} differ"
 
 
-def compare(model, calibration, attn, ids, seed=None, **kw):
+def compare(model, calibration, attn, ids, seed=None, format_version=None, **kw):
     """Generate with a GAACCache and with DynamicCache(config) under the same attention; assert bit-identity."""
     with attn_implementation(model, attn):
-        cache = GAACCache(model.config, calibration)
+        cache = GAACCache(model.config, calibration, format_version=format_version)
         got = _generate(model, ids, cache, seed=seed, **kw)
         ref = _generate(model, ids, DynamicCache(config=model.config), seed=seed, **kw)
     assert_same_generation(got, ref)
@@ -198,6 +198,40 @@ def test_greedy(llama, attn, record_decode):
         assert record_decode["compressed"] == 2 * 39 and record_decode["plain"] == 2 * 39
     else:
         assert record_decode == {"compressed": 0, "plain": 0}
+
+
+@pytest.fixture(scope="module")
+def llama_v2(llama):
+    """The same model with a format-version-2 calibration (even windows) and room in the slots for its escapes."""
+    model, _ = llama
+    calibration = calibrate(model, [_ids(128, 100)[0]], "random ids", format_version=2)
+    return model, _with_capacity(calibration, 32)
+
+
+@pytest.mark.parametrize("attn, mode", [("gaac", "greedy"), ("sdpa", "greedy"), ("gaac", "beam"),
+                                        ("gaac", "padded")])
+def test_format_2_storage(llama_v2, attn, mode, record_decode):
+    """`format_version=2`: the slots of format version 2 (on the CPU the torch reference writes and reads them),
+    and generation stays bit-identical to DynamicCache for every decoding strategy and attention."""
+    model, calibration = llama_v2
+    kw = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    ids = _ids(37, 1)
+    if mode == "beam":
+        kw.update(num_beams=3, max_new_tokens=24, min_new_tokens=24)
+    if mode == "padded":
+        ids = torch.cat([torch.zeros(1, 13, dtype=torch.long), _ids(37, 2)], 1)
+        ids = torch.cat([ids, torch.cat([_ids(37, 3), _ids(13, 4)], 1)])
+        kw["attention_mask"] = (ids != 0).long()
+    cache, _ = compare(model, calibration, attn, ids, format_version=2, **kw)
+    stats = cache.stats()
+    assert {s["format_version"] for s in stats["layers"].values()} == {2}
+    assert stats["slots"] > 0 and stats["raw_tiles"] > 0
+    if attn == "gaac":
+        assert record_decode["compressed"] > 0
+    # the default on the CPU is version 1 (no fused kernel reads version 2 here), with the same windows
+    auto = GAACCache(model.config, calibration)
+    auto.update(*[torch.zeros(1, 2, 16, 64, dtype=torch.bfloat16)] * 2, 0)
+    assert auto.stats()["layers"][0]["format_version"] == 1
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

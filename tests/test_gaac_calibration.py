@@ -155,7 +155,7 @@ def test_even_windows_for_format_2():
             assert int(base[row]) == int(torch.nonzero(sums == sums.max())[0])
 
 
-def test_a_format_2_calibration_converts_saves_and_is_refused_by_the_caches(tmp_path, tiny_calibration, tiny_llama):
+def test_a_format_2_calibration_converts_saves_and_serves_the_caches(tmp_path, tiny_calibration, tiny_llama):
     from gaac_hf import GAACCache, GAACStaticCache
 
     v2 = tiny_calibration.convert(2)
@@ -165,9 +165,12 @@ def test_a_format_2_calibration_converts_saves_and_is_refused_by_the_caches(tmp_
     v2.save_pretrained(tmp_path / "v2")
     loaded = GAACCalibration.from_pretrained(str(tmp_path / "v2"))
     assert loaded.config.format_version == 2 and torch.equal(loaded.base4, v2.base4)
-    for make in (lambda c: GAACCache(tiny_llama.config, c), lambda c: GAACStaticCache(tiny_llama.config, 64, c)):
-        with pytest.raises(ValueError, match=r"format version 1; this calibration is for version 2.*convert\(1\)"):
-            make(loaded)
+    for make in (lambda c, **kw: GAACCache(tiny_llama.config, c, **kw),
+                 lambda c, **kw: GAACStaticCache(tiny_llama.config, 64, c, **kw)):
+        make(loaded)
+        make(tiny_calibration, format_version=2)  # a version-1 calibration converts for version-2 storage
+        with pytest.raises(ValueError, match="format version 1 or 2"):
+            make(loaded, format_version=3)
     back = loaded.convert(1)
     assert back.config.format_version == 1 and torch.equal(back.base3, v2.base3)
     GAACCache(tiny_llama.config, back)  # even windows are valid version-1 windows

@@ -13,9 +13,18 @@ import gaac_hf  # noqa: F401  (registers "gaac")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.fixture(scope="module")
-def model_and_calibration():
-    return gqa_model_and_calibration("cuda")
+@pytest.fixture(scope="module", params=[1, 2], ids=["calibration_v1", "calibration_v2"])
+def model_and_calibration(request):
+    """Calibrations of format versions 1 and 2: with the second the cache stores format version 2 where the CUDA
+    kernel reads it (Hopper), and the kernel reads it in place."""
+    return gqa_model_and_calibration("cuda", request.param)
+
+
+def _expected_format(calibration) -> int:
+    from gaac_hf import ops
+
+    even = calibration.config.format_version == 2
+    return 2 if even and ops.fused_reads(2, 128, 4, torch.device("cuda")) else 1
 
 
 @pytest.mark.parametrize("attn", ["gaac", "sdpa"])
@@ -30,4 +39,6 @@ def test_gpu_generation_is_lossless(model_and_calibration, attn, padded):
         out, ref, cache = generate_both(model, calibration, batch=2, prompt=301, pad=37 if padded else 0,
                                         new_tokens=40, device="cuda")
     assert same_generation(out, ref)
-    assert cache.stats()["slots"] > 0
+    stats = cache.stats()
+    assert stats["slots"] > 0
+    assert {s["format_version"] for s in stats["layers"].values()} == {_expected_format(calibration)}

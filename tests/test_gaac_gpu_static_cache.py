@@ -20,6 +20,12 @@ def model_and_calibration():
     return model, calibration
 
 
+@pytest.fixture(scope="module")
+def calibration_v2(model_and_calibration):
+    """A format-version-2 calibration of the same model (even windows: stored as format version 2 on Hopper)."""
+    return gqa_model_and_calibration("cuda", 2)[1]
+
+
 def _both(model, calibration, ids, max_cache_len, **kw):
     kw = {"max_new_tokens": 40, "min_new_tokens": 40, "output_scores": True, "return_dict_in_generate": True,
           **kw}
@@ -49,6 +55,25 @@ def test_gpu_compiled_generate_equals_twin(model_and_calibration, mode):
     (out, cache), (ref, _) = _both(model, calibration, ids, 400, **kw)
     assert same_generation(out, ref)
     assert cache.stats()["slots"] > 0
+
+
+@pytest.mark.parametrize("mode", ["greedy", "padded"])
+def test_gpu_compiled_format_2_equals_twin(model_and_calibration, calibration_v2, mode):
+    """The compiled step over slots of format version 2 (the append kernel writes them in fragment order, the CUDA
+    kernel reads them in place on Hopper) equals the twin bit for bit, across block finalizations."""
+    model, _ = model_and_calibration
+    ids = torch.randint(0, 512, (2 if mode == "padded" else 1, 301), generator=torch.Generator().manual_seed(6)).cuda()
+    kw = dict(do_sample=False, max_new_tokens=70, min_new_tokens=70)
+    if mode == "padded":
+        mask = torch.ones_like(ids)
+        mask[1, :37] = 0
+        kw["attention_mask"] = mask
+    (out, cache), (ref, _) = _both(model, calibration_v2, ids, 400, **kw)
+    assert same_generation(out, ref)
+    stats = cache.stats()
+    assert stats["slots"] > 0
+    if ops.fused_reads(2, 128, 4, torch.device("cuda")):
+        assert stats["format_version"] == 2
 
 
 def test_gpu_compile_config_without_module_guards_equals_twin(model_and_calibration):
@@ -81,12 +106,16 @@ def test_gpu_decode_step_is_one_graph(model_and_calibration):
     assert (ex.graph_count, ex.graph_break_count) == (1, 0), ex.break_reasons
 
 
-def test_gpu_append_kernel_equals_torch_path(model_and_calibration):
+@pytest.mark.parametrize("format_version", [1, 2])
+def test_gpu_append_kernel_equals_torch_path(model_and_calibration, calibration_v2, format_version):
     """The model's own KV through the Triton kernel (CUDA) and through the torch path (CPU), one token at a time
-    after a 20-token eager append: same lengths, counters and decoded blocks, equal to the KV put in."""
+    after a 20-token eager append: same lengths, counters, slot bytes and decoded blocks, equal to the KV put in
+    (format version 2: slots in fragment order on both paths)."""
     from transformers import DynamicCache
 
     model, calibration = model_and_calibration
+    if format_version == 2:
+        calibration = calibration_v2
     ids = torch.randint(0, 512, (2, 80), generator=torch.Generator().manual_seed(7)).cuda()
     dyn = DynamicCache(config=model.config)
     model.set_attn_implementation("sdpa")
@@ -96,8 +125,8 @@ def test_gpu_append_kernel_equals_torch_path(model_and_calibration):
     finally:
         model.set_attn_implementation("gaac")
     k, v = dyn.layers[0].keys, dyn.layers[0].values  # [2, H, 80, D]
-    gpu = GAACStaticCache(model.config, 96, calibration).layers[0]
-    cpu = GAACStaticCache(model.config, 96, calibration).layers[0]
+    gpu = GAACStaticCache(model.config, 96, calibration, format_version=format_version).layers[0]
+    cpu = GAACStaticCache(model.config, 96, calibration, format_version=format_version).layers[0]
     gpu.append(k[:, :, :20], v[:, :, :20])
     cpu.append(k[:, :, :20].cpu(), v[:, :, :20].cpu())
     for i in range(20, 80):
@@ -105,6 +134,11 @@ def test_gpu_append_kernel_equals_torch_path(model_and_calibration):
             ops.append_token(k[:, :, i:i + 1].to(dev), v[:, :, i:i + 1].to(dev), lay.record, lay.slot_modes,
                              lay.raw_modes, lay.counts)
     assert torch.equal(gpu.kv_len.cpu(), cpu.kv_len) and torch.equal(gpu.counts.cpu(), cpu.counts)
+    slots = []
+    for lay in (gpu, cpu):  # slot bytes in table order (the pools may fill in another order)
+        entries = lay.record.table[:, :5].reshape(-1).long().cpu()
+        slots.append(lay.record.slot_pool.cpu()[entries.clamp(min=0)][entries >= 0])
+    assert slots[0].shape[0] > 0 and torch.equal(slots[0], slots[1])
     gk, gv = gpu.expand(5)
     ck, cv = cpu.expand(5)
     for a, b, ref in ((gk, ck, k), (gv, cv, v)):

@@ -57,13 +57,13 @@ def _same(a, b) -> bool:
         torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a.scores, b.scores))
 
 
-def _generate_both(model, calibration, ids, max_cache_len, compile_backend="aot_eager", **kw):
+def _generate_both(model, calibration, ids, max_cache_len, compile_backend="aot_eager", format_version=None, **kw):
     kw = {"max_new_tokens": 24, "min_new_tokens": 24, "output_scores": True, "return_dict_in_generate": True, **kw}
     if compile_backend is not None:
         kw["compile_config"] = _compile_config(compile_backend)
     name = cache_kwarg(model)
     outs = []
-    for make in (lambda: GAACStaticCache(model.config, max_cache_len, calibration),
+    for make in (lambda: GAACStaticCache(model.config, max_cache_len, calibration, format_version=format_version),
                  lambda: PlainStaticCache(model.config, max_cache_len)):
         torch._dynamo.reset()
         cache = make()
@@ -85,6 +85,20 @@ def test_compiled_generate_equals_plain_twin(llama, mode):
     (out, cache), (ref, _) = _generate_both(model, calibration, _ids(37, 1), 96, **MODES[mode])
     assert _same(out, ref)
     assert cache.stats()["slots"] > 0 and cache.stats()["raw_tiles"] > 0
+
+
+def test_compiled_generate_of_format_2_equals_plain_twin(llama):
+    """Slots of format version 2 (what the CUDA kernel reads on Hopper; here the torch reference encodes and
+    decodes them): the compiled step is still bit-identical to the twin, through block finalizations."""
+    model, _ = llama
+    calibration = calibrate(model, [_ids(128, 100)[0]], "random ids", format_version=2)
+    calibration = GAACCalibration(dataclasses.replace(calibration.config, escape_capacity=32), calibration.base3,
+                                  calibration.base4)
+    kw = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    (out, cache), (ref, _) = _generate_both(model, calibration, _ids(37, 1), 96, format_version=2, **kw)
+    assert _same(out, ref)
+    stats = cache.stats()
+    assert stats["format_version"] == 2 and stats["slots"] > 0 and stats["raw_tiles"] > 0
 
 
 def test_compiled_left_padded_batch_equals_plain_twin(llama):
@@ -275,11 +289,14 @@ def test_stats_report_resident_and_allocated_bytes(llama):
     assert s["layers"][0]["blocks"] == 4 and s["layers"][0]["tokens"] == 70
 
 
-def test_triton_append_kernel_matches_torch_path():
+@pytest.mark.parametrize("format_version", [1, 2])
+def test_triton_append_kernel_matches_torch_path(format_version):
     """The CUDA append kernel (under Triton's interpreter here) leaves the very same state as the torch path:
-    tails, lengths, counters and the decoded finalized blocks, through several block completions."""
+    tails, lengths, counters, the slots' bytes (format version 2: in fragment order) and the decoded finalized
+    blocks, through several block completions."""
     from triton_ops.gaac_append import gaac_append
 
+    from gaac_hf.format_v2 import fragment_map
     from gaac_triton_cases import realistic_kv
 
     gen = torch.Generator().manual_seed(3)
@@ -287,7 +304,8 @@ def test_triton_append_kernel_matches_torch_path():
     c = d
     p = 2 * h
     layout = TileLayout(c, cap)
-    tokens, vals, base3, base4 = realistic_kv(b, h, 40, d, gen)
+    tokens, vals, base3, base4 = realistic_kv(b, h, 40, d, gen, even=format_version == 2)
+    frag = fragment_map(c, DEVICE) if format_version == 2 else None
 
     def state(device):
         n_all = b * blocks * p
@@ -307,17 +325,21 @@ def test_triton_append_kernel_matches_torch_path():
         k, v = tokens[:, :, i:i + 1], vals[:, :, i:i + 1]
         torch.ops.gaac.append_token(k, v, ref["tail_k"], ref["tail_v"], ref["kv_len"], base3, base4,
                                     ref["slot_pool"], ref["raw_pool"], ref["table"], ref["slot_modes"],
-                                    ref["raw_modes"], ref["counts"])
+                                    ref["raw_modes"], ref["counts"], format_version)
         gaac_append(k.to(DEVICE), v.to(DEVICE), got["tail_k"], got["tail_v"], got["kv_len"],
                     base3.reshape(p, c).to(DEVICE), base4.reshape(p, c).to(DEVICE), got["slot_pool"], got["raw_pool"],
-                    got["table"], got["slot_modes"], got["raw_modes"], got["counts"], layout)
+                    got["table"], got["slot_modes"], got["raw_modes"], got["counts"], layout, format_version, frag)
         got["kv_len"].add_(1)
     got = {k: t.cpu() for k, t in got.items()}
     assert torch.equal(ref["kv_len"], got["kv_len"]) and torch.equal(ref["counts"], got["counts"])
     assert ref["counts"][0] > 0 and ref["counts"][1] > 0
+    for s in (ref, got):  # the slots' bytes, in table order (the pools fill in another order on the two paths)
+        entries = s["table"][:, :2].reshape(-1).long()
+        s["slots"] = s["slot_pool"][entries.clamp(min=0)][entries >= 0]
+    assert torch.equal(ref["slots"], got["slots"])
     for s in (ref, got):
         s["kv"] = ops.blocks_of(ops.expand_tiles(s["table"][:, :2].reshape(b, 2, p), s["slot_pool"], s["raw_pool"],
-                                                 base3.reshape(p, c), base4.reshape(p, c)), h)
+                                                 base3.reshape(p, c), base4.reshape(p, c), format_version), h)
     assert torch.equal(ref["kv"][:, 0].view(torch.int16), tokens[:, :, :32].view(torch.int16))
     assert torch.equal(ref["kv"][:, 1].view(torch.int16), vals[:, :, :32].view(torch.int16))
     assert torch.equal(got["kv"].view(torch.int16), ref["kv"].view(torch.int16))

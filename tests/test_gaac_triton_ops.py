@@ -140,9 +140,10 @@ def test_encode_kernel_is_bit_exact(d, kind, capacity):
 @pytest.mark.parametrize("d, kind, capacity", [(64, "mixed", 32), (128, "mixed", 16), (64, "raw", 48),
                                                (128, "4bit", 64), (80, "mixed", 16), (96, "raw", 320)])
 def test_encode_kernel_writes_format_2_bit_exactly(d, kind, capacity):
-    """format_version=2: the byte-split slots of gaac_hf.format_v2 (plane order), escapes truncated alike."""
+    """format_version=2: the byte-split slots of gaac_hf.format_v2, in plane order and, for 64- and 128-channel
+    tiles given the fragment map, in the stored (fragment) order of K and V tiles; escapes truncated alike."""
     from gaac_hf.codec import split_head
-    from gaac_hf.format_v2 import encode_tiles
+    from gaac_hf.format_v2 import encode_kv, encode_tiles, fragment_map
     from triton_ops.gaac_encode import gaac_encode
 
     gen = torch.Generator().manual_seed(11 * d + capacity)
@@ -159,9 +160,19 @@ def test_encode_kernel_writes_format_2_bit_exactly(d, kind, capacity):
     assert torch.equal((esc.cpu() <= capacity), fits.reshape(2, 3, period))
     counts = torch.stack([(mode == m).sum(-1) for m in range(3)], -1).reshape(2, 3, period, 3)
     assert torch.equal(modes.cpu(), counts.to(torch.int32))
-    with pytest.raises(ValueError, match="even exponents"):
-        gaac_encode(tiles.reshape(2, 3, period, 16, c)[:1].to(DEVICE), (b3 | 1).reshape(period, c).to(DEVICE),
-                    b4.reshape(period, c).to(DEVICE), TileLayout(c, capacity), format_version=2)
+    frag = fragment_map(c, DEVICE)
+    if frag is None:
+        return
+    stored, _, _ = encode_kv(tiles.reshape(2, 3, period, 16, c), b3.reshape(period, c), b4.reshape(period, c),
+                             capacity)
+    slots, _, _ = gaac_encode(tiles.reshape(2, 3, period, 16, c).to(DEVICE), b3.reshape(period, c).to(DEVICE),
+                              b4.reshape(period, c).to(DEVICE), TileLayout(c, capacity), format_version=2,
+                              fragment=frag)
+    assert torch.equal(slots.cpu(), stored)
+    assert not torch.equal(stored, ref.reshape(2, 3, period, -1))  # the order differs from the plane order
+    with pytest.raises(ValueError, match="fragment must be"):
+        gaac_encode(tiles.reshape(2, 3, period, 16, c)[:1].to(DEVICE), b3.reshape(period, c).to(DEVICE),
+                    b4.reshape(period, c).to(DEVICE), TileLayout(c, capacity), format_version=2, fragment=frag[0])
 
 
 class _PaddedLayout:

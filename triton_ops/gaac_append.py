@@ -16,16 +16,16 @@ import triton
 import triton.language as tl
 
 from .device import on_device_of
-from .gaac_encode import mode_counts, store_slot, tile_modes
+from .gaac_encode import check_fragment, mode_counts, store_slot, tile_modes
 from .layout import slot_constants
 
 
 @triton.jit
 def _append_kernel(k_ptr, v_ptr, tk_ptr, tv_ptr, len_ptr, b3_ptr, b4_ptr, slot_ptr, raw_ptr, table_ptr,
-                   slot_modes_ptr, raw_modes_ptr, count_ptr,
+                   slot_modes_ptr, raw_modes_ptr, count_ptr, frag_ptr,
                    s_kb, s_kh, s_vb, s_vh, s_tb, s_th, s_tt, H, NB_CAP, N_SLOTS, N_RAW, SLOT_BYTES, CAPACITY,
                    C: tl.constexpr, TILES: tl.constexpr, E_PAD: tl.constexpr, PLANES: tl.constexpr,
-                   TAGS: tl.constexpr, ESC: tl.constexpr):
+                   TAGS: tl.constexpr, ESC: tl.constexpr, VERSION: tl.constexpr, FRAGMENT: tl.constexpr):
     pid = tl.program_id(0)
     tile = pid % TILES
     h = (pid // TILES) % H
@@ -51,14 +51,14 @@ def _append_kernel(k_ptr, v_ptr, tk_ptr, tv_ptr, len_ptr, b3_ptr, b4_ptr, slot_p
         kind = (kv * H + h) * TILES + tile
         b3 = tl.load(b3_ptr + kind * C + c).to(tl.int32)
         b4 = tl.load(b4_ptr + kind * C + c).to(tl.int32)
-        sm, code, mode, total = tile_modes(bits, b3, b4, C)
+        sm, code, mode, total = tile_modes(bits, b3, b4, C, VERSION)
         m = tl.arange(0, 4)
         counts = mode_counts(mode)
         if total <= CAPACITY:
             idx = tl.atomic_add(count_ptr, 1)
             idx = tl.where(idx < N_SLOTS, idx, N_SLOTS)  # past the pool: the scratch row (the counter tells)
             store_slot(slot_ptr + idx.to(tl.int64) * SLOT_BYTES, sm, code, mode, CAPACITY, C, E_PAD, PLANES, TAGS,
-                       ESC)
+                       ESC, frag_ptr + kv * 48 * C, FRAGMENT)
             tl.store(slot_modes_ptr + idx * 3 + m, counts, mask=m < 3)
             entry = idx
         else:
@@ -74,8 +74,9 @@ def _append_kernel(k_ptr, v_ptr, tk_ptr, tv_ptr, len_ptr, b3_ptr, b4_ptr, slot_p
 def gaac_append(key: torch.Tensor, value: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor,
                 kv_len: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, slot_pool: torch.Tensor,
                 raw_pool: torch.Tensor, table: torch.Tensor, slot_modes: torch.Tensor, raw_modes: torch.Tensor,
-                counts: torch.Tensor, layout) -> None:
+                counts: torch.Tensor, layout, format_version: int = 1, fragment: torch.Tensor | None = None) -> None:
     """Append `key`/`value` `[B, H, 1, D]` (BF16, last dim contiguous) at `kv_len` and finalize completed blocks.
+    `format_version` and `fragment`: the slots `gaac_encode` writes with them.
 
     tail_k/v BF16 `[B, H, 16, D]`; kv_len int32 `[B]` (not advanced here); base3/base4 uint8 `[2 * H * tiles, C]`;
     slot_pool uint8 `[N_slots + 1, slot_bytes]` and raw_pool BF16 `[N_raw + 1, 16, C]` (last rows: scratch);
@@ -89,13 +90,18 @@ def gaac_append(key: torch.Tensor, value: torch.Tensor, tail_k: torch.Tensor, ta
     tiles = d // channels
     offsets = slot_constants(layout, channels, slot_pool.shape[-1])
     capacity = layout.escape_capacity
+    if format_version not in (1, 2) or (fragment is not None and format_version != 2):
+        raise ValueError(f"gaac_append writes format versions 1 and 2 (a fragment map: version 2 only), not "
+                         f"{format_version}")
+    frag = check_fragment(fragment, channels, key.device)
     with on_device_of(key):
         _append_kernel[(b * 2 * h * tiles,)](
             key, value, tail_k, tail_v, kv_len, base3, base4, slot_pool, raw_pool, table, slot_modes, raw_modes,
-            counts, key.stride(0), key.stride(1), value.stride(0), value.stride(1), tail_k.stride(0),
+            counts, frag, key.stride(0), key.stride(1), value.stride(0), value.stride(1), tail_k.stride(0),
             tail_k.stride(1), tail_k.stride(2), h, table.shape[1], slot_pool.shape[0] - 1, raw_pool.shape[0] - 1,
             slot_pool.shape[-1], capacity, C=channels, TILES=tiles,
-            E_PAD=max(16, triton.next_power_of_2(max(capacity, 1))), **offsets)
+            E_PAD=max(16, triton.next_power_of_2(max(capacity, 1))), VERSION=format_version,
+            FRAGMENT=fragment is not None, **offsets)
 
 
 @triton.jit

@@ -41,20 +41,35 @@ def tile_modes(bits, b3, b4, C: tl.constexpr, VERSION: tl.constexpr = 1):
 
 @triton.jit
 def store_slot(out, sm, code, mode, CAPACITY, C: tl.constexpr, E_PAD: tl.constexpr, PLANES: tl.constexpr,
-               TAGS: tl.constexpr, ESC: tl.constexpr):
+               TAGS: tl.constexpr, ESC: tl.constexpr, frag=None, FRAGMENT: tl.constexpr = False):
     """Write one tile's slot at `out` (uint8 pointer) from `tile_modes`' output; escapes past CAPACITY are cut.
-    PLANES, TAGS, ESC: the slot layout's section offsets (from the caller: `triton_ops.layout`)."""
+    PLANES, TAGS, ESC: the slot layout's section offsets (from the caller: `triton_ops.layout`). FRAGMENT (format
+    version 2): the low bytes and planes 0..2 go where `frag` (int32 `[3, 16 C]`, per element its low byte's offset,
+    its sign's bit and its code bit 0's bit in the plane area) says, instead of token-major bytes and bit-planes."""
     G: tl.constexpr = 2 * C
     TAG_PLANE: tl.constexpr = G // 8
     t = tl.arange(0, 16)
     c = tl.arange(0, C)
-    tl.store(out + t[:, None] * C + c[None, :], sm.to(tl.uint8))
     i = tl.arange(0, 8)[None, :, None]
     h = tl.arange(0, 2)[:, None]
     g = h * C + c[None, :]
-    for p in tl.static_range(3):
-        plane = tl.sum(((code >> p) & 1) << i, axis=1)
-        tl.store(out + PLANES + p * G + g, plane.to(tl.uint8))
+    if FRAGMENT:
+        e = t[:, None] * C + c[None, :]  # element token * C + channel, as the map counts them
+        tl.store(out + tl.load(frag + e), sm.to(tl.uint8))
+        words = (out + PLANES).to(tl.pointer_type(tl.int32))
+        zw = tl.arange(0, 2 * C)
+        tl.store(words + zw, tl.zeros([2 * C], tl.int32), mask=zw < 3 * C // 2)  # planes 0..2: 6 C bytes
+        tl.debug_barrier()  # the zeroed words land before the bits are ORed in
+        code16 = tl.reshape(code, [16, C])  # [2, 8, C] (half, token, channel) is token-major
+        sign_at = tl.load(frag + 16 * C + e)
+        code_at = tl.load(frag + 32 * C + e)
+        tl.atomic_or(words + (sign_at >> 5), (code16 & 1) << (sign_at & 31))
+        tl.atomic_or(words + (code_at >> 5), ((code16 >> 1) & 3) << (code_at & 31))
+    else:
+        tl.store(out + t[:, None] * C + c[None, :], sm.to(tl.uint8))
+        for p in tl.static_range(3):
+            plane = tl.sum(((code >> p) & 1) << i, axis=1)
+            tl.store(out + PLANES + p * G + g, plane.to(tl.uint8))
     wide = (mode >= 1).to(tl.int32)
     raw = (mode == 2).to(tl.int32)
     j = tl.arange(0, 8)[None, None, :]
@@ -90,11 +105,12 @@ def mode_counts(mode):
 
 
 @triton.jit
-def _encode_kernel(x_ptr, b3_ptr, b4_ptr, slot_ptr, esc_out, modes_out, PERIOD, SLOT_BYTES, CAPACITY,
-                   C: tl.constexpr, E_PAD: tl.constexpr, PLANES: tl.constexpr, TAGS: tl.constexpr,
-                   ESC: tl.constexpr, VERSION: tl.constexpr):
+def _encode_kernel(x_ptr, b3_ptr, b4_ptr, slot_ptr, esc_out, modes_out, frag_ptr, PERIOD, V_FROM, SLOT_BYTES,
+                   CAPACITY, C: tl.constexpr, E_PAD: tl.constexpr, PLANES: tl.constexpr, TAGS: tl.constexpr,
+                   ESC: tl.constexpr, VERSION: tl.constexpr, FRAGMENT: tl.constexpr):
     pid = tl.program_id(0)
     kind = pid % PERIOD
+    frag = frag_ptr + (kind >= V_FROM).to(tl.int32) * 48 * C  # the V tiles' map follows the K tiles'
     out = slot_ptr + pid.to(tl.int64) * SLOT_BYTES
     t = tl.arange(0, 16)
     c = tl.arange(0, C)
@@ -102,27 +118,42 @@ def _encode_kernel(x_ptr, b3_ptr, b4_ptr, slot_ptr, esc_out, modes_out, PERIOD, 
     b3 = tl.load(b3_ptr + kind * C + c).to(tl.int32)
     b4 = tl.load(b4_ptr + kind * C + c).to(tl.int32)
     sm, code, mode, total = tile_modes(bits, b3, b4, C, VERSION)
-    store_slot(out, sm, code, mode, CAPACITY, C, E_PAD, PLANES, TAGS, ESC)
+    store_slot(out, sm, code, mode, CAPACITY, C, E_PAD, PLANES, TAGS, ESC, frag, FRAGMENT)
     tl.store(esc_out + pid, total)
     m = tl.arange(0, 4)
     tl.store(modes_out + pid * 3 + m, mode_counts(mode), mask=m < 3)
 
 
-def gaac_encode(tiles: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, layout, format_version: int = 1):
+def check_fragment(fragment: torch.Tensor | None, channels: int, device) -> torch.Tensor:
+    """The fragment map of a version-2 launch: int32 `[2, 3, 16 C]` (K tiles, V tiles) on the tiles' device, or a
+    placeholder where the slots are written in plane order (`fragment` None)."""
+    if fragment is None:
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    if fragment.dtype != torch.int32 or fragment.shape != (2, 3, 16 * channels) or not fragment.is_contiguous() \
+            or fragment.device != torch.device(device):
+        raise ValueError(f"fragment must be a contiguous int32 [2, 3, {16 * channels}] map on {device}")
+    return fragment
+
+
+def gaac_encode(tiles: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, layout, format_version: int = 1,
+                fragment: torch.Tensor | None = None, v_from: int | None = None):
     """Encode BF16 tiles `[..., P, 16, C]` with bases uint8 `[P, C]` (P = positions with their own windows, e.g.
     2 * H * tiles) into slots of `layout` (a `gaac_hf.format.TileLayout`, see `triton_ops.layout`). Returns
     `(slots uint8 [..., P, slot_bytes], escape_bytes int32 [..., P], mode_counts int32 [..., P, 3])`; a tile fits
     its slot iff escape_bytes <= layout.escape_capacity. `format_version` 2: the byte-split slots of
-    `gaac_hf.format_v2` in plane order (even bases; `format_v2.to_fragment_order` gives the stored order)."""
+    `gaac_hf.format_v2` (even bases), in plane order, or, given `fragment` (the caller's map, int32 `[2, 3, 16 C]`:
+    `format_v2.fragment_destinations` of K and V tiles), in that order; positions `v_from..P-1` (default P / 2)
+    are V tiles. The windows are not checked here (a caller's job: their parity is a host-side fact)."""
     if tiles.dtype != torch.bfloat16:
         raise TypeError(f"the GAAC encoder takes BF16 tiles, not {tiles.dtype}")
     if format_version not in (1, 2):
         raise ValueError(f"the GAAC encoder writes format versions 1 and 2, not {format_version}")
-    if format_version == 2 and bool(((base3 | base4) & 1).any()):
-        raise ValueError("format version 2 needs windows that start at even exponents (calibrate with even windows)")
+    if fragment is not None and format_version != 2:
+        raise ValueError("a fragment map orders version-2 slots only")
     *lead, period, tokens, channels = tiles.shape
     if tokens != 16 or base3.shape != (period, channels) or base4.shape != (period, channels):
         raise ValueError(f"tiles {tuple(tiles.shape)} and bases {tuple(base3.shape)} do not line up")
+    frag = check_fragment(fragment, channels, tiles.device)
     offsets = slot_constants(layout, channels)
     slot_bytes, escape_capacity = layout.slot_bytes, layout.escape_capacity
     x = tiles.contiguous().view(torch.int16)
@@ -132,7 +163,8 @@ def gaac_encode(tiles: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, l
     modes = torch.empty(*lead, period, 3, dtype=torch.int32, device=tiles.device)
     if n:
         with on_device_of(x):
-            _encode_kernel[(n,)](x, base3.contiguous(), base4.contiguous(), slots, esc, modes, period, slot_bytes,
-                                 escape_capacity, C=channels, E_PAD=max(16, triton.next_power_of_2(escape_capacity)),
-                                 VERSION=format_version, **offsets)
+            _encode_kernel[(n,)](x, base3.contiguous(), base4.contiguous(), slots, esc, modes, frag, period,
+                                 period // 2 if v_from is None else v_from, slot_bytes, escape_capacity, C=channels,
+                                 E_PAD=max(16, triton.next_power_of_2(escape_capacity)), VERSION=format_version,
+                                 FRAGMENT=fragment is not None, **offsets)
     return slots, esc, modes

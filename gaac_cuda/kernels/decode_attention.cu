@@ -975,7 +975,7 @@ __device__ __forceinline__ void load_query(const Params& p, int b, int hk, int g
       kpairs(q01, q23, qb[T][sl][0], qb[T][sl][1]);
     }
 }
-// Windows of the prepass lane's groups (channels (lane*GPL) % C ..) of kv-head hk, per K|V and tile.
+// Windows of the prepass lane's groups (as given: the windows' starts, even for formats 2 and 3) (channels (lane*GPL) % C ..) of kv-head hk, per K|V and tile.
 __device__ __forceinline__ void load_bases(const Params& p, int hk, int lane, u32 (&b3)[2][TILES][GPL / 4],
                                            u32 (&b4)[2][TILES][GPL / 4]) {
 #pragma unroll
@@ -985,8 +985,11 @@ __device__ __forceinline__ void load_bases(const Params& p, int hk, int lane, u3
 #pragma unroll
       for (int w = 0; w < GPL / 4; ++w) {
         const i64 at = ((i64)kv * p.heads + hk) * D + T * C + (lane * GPL + 4 * w) % C;
-        b3[kv][T][w] = GAAC_PLAIN ? 0u : *reinterpret_cast<const u32*>(p.base3 + at);
-        b4[kv][T][w] = GAAC_PLAIN ? 0u : *reinterpret_cast<const u32*>(p.base4 + at);
+        // the byte-split formats code e >> 1 against the even windows: half of each base, once per split
+        const u32 x3 = GAAC_PLAIN ? 0u : *reinterpret_cast<const u32*>(p.base3 + at);
+        const u32 x4 = GAAC_PLAIN ? 0u : *reinterpret_cast<const u32*>(p.base4 + at);
+        b3[kv][T][w] = GAAC_FORMAT == 1 ? x3 : (x3 >> 1) & 0x7F7F7F7Fu;
+        b4[kv][T][w] = GAAC_FORMAT == 1 ? x4 : (x4 >> 1) & 0x7F7F7F7Fu;
       }
 }
 
