@@ -184,10 +184,15 @@ def expand_tiles(table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.T
 
 
 def _expand_tiles_v2(table, slot_pool, raw_pool, base3, base4) -> torch.Tensor:
-    """`expand_tiles` of format version 2: the torch reference decoder (`format_v2.decode_slots`) on any device (no
-    kernel decodes version 2 on its own yet; the CUDA attention reads it in place)."""
+    """`expand_tiles` of format version 2: the Triton kernel on CUDA, else the torch reference decoder
+    (`format_v2.decode_slots`; the CPU path reads version 2 only where a user forces it)."""
     lead, p = table.shape[:-1], table.shape[-1]
     c = raw_pool.shape[-1]
+    if table.is_cuda:
+        from triton_ops.gaac_decode import expand_tiles_v2
+
+        return expand_tiles_v2(table, slot_pool, raw_pool, base3, base4, _slot_layout(c, slot_pool.shape[-1]),
+                               format_v2.fragment_map(c, table.device))
     flat = table.reshape(-1).long()
     pos = torch.arange(flat.numel(), device=flat.device) % max(p, 1)
     out = torch.empty(flat.numel(), BLOCK_TOKENS, c, dtype=raw_pool.dtype, device=raw_pool.device)

@@ -175,6 +175,37 @@ def test_encode_kernel_writes_format_2_bit_exactly(d, kind, capacity):
                     b4.reshape(period, c).to(DEVICE), TileLayout(c, capacity), format_version=2, fragment=frag[0])
 
 
+@pytest.mark.parametrize("d, kind, capacity", [(64, "mixed", 32), (128, "mixed", 80), (128, "4bit", 256),
+                                               (64, "raw", 1280), (80, "mixed", 16), (96, "mixed", 16)])
+def test_expand_kernel_reads_format_2_bit_exactly(d, kind, capacity):
+    """The version-2 expand kernel over a block table of slots (fragment order at 64/128 channels, plane order
+    below) and raw tiles gives back the very KV that was encoded."""
+    from gaac_hf import ops
+    from gaac_hf.format_v2 import fragment_map
+    from triton_ops.gaac_decode import expand_tiles_v2
+
+    gen = torch.Generator().manual_seed(5 * d + capacity)
+    k, v, b3, b4 = realistic_kv(2, 2, 48, d, gen, kind, even=True)
+    c = tile_split(d)[1]
+    tiles = ops.tiles_of(k, v)  # [2, 3, P, 16, C]: K positions, then V
+    period = tiles.shape[2]
+    b3, b4 = b3.reshape(period, c), b4.reshape(period, c)
+    slots, fits, _ = ops.encode(tiles, b3, b4, capacity, format_version=2)  # the torch reference on the CPU
+    n = fits.numel()
+    at = torch.randperm(n, generator=gen)  # pool rows in another order than the table
+    table = torch.where(fits.reshape(-1), at, -1 - at).to(torch.int32).reshape(fits.shape)
+    slot_pool = torch.empty(n, slots.shape[-1], dtype=torch.uint8)
+    slot_pool[at] = slots.reshape(n, -1)
+    raw_pool = torch.empty(n, 16, c, dtype=torch.bfloat16)
+    raw_pool[at] = tiles.reshape(n, 16, c)
+    assert kind == "raw" or (bool(fits.any()) and (kind == "4bit" or not bool(fits.all())))
+    out = expand_tiles_v2(table.to(DEVICE), slot_pool.to(DEVICE), raw_pool.to(DEVICE), b3.to(DEVICE), b4.to(DEVICE),
+                          TileLayout(c, capacity), fragment_map(c, DEVICE)).cpu()
+    assert torch.equal(bits(out), bits(tiles))
+    ref = ops.expand_tiles(table, slot_pool, raw_pool, b3, b4, format_version=2)  # the torch reference
+    assert torch.equal(bits(ref), bits(tiles))
+
+
 class _PaddedLayout:
     """A slot layout with 16 spare bytes before the code planes, the mode tags and the escape area: a stand-in for a
     format change, to show that the kernels take every section offset from the layout they are given."""
