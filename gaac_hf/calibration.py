@@ -22,7 +22,7 @@ from hf_common.model_config import identity_mismatches, kv_geometry, model_name,
 
 from .format import BLOCK_TOKENS, FORMAT_VERSION, GROUP_SIZE, TileLayout, tile_split
 
-READABLE_VERSIONS = (1, 2)  # 2: the byte-split draft (docs/format.md), even windows; no cache writes it yet
+READABLE_VERSIONS = (1, 2)  # 2: the byte-split slots (docs/format.md): even windows
 
 WINDOWS_FILE = "windows.safetensors"
 CONFIG_FILE = "config.json"

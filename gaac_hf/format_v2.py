@@ -1,11 +1,12 @@
-"""Reference encoder and decoder of the GAAC bitstream, format version 2 (draft; docs/format.md, "Format version 2").
+"""Reference encoder and decoder of the GAAC bitstream, format version 2 (docs/format.md, "Format version 2").
 
 Version 2 splits a BF16 value at its byte boundary: the low byte (exponent bit 0 and the 7 mantissa bits) is kept
 verbatim, the high byte's 7 exponent bits are coded against windows that start at even exponents, and the sign is
 bit-plane 0. Units, groups, modes, the slot's section sizes and the escape bytes per mode are version 1's
 (`format.py`, `codec.py`); tiles of 64 and 128 channels are stored in the order the CUDA kernel's mma fragments
-consume them (`to_fragment_order`), narrower tiles in plane order. No cache writes version 2 yet: the CUDA kernel
-reads it (`gaac_cuda.plan(format_version=3)`, the fragment-order layout) and `benchmarks/format_v2_probe.py` times it.
+consume them (`to_fragment_order`), narrower tiles in plane order. The caches store version 2 where the CUDA kernel
+reads it (`gaac_cuda.plan(format_version=3)`, the fragment-order layout; `gaac_hf.cache.choose_format`); the Triton
+encode / append / expand kernels are tested against this module bit for bit.
 """
 
 from __future__ import annotations
