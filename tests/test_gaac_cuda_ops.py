@@ -28,6 +28,28 @@ def bits(x):
     return x.view(torch.int16)
 
 
+def test_the_caches_choose_format_2_where_the_cuda_kernel_reads_it(monkeypatch, tiny_llama):
+    """The storage choice (`gaac_hf.cache.choose_format`) and the plan the ops hand the kernel for it, on the CPU
+    with the backend forced: version 2 only where the CUDA kernel reads it and the windows are even; the CUDA
+    plan of version-2 storage is the kernel's fragment-order format 3, staged as stored."""
+    from gaac_hf import ops
+    from gaac_hf.cache import choose_format
+    from gaac_hf.calibrate import calibrate
+
+    tiny_calibration = calibrate(tiny_llama, [torch.arange(3, 67)], "ids")
+    v2 = tiny_calibration.convert(2)
+    assert not ops.fused_reads(2, 128, 4, "cpu") and ops.fused_reads(1, 128, 4, "cpu") is False
+    assert choose_format(None, v2, 128, 4, "cpu") == 1 and choose_format(2, tiny_calibration, 128, 4, "cpu") == 2
+    monkeypatch.setenv("GAAC_HF_BACKEND", "gaac_cuda")
+    assert ops.fused_reads(2, 128, 4, "cpu") and ops.fused_reads(2, 64, 8, "cpu")
+    for d, rep in ((256, 4), (80, 1), (128, 9)):  # head dims and group sizes the kernel's format 3 does not cover
+        assert not ops.fused_reads(2, d, rep, "cpu") and choose_format(None, v2, d, rep, "cpu") == 1
+    assert choose_format(None, v2, 128, 4, "cpu") == 2 and choose_format(None, tiny_calibration, 128, 4, "cpu") == 1
+    f3 = ops._cuda_plan(1, 8, 4, 128, 256, 2944, False, 6, "cpu", 2)
+    assert "-DGAAC_FORMAT=3" in f3.options and "-DGAAC_DENSE_SLOT=1" in f3.options and f3.ws == 0
+    assert "-DGAAC_FORMAT=1" in ops._cuda_plan(1, 8, 4, 128, 256, 2944, False, 6, "cpu", 1).options
+
+
 def test_plan_rejects_shapes_the_kernel_does_not_cover():
     with pytest.raises(ValueError, match="head_dim"):
         plan(1, 8, 4, 80, 1024, "cpu", nsplit=4, ws=0)
