@@ -345,7 +345,7 @@ def dense_kv(layer, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         p, c = layer.tile_positions, layer.channels
         n = min(b1, n_fin) - b0
         tiles = ops.expand_tiles(r.table[:, b0:b0 + n].reshape(layer.batch, n, p), r.slot_pool, r.raw_pool,
-                                 r.base3.reshape(p, c), r.base4.reshape(p, c))
+                                 r.base3.reshape(p, c), r.base4.reshape(p, c), r.format_version)
         kv = ops.blocks_of(tiles, layer.num_kv_heads)
         ks.append(kv[:, 0])
         vs.append(kv[:, 1])

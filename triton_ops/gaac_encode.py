@@ -1,9 +1,12 @@
 """Encode kernel: BF16 tiles -> GAAC slots (block finalization), one program per tile.
 
 Bitstream: docs/format.md. Output bits equal `gaac_hf.codec.encode_tiles` (the torch reference; format version 2:
-`gaac_hf.format_v2.encode_tiles`, in plane order), including the escape area of tiles whose escapes overflow the
-slot (truncated to the capacity; such tiles stay raw BF16).
+`gaac_hf.format_v2.encode_tiles` in plane order, or `format_v2.encode_kv`, in fragment order, given the caller's
+fragment map), including the escape area of tiles whose escapes overflow the slot (truncated to the capacity; such
+tiles stay raw BF16).
 """
+
+import functools
 
 import torch
 import triton
@@ -124,11 +127,17 @@ def _encode_kernel(x_ptr, b3_ptr, b4_ptr, slot_ptr, esc_out, modes_out, frag_ptr
     tl.store(modes_out + pid * 3 + m, mode_counts(mode), mask=m < 3)
 
 
+@functools.lru_cache(maxsize=None)
+def _placeholder(device: str) -> torch.Tensor:
+    """A pointer the kernels never read (made once per device: no allocation inside a captured step)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
 def check_fragment(fragment: torch.Tensor | None, channels: int, device) -> torch.Tensor:
     """The fragment map of a version-2 launch: int32 `[2, 3, 16 C]` (K tiles, V tiles) on the tiles' device, or a
     placeholder where the slots are written in plane order (`fragment` None)."""
     if fragment is None:
-        return torch.zeros(1, dtype=torch.int32, device=device)
+        return _placeholder(str(torch.device(device)))
     if fragment.dtype != torch.int32 or fragment.shape != (2, 3, 16 * channels) or not fragment.is_contiguous() \
             or fragment.device != torch.device(device):
         raise ValueError(f"fragment must be a contiguous int32 [2, 3, {16 * channels}] map on {device}")
