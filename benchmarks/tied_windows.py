@@ -61,6 +61,9 @@ def variants(hist: torch.Tensor) -> dict:
         # the byte-split layout with the 4-bit window as [b3 - 8, b3 + 8): in units of the high byte (e >> 1) the
         # 3-bit window's upper-half code is then `w - 4 | code`, one OR for both modes (attention_cuda.md's sketch)
         "even_3bit_tied_b3-8": (e3, lo(e3, 8)),
+        # format 1's windows moved down to even starts (`GAACCalibration.convert(2)`): what a cache that stores format
+        # version 2 with a version-1 calibration codes against
+        "format_1_windows_converted": (b3 & 0xFE, free4 & 0xFE),
     }
 
 
@@ -71,12 +74,15 @@ def main(argv=None):
     p.add_argument("--heldout-prompts", type=int, default=1)
     p.add_argument("--chunk-tokens", type=int, default=1024)
     p.add_argument("--out", default="benchmarks/results/tied_windows.json")
+    p.add_argument("--text-a", nargs="*", default=list(GNU_STANDARDS), help="calibration text files")
+    p.add_argument("--text-b", nargs="*", default=list(DEBIAN_REFERENCE), help="held-out text files")
+    p.add_argument("--variants", nargs="*", help="variants to evaluate (default: all)")
     args = p.parse_args(argv)
     torch.set_num_threads(2)
     t0 = time.time()
     model, tokenizer = load_default_model()
-    a = read_text_files(GNU_STANDARDS)
-    b = read_text_files(DEBIAN_REFERENCE)
+    a = read_text_files(args.text_a)
+    b = read_text_files(args.text_b)
     pa = token_prompts(tokenizer, a.text, args.prompt_tokens, args.calib_prompts)
     pb = token_prompts(tokenizer, b.text, args.prompt_tokens, args.heldout_prompts)
     store = tempfile.mkdtemp(prefix="tied-windows-")
@@ -94,6 +100,8 @@ def main(argv=None):
     channels = tile_split(hist.shape[-2])[1]
     rows = {}
     for name, (b3, b4) in variants(hist).items():
+        if args.variants and name not in args.variants:
+            continue
         escapes = torch.cat([tile_escape_bytes(kv, b3, b4).reshape(-1) for kv in cal()])
         cap = choose_escape_capacity(escapes, channels)
         ev = evaluate(held, b3, b4, cap, channels)
