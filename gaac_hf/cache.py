@@ -66,14 +66,19 @@ STORAGE_VERSIONS = (1, 2)
 
 
 def storage_calibration(calibration: GAACCalibration, format_version: int | None, what: str) -> GAACCalibration:
-    """The calibration a cache that stores `format_version` (None: chosen per device) codes with. Version 2 codes
-    against windows that start at even exponents: a version-2 calibration has them; asking for version 2 with a
-    version-1 calibration converts it (`convert(2)`: each window moves down to the even start at or below it, a
-    slightly lower ratio). Version 1 reads any windows."""
+    """Check that a cache that stores `format_version` (None: chosen per device) can code with `calibration`.
+    Version 2 codes against windows that start at even exponents, which only a version-2 calibration has (version-1
+    windows moved down to even starts cost much of the saving: 27.9% -> 22.5% resident on SmolLM2's held-out KV,
+    benchmarks/results/tied_windows_s14_converted.json, against 27.6% for windows calibrated even). Version 1 reads
+    any windows."""
     if format_version not in (None, *STORAGE_VERSIONS):
         raise ValueError(f"{what} stores GAAC format version 1 or 2 (None: chosen per device), not {format_version!r}")
     if format_version == 2 and calibration.config.format_version != 2:
-        return calibration.convert(2)
+        raise ValueError(
+            f"{what}(format_version=2) needs a format-version-2 calibration (windows that start at even exponents); "
+            f"this one is version {calibration.config.format_version}: calibrate with `gaac-hf calibrate "
+            "--format-version 2` (or `calibrate(..., format_version=2)`); `calibration.convert(2)` moves its windows "
+            "down instead, at a cost in ratio")
     return calibration
 
 
@@ -562,7 +567,7 @@ class GAACCache(Cache):
 
     `format_version` of the stored slots (docs/format.md): None (default) picks version 2 where the CUDA kernel
     reads it (Hopper, head_dim 64/128) and the calibration is a version-2 one (even windows), else version 1; 1 or
-    2 force it (2 with a version-1 calibration converts its windows, `GAACCalibration.convert(2)`). Both are
+    2 force it (2 needs a version-2 calibration, `gaac-hf calibrate --format-version 2`). Both are
     lossless; version 2 is what the CUDA kernel reads fastest, version 1 what the Triton kernels and the CPU
     decoder read (elsewhere version 2 is decoded by the torch reference: correct, slower). `stats()` says which.
     """

