@@ -376,26 +376,31 @@ def test_gaac_is_registered():
     assert AttentionMaskInterface._global_mapping["gaac"] is sdpa_mask
 
 
-def _random_layer(head_dim: int, capacity: int, batch=3, heads=2, tokens=87, seed=0):
-    """A GAACLayer filled with random BF16 KV (and the same KV as plain tensors)."""
+def _random_layer(head_dim: int, capacity: int, batch=3, heads=2, tokens=87, seed=0, format_version=None):
+    """A GAACLayer filled with random BF16 KV (and the same KV as plain tensors); `format_version` 2: slots of
+    format version 2 (a version-2 calibration: even windows)."""
     gen = torch.Generator().manual_seed(seed)
     k = (torch.randn(batch, heads, tokens, head_dim, generator=gen) * 3).bfloat16()
     v = torch.randn(batch, heads, tokens, head_dim, generator=gen).bfloat16()
     kv = torch.stack([k, v]).permute(0, 2, 1, 3, 4).reshape(2, heads, batch * tokens, head_dim)
-    base3, base4 = windows_from_histogram(exponent_histogram(kv.unsqueeze(0)))
+    fv = format_version or 1
+    base3, base4 = windows_from_histogram(exponent_histogram(kv.unsqueeze(0)), fv)
     config = CalibrationConfig(base_model="random", num_hidden_layers=1, layers=[0], num_kv_heads=heads,
-                               head_dim=head_dim, escape_capacity=capacity)
-    layer = GAACLayer(GAACCalibration(config, base3, base4), 0)
+                               head_dim=head_dim, escape_capacity=capacity, format_version=fv)
+    layer = GAACLayer(GAACCalibration(config, base3, base4), 0, format_version=format_version)
     layer.update(k[:, :, :50], v[:, :, :50])
     for t in range(50, tokens):
         layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
     return layer, k, v
 
 
-@pytest.mark.parametrize("head_dim,capacity", [(64, 16), (128, 0), (256, 32), (80, 16), (96, 0)])
-def test_decode_attention_compressed_equals_plain(head_dim, capacity, monkeypatch):
-    layer, k, v = _random_layer(head_dim, capacity)
+@pytest.mark.parametrize("head_dim,capacity,format_version", [(64, 16, None), (128, 0, None), (256, 32, None),
+                                                             (80, 16, None), (96, 0, None), (64, 32, 2),
+                                                             (128, 64, 2), (80, 16, 2)])
+def test_decode_attention_compressed_equals_plain(head_dim, capacity, format_version, monkeypatch):
+    layer, k, v = _random_layer(head_dim, capacity, format_version=format_version)
     stats = layer.stats()
+    assert stats["format_version"] == (format_version or 1)
     assert stats["slots"] + stats["raw_tiles"] == 3 * 5 * 2 * 2 * tile_split(head_dim)[0]
     view = layer.compressed()
     lazy_k, lazy_v = GAACLazyKV(view, 0), GAACLazyKV(view, 1)
@@ -472,8 +477,9 @@ def _assert_layer_equal(gaac: GAACLayer, ref: DynamicLayer):
     assert torch.equal(gaac.values.view(torch.int16), ref.values.view(torch.int16))
 
 
-def test_crop_reorder_select_match_dynamic_layer():
-    layer, k, v = _random_layer(64, 16, batch=2, tokens=40)
+@pytest.mark.parametrize("format_version", [1, 2])
+def test_crop_reorder_select_match_dynamic_layer(format_version):
+    layer, k, v = _random_layer(64, 16 * format_version, batch=2, tokens=40, format_version=format_version)
     ref = DynamicLayer()
     ref.update(k, v)
     gen = torch.Generator().manual_seed(4)
