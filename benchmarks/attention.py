@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gaac_hf.calibrate import choose_escape_capacity, exponent_histogram, windows_from_histogram
 from gaac_hf.codec import encode_tiles, escape_bytes, group_modes, split_fields, split_head
+from gaac_hf import ops
 from gaac_hf.format import TileLayout, tile_split
 import gaac_cuda
 from triton_ops.gaac_attention import fused_compressed_attention, fused_plain_attention, plain_as_raw_tiles
@@ -65,13 +66,14 @@ def lay_out(slots: torch.Tensor, fits: torch.Tensor, tiles: torch.Tensor) -> tup
     return slots[fits].contiguous(), raw_pool, table
 
 
-def compress(k, v, capacity=None):
-    """Calibrate windows and capacity on this KV, encode, and lay out pools + table as GAACCache does."""
+def compress(k, v, capacity=None, format_version=1):
+    """Calibrate windows and capacity on this KV, encode, and lay out pools + table as GAACCache does (format version
+    2: even windows and the caches' own encoder, `gaac_hf.ops.encode`, which writes the fragment order)."""
     b, h, s, d = k.shape
     c = tile_split(d)[1]
     n = s // 16
     hist = exponent_histogram(torch.stack([k, v]).transpose(1, 2).reshape(1, 2, h, b * s, d))  # [1, 2, H, D, 256]
-    base3, base4 = windows_from_histogram(hist[0])  # [2, H, D]
+    base3, base4 = windows_from_histogram(hist[0], format_version)  # [2, H, D]
     shape = (2, h, d // c, c)
     b3, b4 = base3.reshape(shape), base4.reshape(shape)
     kv = torch.stack([k, v], 2)[:, :, :, : n * 16]  # [B, H, 2, n*16, D]
@@ -83,7 +85,16 @@ def compress(k, v, capacity=None):
         capacity = choose_escape_capacity(esc.reshape(-1), c)
     slots, fits, modes = [], [], torch.zeros(3, dtype=torch.int64, device=k.device)
     step = max(1, 16384 // (2 * h * (d // c)))
+    p = 2 * h * (d // c)
     for j in range(0, n, step):
+        if format_version == 2:
+            part = tiles[:, j:j + step]
+            sl, ft, counts = ops.encode(part.reshape(b, part.shape[1], p, 16, c), b3.reshape(p, c), b4.reshape(p, c),
+                                        capacity, 2)
+            slots.append(sl.reshape(*part.shape[:-2], -1))
+            fits.append(ft.reshape(part.shape[:-2]))
+            modes += counts.reshape(-1, 3).sum(0)
+            continue
         enc = encode_tiles(tiles[:, j:j + step], b3, b4, capacity)
         slots.append(enc.slots)
         fits.append(enc.fits)
@@ -236,6 +247,23 @@ def main():
             def run_twin(i, pp=pp, kv_len=kv_len):
                 gaac_cuda.plain_decode_attention(q, bufs[i][1], bufs[i][2], kv_len, None, scale, pp)
             variants.update({"gaac_cuda": (run_cuda, gaac_bytes), "cuda_same_kernel_bf16": (run_twin, bf16_bytes)})
+            # format version 2, what the caches store on Hopper (even windows, the caches' encoder): the kernel's
+            # format 3, bit-identical to the same twin at the same split count
+            packed2, info2 = compress(k, v, format_version=2)
+            layout2 = TileLayout(tile_split(d)[1], info2["escape_capacity"])
+            if d in ops.CUDA_V2_HEAD_DIMS:
+                pc2 = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout2.slot_bytes, format_version=3,
+                                     nsplit=pp.nsplit)
+                got2 = gaac_cuda.decode_attention(q, *packed2[:5], packed2[5], packed2[6], kv_len, None, scale,
+                                                  layout2, pc2)
+                cuda_info.update(v2_bit_identical_to_twin=torch.equal(got2.view(torch.int16), twin.view(torch.int16)),
+                                 v2_registers=pc2.kernels(dev)[0].registers, v2_smem_per_cta=pc2.smem, v2=info2)
+                bufs2 = [packed2] + [tuple(x.clone() for x in packed2) for _ in range(args.buffers - 1)]
+
+                def run_cuda_v2(i, pc2=pc2, layout2=layout2, kv_len=kv_len, bufs2=bufs2):
+                    pk = bufs2[i]
+                    gaac_cuda.decode_attention(q, *pk[:5], pk[5], pk[6], kv_len, None, scale, layout2, pc2)
+                variants["gaac_cuda_v2"] = (run_cuda_v2, info2["bytes"])
             if SHAPES.index((name, hq, hkv, d, b, s)) == args.breakdown_shape:
                 def run_variant(skip, combine):
                     pv = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, skip=skip,
@@ -392,7 +420,8 @@ def main():
                     times[vname + "_graph"] = {"error": f"{type(e).__name__}: {e}"[:200]}
         base = min(t["us"] for kname, t in times.items() if "us" in t and kname in BASELINES)
         best_name = min((kname for kname in BASELINES if "us" in times.get(kname, {})), key=lambda k2: times[k2]["us"])
-        ours = next((k2 for k2 in ("gaac_cuda_graph", "gaac_cuda", "gaac_fused") if "us" in times.get(k2, {})))
+        ours = next((k2 for k2 in ("gaac_cuda_v2_graph", "gaac_cuda_v2", "gaac_cuda_graph", "gaac_cuda", "gaac_fused")
+                     if "us" in times.get(k2, {})))
         row = {"model": name, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "batch": b, "context": s,
                "bit_identical_to_plain": identical, "rel_err_vs_fp32": rel, "bf16_bytes": bf16_bytes,
                "gaac_bytes": gaac_bytes, **info, "cuda": cuda_info, "times": times,
@@ -414,7 +443,7 @@ def main():
               f"speedup={row['speedup_vs_best_baseline']:.3f} ({time.time() - t0:.0f}s)", flush=True)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-        bufs = plains = k = v = packed = None  # free before the next shape
+        bufs = plains = k = v = packed = variants = None  # free before the next shape
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
@@ -423,12 +452,13 @@ def main():
 
 BASELINES = ("cudnn_sdpa", "flash_sdpa", "fa3", "flashinfer", "flex_attention", "cudnn_sdpa_graph",
              "flash_sdpa_graph", "fa3_graph", "flashinfer_graph")
-GRAPH_VARIANTS = ("gaac_cuda", "cuda_same_kernel_bf16", "cudnn_sdpa", "flash_sdpa", "fa3", "flashinfer")
+GRAPH_VARIANTS = ("gaac_cuda", "gaac_cuda_v2", "cuda_same_kernel_bf16", "cudnn_sdpa", "flash_sdpa", "fa3",
+                  "flashinfer")
 
 
 def table(results) -> str:
-    cols = ["gaac_cuda_graph", "cudnn_sdpa_graph", "flash_sdpa_graph", "fa3_graph", "flashinfer_graph",
-            "cuda_same_kernel_bf16_graph", "gaac_cuda", "cudnn_sdpa", "flash_sdpa", "fa3", "flashinfer", "flex_attention",
+    cols = ["gaac_cuda_v2_graph", "gaac_cuda_graph", "cudnn_sdpa_graph", "flash_sdpa_graph", "fa3_graph", "flashinfer_graph",
+            "cuda_same_kernel_bf16_graph", "gaac_cuda_v2", "gaac_cuda", "cudnn_sdpa", "flash_sdpa", "fa3", "flashinfer", "flex_attention",
             "cuda_same_kernel_bf16", "gaac_fused", "triton_same_kernel_bf16", "decompress_then_cudnn"]
     cols = [c for c in cols if any("us" in r["times"].get(c, {}) for r in results["rows"])]
     out = ["| q/kv/dim, batch x context | " + " | ".join(f"{c} µs (GB/s)" for c in cols) + " | GAAC vs best |",
