@@ -6,7 +6,8 @@ calibrated on that data, so the 3-bit / 4-bit / raw mix is the real one. Checks 
 compressed KV bit-identical to the same kernel on plain KV; close to fp64 attention), then times every variant with
 `triton.testing.do_bench` (median) over rotating buffers, and reports achieved GB/s over the bytes each must read.
 
-    python benchmarks/attention.py --real-kv .bench/real_kv.safetensors --out benchmarks/results/attention.json
+    python benchmarks/capture_real_kv.py --out .bench/real_kv_2k.safetensors   # on the CPU, once
+    python benchmarks/attention.py --real-kv .bench/real_kv_2k.safetensors --out benchmarks/results/attention.json
 """
 
 import argparse
@@ -146,7 +147,7 @@ def bench(fn, n_buffers):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--real-kv", default=".bench/real_kv.safetensors")
+    p.add_argument("--real-kv", default=".bench/real_kv_2k.safetensors")
     p.add_argument("--out", default="benchmarks/results/attention.json")
     p.add_argument("--buffers", type=int, default=3)
     p.add_argument("--shapes", default="all")
