@@ -109,6 +109,32 @@ def escape_offsets(mode: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cumsum(weights, -1) - weights, weights
 
 
+ESCAPE_ORDERS = ("groups", "planes")
+
+
+def escape_positions(mode: torch.Tensor, order: str = "groups") -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each group's escaped planes 3..7 lie in the escape area: int32 `[..., G, 5]` (byte index, or -1 where
+    the group has no such byte) and the escape bytes of each tile `[...]`. `order` "groups" (format version 1): each
+    group's bytes together, in group order; "planes" (format version 2): first the plane-3 byte of every wide group
+    (4-bit and raw) in group order, then planes 4..7 of every raw group, 4 bytes each in group order (a reader finds a
+    plane-3 byte by one rank over the wide tags, whatever the raw groups)."""
+    if order not in ESCAPE_ORDERS:
+        raise ValueError(f"escape order is one of {ESCAPE_ORDERS}, not {order!r}")
+    offsets, weights = escape_offsets(mode)
+    k = torch.arange(5, device=mode.device, dtype=torch.int32)
+    if order == "groups":
+        pos = offsets.unsqueeze(-1) + k
+        return torch.where(k < weights.unsqueeze(-1), pos, -1), weights.sum(-1)
+    wide = (mode >= MODE_4BIT).to(torch.int32)
+    raw = (mode == MODE_RAW).to(torch.int32)
+    n_wide = wide.sum(-1, keepdim=True)
+    rank_wide = torch.cumsum(wide, -1) - wide
+    rank_raw = torch.cumsum(raw, -1) - raw
+    pos = torch.where(k == 0, rank_wide.unsqueeze(-1), (n_wide + 4 * rank_raw).unsqueeze(-1) + k - 1)
+    has = torch.where(k == 0, wide.unsqueeze(-1), raw.unsqueeze(-1)) == 1
+    return torch.where(has, pos, -1), weights.sum(-1)
+
+
 @dataclass
 class EncodedTiles:
     """Output of `encode_tiles` for tiles `[..., 16, C]`."""
@@ -119,20 +145,20 @@ class EncodedTiles:
     modes: torch.Tensor  # int32 [..., G]
 
 
-def pack_slots(verbatim: torch.Tensor, planes: torch.Tensor, mode: torch.Tensor, escape_capacity: int):
+def pack_slots(verbatim: torch.Tensor, planes: torch.Tensor, mode: torch.Tensor, escape_capacity: int,
+               escape_order: str = "groups"):
     """The slot container, shared by the format versions: the verbatim byte of every element `[..., 16, C]`, the 8
     bit-planes of every group `[..., 8, G]` (planes 0-2 stored, 3 escaped by wide groups, 3-7 by raw ones) and the
     modes `[..., G]` -> `(slots uint8 [..., slot_bytes], escape bytes int32 [...])`; escapes past the capacity are
-    cut (such a tile does not fit its slot)."""
+    cut (such a tile does not fit its slot). `escape_order`: see `escape_positions`."""
     *lead, _, channels = verbatim.shape
     layout = TileLayout(channels, escape_capacity)
     tags = torch.stack([(mode >= MODE_4BIT), (mode == MODE_RAW)], -2)  # [..., 2, G]
     tags = pack_bits(tags.reshape(*lead, 2, layout.tag_plane_bytes, 8)).reshape(*lead, 2 * layout.tag_plane_bytes)
-    offsets, weights = escape_offsets(mode)
-    k = torch.arange(5, device=mode.device, dtype=torch.int32)
+    positions, total = escape_positions(mode, escape_order)
     values = planes[..., CODE_PLANES_IN_STREAM:, :].transpose(-1, -2)  # [..., G, 5]: planes 3..7 of each group
     dump = max(5 * layout.groups, escape_capacity)  # every escape byte of a tile lies below this index
-    index = torch.where(k < weights.unsqueeze(-1), offsets.unsqueeze(-1) + k, dump)
+    index = torch.where(positions >= 0, positions, dump)
     area = torch.zeros(*lead, dump + 1, dtype=torch.int32, device=mode.device)
     area.scatter_(-1, index.reshape(*lead, 5 * layout.groups).long(), values.reshape(*lead, 5 * layout.groups))
     pad = torch.zeros(*lead, layout.escape_offset - layout.tags_end,
@@ -141,10 +167,10 @@ def pack_slots(verbatim: torch.Tensor, planes: torch.Tensor, mode: torch.Tensor,
         [verbatim.reshape(*lead, layout.elements),
          planes[..., :CODE_PLANES_IN_STREAM, :].reshape(*lead, CODE_PLANES_IN_STREAM * layout.groups), tags, pad,
          area[..., :escape_capacity]], -1).to(torch.uint8)
-    return slots, weights.sum(-1)
+    return slots, total
 
 
-def unpack_slots(slots: torch.Tensor, channels: int):
+def unpack_slots(slots: torch.Tensor, channels: int, escape_order: str = "groups"):
     """The inverse of `pack_slots` for slots that fit: `(verbatim int32 [..., 16, C], planes int32 [..., 8, G, 8]
     (bit i of group g's plane p: element i), modes [..., G])`, escaped planes 0 where a group has none. A corrupt
     slot (a raw tag without its wide tag, more escapes than the slot holds) raises `ValueError`."""
@@ -161,14 +187,13 @@ def unpack_slots(slots: torch.Tensor, channels: int):
     if bool((raw > wide).any()):
         raise ValueError("corrupt GAAC slot: a mode tag has the raw bit without the wide bit")
     mode = wide + raw
-    offsets, weights = escape_offsets(mode)
-    if bool((weights.sum(-1) > layout.escape_capacity).any()):
+    positions, total = escape_positions(mode, escape_order)
+    if bool((total > layout.escape_capacity).any()):
         raise ValueError("corrupt GAAC slot: its mode tags need more escape bytes than the slot holds")
-    area = torch.nn.functional.pad(s[..., layout.escape_offset:], (0, 5))
-    k = torch.arange(5, device=slots.device, dtype=torch.int32)
-    index = (offsets.unsqueeze(-1) + k).clamp(max=layout.escape_capacity + 4).reshape(*lead, 5 * layout.groups)
+    area = torch.nn.functional.pad(s[..., layout.escape_offset:], (0, 1))  # (a capacity of 0 still gathers)
+    index = positions.clamp(min=0).reshape(*lead, 5 * layout.groups)
     values = torch.gather(area, -1, index.long()).reshape(*lead, layout.groups, 5)
-    values = torch.where(k < weights.unsqueeze(-1), values, 0)
+    values = torch.where(positions >= 0, values, 0)
     planes = torch.cat([stored, values.transpose(-1, -2)], -2)  # [..., 8, G]
     return verbatim, unpack_bits(planes), mode
 

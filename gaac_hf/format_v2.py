@@ -30,6 +30,7 @@ from .codec import (
 from .format import BLOCK_TOKENS
 
 FORMAT_VERSION = 2
+ESCAPE_ORDER = "planes"  # plane-3 bytes of the wide groups, then planes 4..7 of the raw ones (`codec.escape_positions`)
 FRAGMENT_CHANNELS = (64, 128)  # tiles stored in fragment order; narrower ones in plane order
 
 
@@ -56,14 +57,14 @@ def encode_tiles(x: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, capa
     half = group_bases(mode, base3, base4, exponent.shape) >> 1
     code = (to_groups(exponent >> 1) - half) & 0x7F  # [..., G, 8]
     planes = torch.stack([pack_bits(to_groups(sign))] + [pack_bits((code >> p) & 1) for p in range(7)], -2)
-    slots, total = pack_slots(low, planes, mode, capacity)
+    slots, total = pack_slots(low, planes, mode, capacity, ESCAPE_ORDER)
     return slots, total <= capacity, mode
 
 
 def decode_tiles(slots: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, channels: int) -> torch.Tensor:
     """Slots `[..., slot_bytes]` (uint8, plane order) -> the BF16 tiles `[..., 16, C]`, bit-exactly."""
     check_even_windows(base3, base4)
-    low, planes, mode = unpack_slots(slots, channels)  # plane 0: signs, plane 1 + p: code bit p
+    low, planes, mode = unpack_slots(slots, channels, ESCAPE_ORDER)  # plane 0: signs, 1 + p: code bit p
     lead = slots.shape[:-1]
     code = sum(planes[..., 1 + p, :, :] << p for p in range(7))  # [..., G, 8]
     shape = (*lead, BLOCK_TOKENS, channels)

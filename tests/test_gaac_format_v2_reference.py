@@ -82,3 +82,34 @@ def test_corrupt_slots_are_rejected():
         decode_tiles(bad, b3, b4, 32)
     with pytest.raises(TypeError, match="uint8"):
         decode_tiles(slots.to(torch.int16), b3, b4, 32)
+
+
+def test_escapes_are_ordered_by_plane():
+    """Version 2's escape area: the plane-3 byte of every wide group (4-bit and raw) in group order, then planes
+    4..7 of the raw groups, 4 bytes each (version 1: each group's bytes together)."""
+    from gaac_hf.codec import escape_positions
+
+    mode = torch.tensor([[0, 1, 2, 0, 1, 2, 1, 0]])
+    pos, total = escape_positions(mode, "planes")
+    assert total.tolist() == [5 + 4 * 2]
+    assert pos[0, :, 0].tolist() == [-1, 0, 1, -1, 2, 3, 4, -1]  # plane 3: rank among the 5 wide groups
+    assert pos[0, 2].tolist() == [1, 5, 6, 7, 8] and pos[0, 5].tolist() == [3, 9, 10, 11, 12]
+    assert (pos[0, [0, 1, 3, 4, 6, 7], 1:] == -1).all()
+    v1, total1 = escape_positions(mode, "groups")
+    assert total1.tolist() == total.tolist() and v1[0, 2].tolist() == [1, 2, 3, 4, 5]
+    # the slot bytes follow it: a raw group's code bits 2..6 sit at those places
+    x, b3, b4 = tiles(64, 3)
+    slots, fits, modes = encode_tiles(x, b3, b4, 1280)
+    from gaac_hf.codec import unpack_bits
+
+    layout = TileLayout(64, 1280)
+    code = ((x.view(torch.int16).to(torch.int32) >> 8) & 0x7F)  # e >> 1, the raw groups' code (base 0)
+    for t in range(3):  # each of these tiles has a raw group (a zero, a tiny and a huge value)
+        p, _ = escape_positions(modes[t], "planes")
+        raw = (modes[t] == 2).nonzero().reshape(-1)
+        assert raw.numel()
+        g = int(raw[0])
+        area = slots[t, layout.escape_offset:]
+        want = code[t].reshape(2, 8, 64).transpose(1, 2).reshape(128, 8)[g]  # group g's 8 codes
+        for k in range(5):
+            assert unpack_bits(area[p[g, k]]).tolist() == ((want >> (2 + k)) & 1).tolist()

@@ -7,6 +7,7 @@ import triton.language as tl
 
 from .device import interpreted, on_device_of
 from .layout import slot_constants
+from .gaac_encode import exclusive_rank
 from .tile import chunk_words, token_rows
 
 
@@ -95,14 +96,13 @@ def _expand_v2_kernel(entry_ptr, slot_ptr, raw_ptr, b3_ptr, b4_ptr, frag_ptr, ou
         g2 = tl.arange(0, 2)[:, None] * C + tl.arange(0, C)[None, :]  # [2, C]
         wide = (tl.load(slot + TAGS + g2 // 8).to(tl.int32) >> (g2 % 8)) & 1
         raw = (tl.load(slot + TAGS + G // 8 + g2 // 8).to(tl.int32) >> (g2 % 8)) & 1
-        w = wide + 4 * raw  # escape bytes per group
-        first = tl.sum(tl.sum(tl.where(g2 < C, w, 0), axis=1), axis=0)  # escape bytes of the first half's groups
-        off = tl.cumsum(w, axis=1) - w + tl.where(g2 >= C, first, 0)  # exclusive prefix sum in group order
-        esc = slot + ESC + off  # [2, C]
-        p3 = tl.load(esc, mask=wide == 1, other=0).to(tl.int32)
+        hh = tl.arange(0, 2)[:, None]
+        at3 = exclusive_rank(wide, hh)  # plane-3 bytes of the wide groups, then planes 4..7 of the raw ones
+        at_hi = tl.sum(tl.sum(wide, axis=1), axis=0) + 4 * exclusive_rank(raw, hh) - 1
+        p3 = tl.load(slot + ESC + at3, mask=wide == 1, other=0).to(tl.int32)
         high_bits = (p3[:, None, :] >> i) & 1  # code bit 2
         for k in tl.static_range(1, 5):
-            pk = tl.load(esc + k, mask=raw == 1, other=0).to(tl.int32)
+            pk = tl.load(slot + ESC + at_hi + k, mask=raw == 1, other=0).to(tl.int32)
             high_bits |= ((pk[:, None, :] >> i) & 1) << k
         code = code | (high_bits << 2)
         kind = pid % PERIOD

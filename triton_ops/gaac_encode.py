@@ -43,8 +43,16 @@ def tile_modes(bits, b3, b4, C: tl.constexpr, VERSION: tl.constexpr = 1):
 
 
 @triton.jit
+def exclusive_rank(x, h):
+    """Exclusive prefix sum over the groups in group order (half h, then channel) of `x` `[2, C]`."""
+    first_half = tl.sum(tl.sum(tl.where(h == 0, x, 0), axis=1), axis=0)
+    return tl.cumsum(x, axis=1) - x + tl.where(h == 1, first_half, 0)
+
+
+@triton.jit
 def store_slot(out, sm, code, mode, CAPACITY, C: tl.constexpr, E_PAD: tl.constexpr, PLANES: tl.constexpr,
-               TAGS: tl.constexpr, ESC: tl.constexpr, frag=None, FRAGMENT: tl.constexpr = False):
+               TAGS: tl.constexpr, ESC: tl.constexpr, frag=None, FRAGMENT: tl.constexpr = False,
+               VERSION: tl.constexpr = 1):
     """Write one tile's slot at `out` (uint8 pointer) from `tile_modes`' output; escapes past CAPACITY are cut.
     PLANES, TAGS, ESC: the slot layout's section offsets (from the caller: `triton_ops.layout`). FRAGMENT (format
     version 2): the low bytes and planes 0..2 go where `frag` (int32 `[3, 16 C]`, per element its low byte's offset,
@@ -86,18 +94,21 @@ def store_slot(out, sm, code, mode, CAPACITY, C: tl.constexpr, E_PAD: tl.constex
         z16 = tl.arange(0, 16)
         tl.store(out + TAGS + 2 * TAG_PLANE + z16, tl.zeros([16], tl.uint8), mask=z16 < PAD)
 
-    w = wide + 4 * raw  # escape bytes per group
-    first_half = tl.sum(tl.sum(tl.where(h == 0, w, 0), axis=1), axis=0)
-    off = tl.cumsum(w, axis=1) - w + tl.where(h == 1, first_half, 0)
+    if VERSION == 2:  # plane-3 bytes of the wide groups, then planes 4..7 of the raw groups (codec.escape_positions)
+        at3 = exclusive_rank(wide, h)
+        n_wide = tl.sum(tl.sum(wide, axis=1), axis=0)
+        at_hi = n_wide + 4 * exclusive_rank(raw, h) - 1  # + k: plane 3 + k
+    else:  # each group's bytes together, in group order
+        at3 = exclusive_rank(wide + 4 * raw, h)
+        at_hi = at3
     ez = tl.arange(0, E_PAD)
     tl.store(out + ESC + ez, tl.zeros([E_PAD], tl.uint8), mask=ez < CAPACITY)
     tl.debug_barrier()  # the zero fill lands before the escape bytes
-    esc = out + ESC + off
     plane3 = tl.sum(((code >> 3) & 1) << i, axis=1)
-    tl.store(esc, plane3.to(tl.uint8), mask=(wide == 1) & (off < CAPACITY))
+    tl.store(out + ESC + at3, plane3.to(tl.uint8), mask=(wide == 1) & (at3 < CAPACITY))
     for k in tl.static_range(1, 5):
         plane = tl.sum(((code >> (3 + k)) & 1) << i, axis=1)
-        tl.store(esc + k, plane.to(tl.uint8), mask=(raw == 1) & (off + k < CAPACITY))
+        tl.store(out + ESC + at_hi + k, plane.to(tl.uint8), mask=(raw == 1) & (at_hi + k < CAPACITY))
 
 
 @triton.jit
@@ -121,7 +132,7 @@ def _encode_kernel(x_ptr, b3_ptr, b4_ptr, slot_ptr, esc_out, modes_out, frag_ptr
     b3 = tl.load(b3_ptr + kind * C + c).to(tl.int32)
     b4 = tl.load(b4_ptr + kind * C + c).to(tl.int32)
     sm, code, mode, total = tile_modes(bits, b3, b4, C, VERSION)
-    store_slot(out, sm, code, mode, CAPACITY, C, E_PAD, PLANES, TAGS, ESC, frag, FRAGMENT)
+    store_slot(out, sm, code, mode, CAPACITY, C, E_PAD, PLANES, TAGS, ESC, frag, FRAGMENT, VERSION)
     tl.store(esc_out + pid, total)
     m = tl.arange(0, 4)
     tl.store(modes_out + pid * 3 + m, mode_counts(mode), mask=m < 3)
