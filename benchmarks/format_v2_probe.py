@@ -11,10 +11,11 @@ pair is one byte permute. `benchmarks/tied_windows.py` measured what even window
 resident saving on held-out SmolLM2 KV, against 1.409x / 27.9%).
 
 "Format 3" is format 2's slots permuted into the order the kernel's mma fragments consume them
-(`to_fragment_order`; the kernel's `k_tile_f3` / `v_tile_f3`).
+(`to_fragment_order`; the kernel's `k_tile_f3` / `v_tile_f3`): format version 2 of docs/format.md as the caches store
+it on Hopper since session 14 (the plane-order format 2 kernel was removed then).
 
-This script encodes the same real-statistics KV in formats 1, 2 and 3 (the prototype encoders live here: they are not
-formats the caches write), checks each kernel variant (`VARIANTS`) bit for bit against the plain-BF16 twin at the
+This script encodes the same real-statistics KV in formats 1 and 3 (with the torch reference encoders), checks each
+kernel variant (`VARIANTS`) bit for bit against the plain-BF16 twin at the
 same split count (a warp-specialized variant with fewer than 12 consumer warps per SM takes proportionally fewer
 splits, so it runs in one wave), and times them and cuDNN, graph-replayed:
 
@@ -103,10 +104,9 @@ def compress_v2(k: torch.Tensor, v: torch.Tensor, fragment: bool = False, capaci
 
 
 VARIANTS = (  # label, format, ws consumers (0: the one-warp kernel), stages and CTAs per SM (0: the defaults),
-    # raw_patch (format 3), more compile-time defines
-    ("format_1", 1, 0, 0, 0, 3, ()), ("format_3", 3, 0, 0, 0, 3, ()),
-    ("format_3_rawbf", 3, 0, 0, 0, 2, ()), ("format_3_ws6", 3, 6, 12, 2, 3, ()))
-# Also measured, none the fastest: format 2, format 1/2/3 at ws 6, format 3 at ws 3 x 4 CTAs and with raw groups
+    # more compile-time defines
+    ("format_1", 1, 0, 0, 0, ()), ("format_3", 3, 0, 0, 0, ()), ("format_3_ws6", 3, 6, 12, 2, ()))
+# Also measured, none the fastest (the kernel's format 2 and raw patches 1 / 2 removed in session 14): format 2, format 1/2/3 at ws 6, format 3 at ws 3 x 4 CTAs and with raw groups
 # patched per word (raw_patch 1) in session 12 (format_v3_probe_s12_rawbf.json); format 3 with the branch-free patch
 # (raw_patch 2) and with the overlay at ws 3 x 3,
 # 5 x 2, 6 x 2 and 11 x 1 in session 13 (format_v3_probe_s13_overlay_first.json), and with each chunk pair fused
@@ -149,18 +149,16 @@ def main():
         l1 = TileLayout(tile_split(d)[1], info1["escape_capacity"])
         p3, l3, info3 = compress_v2(k, v, fragment=True)
         encoded = {1: (p1, l1, info1), 3: (p3, l3, info3)}
-        if any(var[1] == 2 for var in VARIANTS):
-            encoded[2] = compress_v2(k, v)
         pp = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, ws=0)
         twin = gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, pp)
         row = {"shape": f"{hq}/{hkv}/{d} {b}x{s}", "bf16_bytes": 4 * k.numel(), "nsplit": pp.nsplit}
-        for label, fmt, ws, stages, ctas, raw_patch, defines in VARIANTS:
+        for label, fmt, ws, stages, ctas, defines in VARIANTS:
             packed, layout, info = encoded[fmt]
             if label.endswith("_hm"):
                 packed = head_major(packed)
             kw = dict(ws=ws) if not stages else dict(ws=ws, stages=stages, min_ctas=ctas)
             warps_per_sm = ws * ctas if ws else 4 * ctas if stages else 12
-            kw.update(raw_patch=raw_patch, defines=defines)
+            kw.update(defines=defines)
             # one wave: the twin's splits fill 12 warps per SM; a variant with fewer (consumer) warps per SM takes
             # proportionally fewer (whole CTAs) and is checked against the twin at that count
             per_cta = ws or 4

@@ -121,15 +121,18 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
          plain: bool = False, nsplit: int | None = None, warps: int = 4, stages: int | None = None,
          min_ctas: int | None = None, skip: int = 0, trace: bool = False, format_version: int = 1,
          swizzle: bool = SWIZZLE, v_words: int | None = None, dense_slots: bool | None = None,
-         ws: int | None = None, raw_patch: int = 3, defines: tuple[str, ...] = (),
+         ws: int | None = None, defines: tuple[str, ...] = (),
          buf_bytes: int | None = None) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
     `trace` (benchmarks): the kernels write globaltimer stamps into a `trace` tensor (see `trace_size`).
-    `format_version` 2: slots of format version 2 (docs/format.md) in plane order, a prototype no cache writes
-    (`benchmarks/format_v2_probe.py`); 3: format version 2 as stored, in fragment order (what `GAACCache` writes on
-    Hopper; head_dim 64/128, slots staged as stored). Both take the even windows as given (the kernel halves them). `swizzle` (plain KV): stage BF16 rows with an XOR swizzle of their 16-byte chunks, so the
+    `format_version` 1: slots of format version 1 (docs/format.md); 3: format version 2 as stored, in fragment order
+    (what `GAACCache` writes on Hopper; head_dim 64/128, slots staged as stored; the even windows as given: the
+    kernel halves them; raw groups' code bits 3..6 from an overlay the prepass scatters in fragment order, added with
+    the bases). The plane-order prototype of version 2 (the kernel's format 2) and the other raw-group patches were
+    removed in session 14 (slower: benchmarks/results/attention_cuda.md sessions 12-13). `swizzle` (plain KV): stage
+    BF16 rows with an XOR swizzle of their 16-byte chunks, so the
     fragment loads are free of shared-memory bank conflicts (the bits do not change). The one-warp kernel over plain
     KV completes K and V of a ring stage on their own barriers and re-issues each with the unit `stages` ahead as soon
     as its tile is read, so K copies are in flight while V is consumed (same bits; measured faster for the twin only:
@@ -137,14 +140,12 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     `v_words` (compressed KV): V words rebuilt per vector load in the output tile, head_dim / 32 (default) or 2
     (fewer registers). `dense_slots` (compressed KV): stage each slot as stored, by one bulk copy, instead of its
     sign+mantissa rows padded against bank conflicts by 16-byte copies per lane (fewer copy instructions, 2-way
-    conflicts; same bits; prepared in session 8, not yet timed). `ws` (head_dim 64/128; not with `trace`, format 2,
+    conflicts; same bits; prepared in session 8, not yet timed). `ws` (head_dim 64/128; not with `trace`,
     `swizzle` or `warps`, the one-warp kernel's options): the warp-specialized kernel, CTAs of `ws` consumer warps,
     each holding one of the one-warp kernel's splits (the same bits at the same split count), and one producer warp
     that streams the CTA's units through a ring of `stages` stages (a multiple of ws; default 2 ws) shared by the
     CTA. Default: WS_TWIN for plain KV at head_dim 64/128 without one-warp options, else 0 (the one-warp kernel).
-    `raw_patch` (format 3): raw groups patched per word by a call (1), branch-free over a tile that has any (2), or
-    from an overlay of code bits 3..6 that the prepass scatters in fragment order and the tile adds with the bases
-    (3, the default: measured fastest, benchmarks/results/attention_cuda.md session 13). `defines` (benchmarks):
+    `defines` (benchmarks):
     more `NAME=VALUE` compile-time options of the kernel source, e.g. ("GAAC_F3DUP=0",); they key the kernel cache
     like every option.
     `buf_bytes` (benchmarks, one-warp kernel, slots staged as stored): a ring stage's tile buffer, at least the slot;
@@ -159,25 +160,21 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     elif ws and one_warp:
         raise ValueError("ws (the warp-specialized kernel) takes head_dim 64/128 and none of the one-warp kernel's "
                          "options (trace, swizzle, warps)")
-    if format_version not in (1, 2, 3):
-        raise ValueError(f"slot format {format_version}: the kernel reads format 1 (and the version-2 prototypes 2, 3)")
+    if format_version not in (1, 3):
+        raise ValueError(f"slot format {format_version}: the kernel reads format 1 (version 1) and 3 (version 2 in "
+                         "fragment order)")
     if format_version == 3:
         if plain or head_dim not in (64, 128):
             raise ValueError("format 3 (the fragment-order prototype) is compressed KV at head_dim 64 or 128")
         dense_slots = True
-    if raw_patch not in (1, 2, 3):
-        raise ValueError(f"raw_patch is 1 (per word), 2 (branch-free) or 3 (overlay), not {raw_patch}")
-    if format_version != 3:
-        raw_patch = 3  # (only format 3 reads it)
-    extra = ((f"-DGAAC_F3RAW={raw_patch}",) if format_version == 3 and raw_patch != 3 else ()) + tuple(
-        f"-D{d}" for d in defines)
+    extra = tuple(f"-D{d}" for d in defines)
     if ws and buf_bytes is not None:
         raise ValueError("buf_bytes is a one-warp kernel option (ws=0)")
     if ws:
         return _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, slot_bytes=slot_bytes, plain=plain,
                         nsplit=nsplit, ws=ws, stages=2 * ws if stages is None else stages, min_ctas=min_ctas,
                         skip=skip, dense_slots=WS_DENSE_SLOTS if dense_slots is None else dense_slots,
-                        format_version=format_version, extra=extra, raw_patch=raw_patch)
+                        format_version=format_version, extra=extra)
     if stages is None:
         stages = 2
     if dense_slots is None:
@@ -193,7 +190,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
             raise ValueError(f"buf_bytes {buf_bytes}: compressed KV staged as stored, a multiple of 16 bytes that "
                              f"holds a {slot_bytes}-byte slot")
         buf = buf_bytes
-    scratch = 0 if plain else _scratch(channels, format_version, raw_patch)
+    scratch = 0 if plain else _scratch(channels, format_version)
     header = 128 if plain else 64  # stage barriers (K and V apart for plain KV) and slot bits: the kernel's HDR
     warp_bytes = -(-(header + stages * 2 * tiles * buf + scratch) // 128) * 128
     if v_words is None:
@@ -229,12 +226,11 @@ def _default_nsplit(batch, kv_heads, max_tokens, device, tiles=1) -> int:
     return max(1, min(want, math.ceil(units / MIN_UNITS_PER_SPLIT)))
 
 
-def _scratch(channels: int, format_version: int, raw_patch: int = 3) -> int:
-    """Per-consumer scratch for one slot: per group its base, planes 3..7 and raw mask (7 bytes); format 3 adds the
-    V tiles' split plane-3 bytes (2 more; their doubled bases overlay base and plane 3), and with raw_patch 3 holds
-    code bits 3..6 as a 4-bit-per-element overlay in place of planes 4..7 and the raw masks (8 in all): the kernel's
-    SCRATCH_GROUPS."""
-    per_group = 7 if format_version != 3 else 8 if raw_patch == 3 else 9
+def _scratch(channels: int, format_version: int) -> int:
+    """Per-consumer scratch for one slot: per group its base, planes 3..7 and raw mask (7 bytes); format 3 holds the
+    base, plane 3, code bits 3..6 as a 4-bit-per-element overlay and the V tiles' split plane-3 bytes (8 in all;
+    their doubled bases overlay base and plane 3): the kernel's SCRATCH_GROUPS."""
+    per_group = 7 if format_version != 3 else 8
     return per_group * 2 * channels
 
 
@@ -246,7 +242,7 @@ def _stage_buffer(channels: int, slot_bytes: int, plain: bool, dense_slots: bool
 
 
 def _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, *, slot_bytes, plain, nsplit, ws, stages, min_ctas,
-             skip, dense_slots, format_version=1, extra=(), raw_patch=3) -> DecodePlan:
+             skip, dense_slots, format_version=1, extra=()) -> DecodePlan:
     if head_dim not in (64, 128):
         raise ValueError(f"the warp-specialized kernel supports head_dim 64 and 128, not {head_dim}")
     if not 1 <= ws <= 15 or stages < ws or stages % ws:
@@ -256,7 +252,7 @@ def _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, *, slot_bytes, 
     channels = head_dim
     dense_slots = bool(dense_slots and not plain)
     buf = _stage_buffer(channels, slot_bytes, plain, dense_slots)
-    scratch = 0 if plain else _scratch(channels, format_version, raw_patch)
+    scratch = 0 if plain else _scratch(channels, format_version)
     header = -(-20 * stages // 128) * 128
     cta_bytes = -(-(header + stages * 2 * buf + ws * scratch) // 128) * 128
     ctas = 1 if min_ctas is None else min_ctas

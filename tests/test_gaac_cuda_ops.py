@@ -62,16 +62,14 @@ def test_plan_rejects_shapes_the_kernel_does_not_cover():
     f3 = plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, format_version=3, slot_bytes=2928, ws=3)
     assert "-DGAAC_FORMAT=3" in f3.options and "-DGAAC_DENSE_SLOT=1" in f3.options  # staged as stored
     assert f3.smem == -(-(128 + 6 * 2 * 4096 + 3 * 8 * 256) // 128) * 128  # 8 scratch bytes per group (overlay)
-    bf = plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, format_version=3, slot_bytes=2928, ws=3, raw_patch=2)
-    assert "-DGAAC_F3RAW=2" in bf.options and bf.smem == -(-(128 + 6 * 2 * 4096 + 3 * 9 * 256) // 128) * 128
-    with pytest.raises(ValueError, match="raw_patch"):
-        plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, format_version=3, slot_bytes=2928, ws=3, raw_patch=4)
+    with pytest.raises(ValueError, match="slot format 2"):  # the plane-order prototype was removed
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, format_version=2, slot_bytes=2928, ws=3)
     p = plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, slot_bytes=2928, ws=0)
     assert (p.items, p.grid, p.buf_bytes) == (2 * 8 * 33, -(-2 * 8 * 33 // p.warps), 4096)
     assert p.smem <= 227 * 1024
     # the slot format is a compile-time option: it keys the kernel cache
-    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, format_version=2, ws=0).options != plan(
-        1, 8, 4, 128, 1024, "cpu", nsplit=4, ws=0).options
+    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, format_version=3, ws=0, slot_bytes=2928).options != plan(
+        1, 8, 4, 128, 1024, "cpu", nsplit=4, ws=0, slot_bytes=2928, dense_slots=True).options
     # the swizzled staging is a plain-KV option: it keys the twin's kernel, not the compressed one
     assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, swizzle=True, ws=0).options != \
         plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, ws=0).options
@@ -132,16 +130,15 @@ def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     SM), keeps its state in registers: no stack, no local memory."""
     # kind 0 compressed, 1 plain (K and V of a stage on their own barriers), 2 plain with swizzled rows, 3 compressed
     # with slots staged as stored, 4/5 the warp-specialized kernel (8 consumer warps + 1 producer per CTA, one CTA per
-    # SM; slots staged as stored), compressed/plain, 6 the format-3 prototype (fragment order, staged as stored; raw
-    # groups from the scratch overlay), 7 the same with the branch-free raw patch (GAAC_F3RAW=2)
+    # SM; slots staged as stored), compressed/plain, 6 format 3 (version 2 in fragment order, staged as stored; raw
+    # groups from the scratch overlay), 7 the same in the warp-specialized kernel
     c, tiles, kind = config
-    ws = kind in (4, 5)
+    ws = kind in (4, 5, 7)
     out = tmp_path / "k.cubin"
     defs = [f"-DGAAC_C={c}", f"-DGAAC_TILES={tiles}", f"-DGAAC_PLAIN={int(kind in (1, 2, 5))}",
             f"-DGAAC_SWIZZLE={int(kind == 2)}", f"-DVT_WORDS={c // 32}", f"-DGAAC_DENSE_SLOT={int(kind in (3, 4, 6, 7))}",
             f"-DGAAC_STAGES={16 if ws else 2}", "-DGAAC_WARPS=4", f"-DGAAC_MIN_CTAS={1 if ws else 3}",
-            f"-DGAAC_WS={8 if ws else 0}"] + (["-DGAAC_FORMAT=3"] if kind in (6, 7) else []) + (
-                ["-DGAAC_F3RAW=2"] if kind == 7 else [])
+            f"-DGAAC_WS={8 if ws else 0}"] + (["-DGAAC_FORMAT=3"] if kind in (6, 7) else [])
     subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", *defs, "-x", "cu",
                     _SOURCE_FILE, "-o", str(out)], check=True, capture_output=True)
     usage = subprocess.run([CUOBJDUMP, "-res-usage", str(out)], check=True, capture_output=True, text=True).stdout
@@ -294,17 +291,15 @@ def test_fragment_order_prototype_equals_plain_twin(d):
     kv_len = torch.full((b,), s, dtype=torch.int32, device="cuda")
     packed, layout, info = compress_v2(k, v, fragment=True)
     assert info["raw_tiles"] > 0 and min(info["mode_shares"]) > 0, info
-    cases = [(n, w, r, ()) for n, w, r in ((1, 0, 1), (7, 0, 1), (12, 3, 1), (12, 6, 1), (8, 4, 1), (7, 0, 2),
-                                          (12, 6, 2), (1, 0, 3), (7, 0, 3), (12, 6, 3), (10, 5, 3), (11, 11, 3),
-                                          (12, 3, 3))]
-    cases += [(7, 0, 3, ("GAAC_F3DUP=0",)), (12, 6, 3, ("GAAC_F3DUP=0",))]
-    for nsplit, ws, raw_patch, defines in cases:  # defines: the overlay's tile-code variants
+    cases = [(n, w, ()) for n, w in ((1, 0), (7, 0), (12, 6), (10, 5), (11, 11), (12, 3), (8, 4))]
+    cases += [(7, 0, ("GAAC_F3DUP=0",)), (12, 6, ("GAAC_F3DUP=0",))]
+    for nsplit, ws, defines in cases:  # defines: the overlay's tile-code variants
         pc = plan(b, h, nrep, d, s, "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, ws=ws, format_version=3,
-                  raw_patch=raw_patch, defines=defines)
+                  defines=defines)
         pp = plan(b, h, nrep, d, s, "cuda", plain=True, nsplit=nsplit, ws=0)
         got = decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, d ** -0.5, layout, pc)
         twin = plain_decode_attention(q, k, v, kv_len, None, d ** -0.5, pp)
-        assert torch.equal(bits(got), bits(twin)), (nsplit, ws, raw_patch, defines)
+        assert torch.equal(bits(got), bits(twin)), (nsplit, ws, defines)
 
 
 @gpu

@@ -1,7 +1,7 @@
-"""The fragment-order slot prototype (format 3 of `benchmarks/format_v2_probe.py`, read by the CUDA kernel's
-`k_tile_f3` / `v_tile_f3`): on the CPU, every element of a tile rebuilt by the kernel's bit operations (emulated here
-word by word, prepass outputs included, each of the three raw-group patches) equals the BF16 it encodes, bit for
-bit."""
+"""Format version 2 in fragment order (the CUDA kernel's format 3, read by `k_tile_f3` / `v_tile_f3`): on the CPU,
+every element of a tile rebuilt by the kernel's bit operations (emulated here word by word: the prepass reading the
+tags and the plane-ordered escape area, the raw groups' overlay, the tile's words) equals the BF16 it encodes, bit
+for bit."""
 
 import pytest
 import torch
@@ -49,6 +49,37 @@ def tile_groups(x, mode, base3, base4):
     return base.tolist(), [pl.tolist() for pl in planes], (mode == MODE_RAW).tolist()
 
 
+def prepass_from_slot(slot, c, layout, base3, base4):
+    """What the kernel's prepass reads out of a slot (its tags and escape area), lane by lane as it does: lane L owns
+    groups L*GPL .. L*GPL + GPL - 1; its plane-3 bytes are consecutive from the exclusive prefix of the wide-tag
+    counts (one scan; `plane3_window` takes them by rank); the raw groups' planes 4..7 are 4 bytes each after all
+    plane-3 bytes, in the order the overlay's warp loop takes them (lane, then group). Same shape as `tile_groups`."""
+    g_all = 2 * c
+    gpl = g_all // 32
+    tags = slot[layout.tags_offset:layout.tags_offset + 2 * (g_all // 8)]
+    wide = [(tags[g // 8] >> (g % 8)) & 1 for g in range(g_all)]
+    raw = [(tags[g_all // 8 + g // 8] >> (g % 8)) & 1 for g in range(g_all)]
+    esc = slot[layout.escape_offset:]
+    n_wide = sum(wide)
+    p3, base, hi = [0] * g_all, [0] * g_all, [[0] * g_all for _ in range(4)]
+    off, rank_raw = 0, 0
+    for lane in range(32):
+        groups = range(lane * gpl, (lane + 1) * gpl)
+        rank = 0
+        for g in groups:
+            ch = g % c
+            base[g] = 0 if raw[g] else (int(base4[ch]) >> 1 if wide[g] else int(base3[ch]) >> 1)
+            if wide[g]:
+                p3[g] = esc[off + rank]
+                rank += 1
+            if raw[g]:
+                for j in range(4):
+                    hi[j][g] = esc[n_wide + 4 * rank_raw + j]
+                rank_raw += 1
+        off += rank
+    return base, [p3] + hi, [bool(r) for r in raw]
+
+
 def overlay(c, is_v, planes, raw):
     """GAAC_F3RAW=3: the scratch overlay `f3_overlay` scatters (its byte addresses and rotations), as words."""
     nks, nvw = c // 16, c // 32
@@ -70,12 +101,12 @@ def overlay(c, is_v, planes, raw):
     return ov
 
 
-def emulate(slot, c, is_v, layout, base, planes, raw, patch="call"):
-    """Elements rebuilt by the kernel's format-3 path -> {(token, channel): bf16 bits}. `patch`: how raw groups get
-    code bits 3..6: "call" (GAAC_F3RAW=1), "branch_free" (2) or "overlay" (3)."""
+def emulate(slot, c, is_v, layout, base, planes, raw):
+    """Elements rebuilt by the kernel's format-3 path -> {(token, channel): bf16 bits}; raw groups get code bits
+    3..6 from the overlay, in the same add as the bases."""
     out = {}
     n, nks, nvw = c // 8, c // 16, c // 32
-    ov = overlay(c, is_v, planes, raw) if patch == "overlay" else None
+    ov = overlay(c, is_v, planes, raw)
     for lane in range(32):
         g, t = lane // 4, lane % 4
         mw = [word(slot, layout.planes_offset + (x * 32 + lane) * 4) for x in range(n // 4)]
@@ -100,24 +131,11 @@ def emulate(slot, c, is_v, layout, base, planes, raw, patch="call"):
                 p3 = sum(planes[0][gi[e]] << (8 * e) for e in range(4))
                 b2 = rotr(p3, (g - 2) % 32) & 0x04040404
                 r = 2 * h + i - 2
-            if ov is not None:  # A words (h = 0) as stored, B words rotated right by 4
-                x = ov[(((j // 2) * 32 + lane) * 16 + 4 * (2 * (j % 2) + k)) // 4] if is_v else \
-                    ov[((s4 * 32 + lane) * 16 + 4 * i) // 4]
-                o += rotr(x, 4 * h) & 0x78787878
+            # the overlay: A words (h = 0) as stored, B words rotated right by 4
+            x = ov[(((j // 2) * 32 + lane) * 16 + 4 * (2 * (j % 2) + k)) // 4] if is_v else \
+                ov[((s4 * 32 + lane) * 16 + 4 * i) // 4]
+            o += rotr(x, 4 * h) & 0x78787878
             hw = (high(y, r, mw[mk], pw[q // 8], b2) + o) & M32
-            if patch == "branch_free":  # GAAC_F3RAW=2: planes 4..7 (0 outside raw groups) rotated into bits 3..6
-                for pl in range(4):
-                    if is_v:
-                        g4 = h * c + 4 * (g * nvw + j)
-                        x = sum(planes[1 + pl][g4 + i] << (8 * i) for i in range(4))
-                        d = prmt(x, x >> 1, 0x7362 if k else 0x5140)
-                        hw |= rotr(d, (2 * t - 3 - pl) % 32) & (0x08080808 << pl)
-                    else:
-                        x = sum(planes[1 + pl][gi[e]] << (8 * e) for e in range(4))
-                        hw |= rotr(x, (g - 3 - pl) % 32) & (0x08080808 << pl)
-            for e in range(4):  # the raw patch
-                if raw[gi[e]] and patch == "call":
-                    hw |= sum(((planes[1 + jj][gi[e]] >> tb[e]) & 1) << (3 + jj) for jj in range(4)) << (8 * e)
             if is_v:
                 regs = [prmt(low, hw, 0x5140), prmt(low, hw, 0x7362)]
                 for e in range(4):
@@ -159,13 +177,14 @@ def test_emulated_kernel_decode_of_format_3_is_lossless(c, is_v):
     f3 = to_fragment_order(slots, c, is_v)
     assert f3.shape == slots.shape
     for n in range(x.shape[0]):
-        base, planes, raw = tile_groups(x[n], mode[n], base3, base4)
+        base, planes, raw = prepass_from_slot(f3[n].tolist(), c, layout, base3, base4)
+        # what the prepass reads from the tags and the escape area is each group's base and escaped code bits
+        assert (base, planes, raw) == tile_groups(x[n], mode[n], base3, base4)
         want = x[n].view(torch.int16).to(torch.int32) & 0xFFFF
-        for patch in ("call", "branch_free", "overlay"):
-            got = emulate(f3[n].tolist(), c, is_v, layout, base, planes, raw, patch)
-            assert len(got) == 16 * c
-            bad = [(k, v, int(want[k])) for k, v in got.items() if v != int(want[k])]
-            assert not bad, (patch, bad[:5])
+        got = emulate(f3[n].tolist(), c, is_v, layout, base, planes, raw)
+        assert len(got) == 16 * c
+        bad = [(k, v, int(want[k])) for k, v in got.items() if v != int(want[k])]
+        assert not bad, bad[:5]
 
 
 @pytest.mark.parametrize("c", [64, 128])

@@ -1,4 +1,4 @@
-// Fused split-K decode attention over GAAC-compressed KV (format version 1), for Hopper (sm_90a).
+// Fused split-K decode attention over GAAC-compressed KV (format versions 1 and 2), for Hopper (sm_90a).
 //
 // One warp is one split: a contiguous range of "units" (finalized 16-token blocks, then the BF16 tail) of one
 // (batch row, kv-head). Each warp streams its units through its own shared-memory ring: a slot is one
@@ -33,24 +33,24 @@
 // GAAC_WS (the warp-specialized kernel's consumer warps), and for the benchmarks GAAC_SKIP (leave-one-stage-out
 // breakdown; bit 0: no tensor-core math, bit 1: no reconstruction; format 3 only: bit 2 no code bit 2 of 4-bit
 // groups, bit 3 no raw-group patch), GAAC_TRACE (globaltimer stamps,
-// benchmarks/cuda_stream_probe.py) and GAAC_FORMAT (2: the byte-split slot prototype of benchmarks/format_v2_probe.py;
-// 3: the same information in fragment order, see k_tile_f3).
-// The options are measured alternatives (benchmarks/results/attention_cuda.md; the rejected ones, removed in session
-// 11, are in git history); the launcher's defaults are the fastest.
+// benchmarks/cuda_stream_probe.py) and GAAC_FORMAT (1: format version 1; 3: format version 2 as stored, in fragment
+// order, see k_tile_f3).
+// The options are measured alternatives (benchmarks/results/attention_cuda.md; the rejected ones, removed in sessions
+// 11 and 14, are in git history); the launcher's defaults are the fastest.
 #ifndef GAAC_SKIP
 #define GAAC_SKIP 0
 #endif
 #ifndef GAAC_TRACE  // benchmark probe: per-warp globaltimer stamps into Params::trace
 #define GAAC_TRACE 0
 #endif
-#ifndef GAAC_F3RAW  // format 3, code bits 3..6 of raw groups: patched per word by a call (1), branch-free over a tile
-#define GAAC_F3RAW 3  // that has any (2), or from an overlay in fragment order that the prepass scatters (3, see
-#endif               // f3_overlay; at 1x64K 82.0 / 78.1 / 74.8 us, benchmarks/results/attention_cuda.md sessions 12-13)
 #ifndef GAAC_F3DUP  // format 3 with the overlay: tiles with and without a raw group run their own inlined copy of the
 #define GAAC_F3DUP 1  // tile code (1: the other never touches the overlay; 74.8 against 77.5 us) or one copy (0)
 #endif
-#ifndef GAAC_FORMAT  // slot format: 1 (docs/format.md), 2 or 3 (byte-split prototypes of benchmarks/format_v2_probe.py)
+#ifndef GAAC_FORMAT  // slot format: 1 (format version 1) or 3 (format version 2 in fragment order; docs/format.md)
 #define GAAC_FORMAT 1
+#endif
+#if GAAC_FORMAT != 1 && GAAC_FORMAT != 3
+#error "GAAC_FORMAT is 1 or 3 (the plane-order prototype 2 was removed in session 14)"
 #endif
 #ifndef GAAC_MIN_CTAS  // register budget: CTAs of GAAC_WARPS warps that must fit on one SM
 #define GAAC_MIN_CTAS 1
@@ -191,18 +191,13 @@ __device__ __forceinline__ float exp2_(float x) {
 }
 __device__ __forceinline__ u32 lds(const u8* p) { return *reinterpret_cast<const u32*>(p); }
 
-// Format 1: plane p holds bit p of the exponent code. Format 2 (byte-split prototype, benchmarks/format_v2_probe.py):
-// plane 0 holds the sign (bit 7 of the BF16 high byte) and plane p >= 1 bit p - 1 of the code of the high byte's
-// 7 exponent bits; the sign+mantissa bytes hold the BF16 low byte (exponent bit 0 and the mantissa).
-#define PLANE_BIT(p) (GAAC_FORMAT == 2 ? ((p) == 0 ? 7 : (p) - 1) : (p))
-
-// Bit `i` of every byte lane of planes 0..NP-1 -> bit PLANE_BIT(p) of that lane (the lane's code).
+// Format 1: plane p holds bit p of the exponent code.
+// Bit `i` of every byte lane of planes 0..NP-1 -> bit p of that lane (the lane's code).
 template <int NP>
 __device__ __forceinline__ u32 codes(const u32 (&pl)[8], int i) {
   u32 c = 0;
 #pragma unroll
-  for (int p = 0; p < NP; ++p)
-    c |= __funnelshift_r(pl[p], pl[p], (i - PLANE_BIT(p)) & 31) & (0x01010101u << PLANE_BIT(p));
+  for (int p = 0; p < NP; ++p) c |= __funnelshift_r(pl[p], pl[p], (i - p) & 31) & (0x01010101u << p);
   return c;
 }
 
@@ -222,15 +217,9 @@ __device__ __forceinline__ u32 bitsel(u32 a, u32 b, u32 m) {
 // Exponent bytes e and sign|mantissa bytes sm of channels c0..c3 of one token -> BF16 pairs lo = (c0, c2) and
 // hi = (c1, c3): the sign-replicating permute puts sm in the low byte and its sign in the high byte of each half,
 // the shifted exponent bytes fill bits 7..14 of each half.
-// Format 2: e holds the BF16 high bytes and sm the low bytes: one byte permute per pair.
 __device__ __forceinline__ void merge(u32 e, u32 sm, u32& lo, u32& hi) {
-  if (GAAC_FORMAT == 2) {
-    lo = prmt(sm, e, 0x6240u);
-    hi = prmt(sm, e, 0x7351u);
-  } else {
-    lo = bitsel(prmt(sm, 0u, 0xA280u), e << 7, BF16_SM_BITS);
-    hi = bitsel(prmt(sm, 0u, 0xB391u), e >> 1, BF16_SM_BITS);
-  }
+  lo = bitsel(prmt(sm, 0u, 0xA280u), e << 7, BF16_SM_BITS);
+  hi = bitsel(prmt(sm, 0u, 0xB391u), e >> 1, BF16_SM_BITS);
 }
 // Natural BF16 pairs (c0, c1), (c2, c3) -> the score mma's k order (c0, c2), (c1, c3).
 __device__ __forceinline__ void kpairs(u32 w01, u32 w23, u32& lo, u32& hi) {
@@ -262,13 +251,11 @@ struct Scratch {  // per-warp dense group data of the slot being read
   // format 3, V tiles (whose prepass does not write `base` and planes[0]): each group's base twice (a V word holds
   // 2 tokens of 2 channels), over base and planes[0], and its plane-3 bits of even, then of odd tokens at even bits
   u8* base2;      // [2G]
-  u8* p3eo;       // [2G] after the raw masks (GAAC_F3RAW 3: after the overlay)
-  u8* ov;         // GAAC_F3RAW 3: [4G] code bits 3..6 of raw elements in fragment order (f3_overlay), over planes 4..7
+  u8* p3eo;       // [2G] after the overlay
+  u8* ov;         // format 3: [4G] code bits 3..6 of raw elements in fragment order (f3_overlay), over planes 4..7
 };
-#if GAAC_FORMAT == 3 && GAAC_F3RAW == 3
+#if GAAC_FORMAT == 3
 #define SCRATCH_GROUPS 8  // base, plane 3, the overlay (4 bits per element), p3eo
-#elif GAAC_FORMAT == 3
-#define SCRATCH_GROUPS 9  // bytes of scratch per group
 #if !GAAC_DENSE_SLOT
 #error "GAAC_FORMAT 3 (fragment-order slots) is staged as stored: GAAC_DENSE_SLOT=1"
 #endif
@@ -281,7 +268,7 @@ __device__ __forceinline__ void scratch_at(Scratch& s, u8* at) {
   s.raw = s.planes + 5 * G;
   s.base2 = s.base;
   s.ov = s.planes + G;
-  s.p3eo = (GAAC_FORMAT == 3 && GAAC_F3RAW == 3) ? s.ov + 4 * G : s.raw + G;
+  s.p3eo = GAAC_FORMAT == 3 ? s.ov + 4 * G : s.raw + G;
 }
 
 // Mode tags of a lane's groups (lane L owns groups L*GPL .. L*GPL + GPL-1) and their escape bytes.
@@ -340,8 +327,8 @@ __device__ __forceinline__ void plane3_window(const Params& p, const u8* esc, u3
   }
 }
 
-#define F3_OVERLAY (GAAC_FORMAT == 3 && GAAC_F3RAW == 3)
-// GAAC_F3RAW 3: the raw groups' code bits 3..6 (planes 4..7) scattered into an overlay in fragment order, C/16 words
+#define F3_OVERLAY (GAAC_FORMAT == 3)
+// Format 3: the raw groups' code bits 3..6 (planes 4..7) scattered into an overlay in fragment order, C/16 words
 // per lane in C/64 16-byte chunks (chunk x of lane L at (x * 32 + L) * 16). A word holds two of the lane's fragment
 // words, A at bits 3..6 of each byte and B rotated left by 4 (so bits 7 and 0..2 of the next byte): K chunk s4, word
 // i: A = word (s4, h = 0, i), B = (s4, h = 1, i); V chunk j / 2, word 2 (j % 2) + k: A = (j, h = 0, k), B = (j, h = 1,
@@ -520,7 +507,7 @@ __device__ __forceinline__ u32 f3_high(u32 mw, u32 pw, u32 b2) {  // sign | code
 }
 // The high bytes of a pair of words of types (YA, RA), (YB, RB): code bit 2 from the plane-3 scratch words xa, xb
 // (token bit at `rot` + 2), plus the group bases oa, ob.
-// va, vb: the overlay's code bits 3..6 (GAAC_F3RAW 3), one more term of the same add.
+// va, vb: the overlay's code bits 3..6, one more term of the same add.
 template <int YA, int RA, int YB, int RB>
 __device__ __forceinline__ void f3_pair(u32 mw, u32 pw, u32 xa, u32 xb, u32 oa, u32 ob, u32 rot, u32& ha, u32& hb,
                                         u32 va = 0u, u32 vb = 0u) {
@@ -528,21 +515,6 @@ __device__ __forceinline__ void f3_pair(u32 mw, u32 pw, u32 xa, u32 xb, u32 oa, 
   const u32 bb = (GAAC_SKIP & 4) ? 0u : __funnelshift_r(xb, xb, rot) & 0x04040404u;
   ha = f3_high<YA, RA>(mw, pw, ba) + oa + va;
   hb = f3_high<YB, RB>(mw, pw, bb) + ob + vb;
-}
-// Raw groups of one word (rare): code bits 3..6 (planes 4..7 in scratch, group order) into the high bytes. Byte e of
-// `rm` (0xFF) marks a raw element, of group gi0 + (e >> v), token bit tb + (e & v) (K: v = 0, V: v = 1). Not inlined:
-// the hot loop's code stays small (instruction-cache misses were a top stall before v4).
-__device__ __noinline__ u32 f3_raw_word(const u8* planes, u32 rm, int gi0, int tb, int v, u32 h) {
-#pragma unroll 1
-  for (int e = 0; e < 4; ++e) {
-    if (!((rm >> (8 * e)) & 0xFFu)) continue;
-    const int gi = gi0 + (e >> v), bit = tb + (e & v);
-    u32 x = 0;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) x |= ((u32)(planes[(1 + j) * G + gi] >> bit) & 1u) << (3 + j);
-    h |= x << (8 * e);
-  }
-  return h;
 }
 __device__ __forceinline__ void f3_words(const Params& p, const u8* buf, int lane, u32 (&mw)[C / 32], u32 (&pw)[C / 64]) {
   const u8* words = buf + SECTION_SHIFT + p.planes_off + 4 * lane;
@@ -552,16 +524,16 @@ __device__ __forceinline__ void f3_words(const Params& p, const u8* buf, int lan
   for (int x = 0; x < C / 64; ++x) pw[x] = lds(words + 128 * (C / 32 + x));
 }
 // The tile's high bytes are built first for all of a lane's words, then the byte permutes and mmas follow. Raw groups
-// (0.2% of the groups, but in ~40% of the tiles of real KV): by default their code bits 3..6 come from the overlay
-// (f3_overlay) in the same add as the bases, and the caller runs a separate inlined copy for tiles that have any
-// (GAAC_F3DUP); GAAC_F3RAW 2 patches them branch-free over such a tile, 1 by a call per raw word (sessions 12-13).
+// (0.2% of the groups, but in ~40% of the tiles of real KV): their code bits 3..6 come from the overlay (f3_overlay)
+// in the same add as the bases, and the caller runs a separate inlined copy for tiles that have any (GAAC_F3DUP;
+// patching them per word by a call or branch-free over such a tile was slower: sessions 12-13, git history).
 __device__ __forceinline__ void k_tile_f3(const Params& p, const u8* buf, const Scratch& s, int lane, int g, int t,
                                           const u32 (&qb)[NKS][2], float (&sc)[2][4], bool any_raw) {
   u32 mw[C / 32], pw[C / 64];
   f3_words(p, buf, lane, mw, pw);
   const u32 rot = (g - 2) & 31;
   constexpr int NC = NKS / 2;  // 16-byte chunks of 4 words per lane: chunk kc = 2 s4 + h
-  u32 H[NC][4], X[4] = {0u, 0u, 0u, 0u};  // X: the overlay words of chunk pair s4 (GAAC_F3RAW 3; else 0)
+  u32 H[NC][4], X[4] = {0u, 0u, 0u, 0u};  // X: the overlay words of chunk pair s4
 #pragma unroll
   for (int kc = 0; kc < NC; ++kc) {
     const int s4 = kc / 2, h = kc % 2;
@@ -576,30 +548,6 @@ __device__ __forceinline__ void k_tile_f3(const Params& p, const u8* buf, const 
       f3_pair<2, 0, 3, 1>(m, q, P3[2], P3[3], O[2], O[3], rot, H[kc][2], H[kc][3], f3_ov(X[2], h), f3_ov(X[3], h));
     else
       f3_pair<2, 2, 3, 3>(m, q, P3[2], P3[3], O[2], O[3], rot, H[kc][2], H[kc][3], f3_ov(X[2], h), f3_ov(X[3], h));
-  }
-  if (GAAC_F3RAW == 2 && any_raw && !(GAAC_SKIP & 8)) {  // branch-free: planes 4..7 are 0 outside raw groups
-#pragma unroll
-    for (int kc = 0; kc < NC; ++kc) {
-      const int g0 = (kc % 2) * C + 4 * (t * NKS + 4 * (kc / 2));
-#pragma unroll
-      for (int pl = 0; pl < 4; ++pl) {
-        u32 R[4];
-        ldv<4>(s.planes + (1 + pl) * G + g0, R);
-        const u32 r = (g - 3 - pl) & 31;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) H[kc][i] |= __funnelshift_r(R[i], R[i], r) & (0x08080808u << pl);
-      }
-    }
-  } else if (GAAC_F3RAW == 1 && any_raw && !(GAAC_SKIP & 8)) {
-#pragma unroll
-    for (int kc = 0; kc < NC; ++kc) {
-      const int g0 = (kc % 2) * C + 4 * (t * NKS + 4 * (kc / 2));
-      u32 rm[4];
-      ldv<4>(s.raw + g0, rm);
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        if (rm[i]) H[kc][i] = f3_raw_word(s.planes, rm[i], g0 + 4 * i, g, 0, H[kc][i]);
-    }
   }
 #pragma unroll
   for (int s4 = 0; s4 < NKS / 4; ++s4) {
@@ -643,37 +591,6 @@ __device__ __forceinline__ void v_tile_f3(const Params& p, const u8* buf, const 
       else if (j % 2 == 0) f3_pair<2, 0, 3, 1>(m, q, P[0], P[1], O[0], O[1], rot, H[j][h][0], H[j][h][1], va, vb);
       else f3_pair<2, 2, 3, 3>(m, q, P[0], P[1], O[0], O[1], rot, H[j][h][0], H[j][h][1], va, vb);
     }
-  }
-  if (GAAC_F3RAW == 2 && any_raw && !(GAAC_SKIP & 8)) {  // branch-free (see k_tile_f3)
-#pragma unroll
-    for (int j = 0; j < NVW; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int g1 = h * C + 4 * (g * NVW + j);
-#pragma unroll
-        for (int pl = 0; pl < 4; ++pl) {
-          const u32 x = lds(s.planes + (1 + pl) * G + g1), x1 = x >> 1;  // x1: odd tokens at even bits
-          const u32 r = (2 * t - 3 - pl) & 31;
-#pragma unroll
-          for (int k = 0; k < 2; ++k) {
-            const u32 d = prmt(x, x1, k ? 0x7362u : 0x5140u);  // [c even, c odd, c' even, c' odd]
-            H[j][h][k] |= __funnelshift_r(d, d, r) & (0x08080808u << pl);
-          }
-        }
-      }
-  } else if (GAAC_F3RAW == 1 && any_raw && !(GAAC_SKIP & 8)) {
-#pragma unroll
-    for (int j = 0; j < NVW; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int g1 = h * C + 4 * (g * NVW + j);
-        const u32 rm = *reinterpret_cast<const u32*>(s.raw + g1);
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          const u32 rk = prmt(rm, 0u, k ? 0x3322u : 0x1100u);  // the element mask of word k
-          if (rk) H[j][h][k] = f3_raw_word(s.planes, rk, g1 + 2 * k, 2 * t, 1, H[j][h][k]);
-        }
-      }
   }
 #pragma unroll
   for (int j = 0; j < NVW; ++j) {
