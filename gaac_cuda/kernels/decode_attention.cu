@@ -18,8 +18,8 @@
 // Exponent bytes come from the code bit-planes: 4 rotates + 4 masked ORs bring bit `token` of every plane byte to
 // the code, one add applies the base. Per slot, a prepass turns the mode tags into per-group bases and dense
 // plane-3 bytes in scratch shared memory: escape offsets by one warp scan of popcounts for the K and V tiles
-// together, and a lane's plane-3 escapes by one byte permute of an 8-byte window (raw groups: a loop, off the
-// common path).
+// together, and a lane's plane-3 escapes by one byte permute of an 8-byte window (format 1's raw groups: a loop, off
+// the common path; format 3 stores every plane-3 byte before the raw groups' other planes, so the window serves all).
 //
 // Plain BF16 KV (GAAC_PLAIN) runs the same code from the fragment registers on: the bit-exact twin.
 // gaac_decode_ws (GAAC_WS consumer warps, built only when GAAC_WS > 0) runs the same unit code in consumer warps fed
@@ -288,9 +288,11 @@ __device__ __forceinline__ void load_tags(const Params& p, const u8* slot, int l
   }
 }
 // Escape offsets of the K and V tiles of one unit by one warp scan (counts packed in 16-bit halves; a tile that is
-// not a slot counts nothing).
+// not a slot counts nothing). Format 1: each group's escape bytes together (1 per wide group, 4 more per raw one);
+// format 3 (version 2): the plane-3 bytes of the wide groups come first, so a lane's offset counts those alone.
 __device__ __forceinline__ void scan_tags(LaneTags& k, LaneTags& v, int lane) {
-  const u32 ck = __popc(k.wb) + 4 * __popc(k.rb), cv = __popc(v.wb) + 4 * __popc(v.rb);
+  constexpr u32 RAW_BYTES = GAAC_FORMAT == 3 ? 0u : 4u;  // bytes a raw group adds to the lane's plane-3 run
+  const u32 ck = __popc(k.wb) + RAW_BYTES * __popc(k.rb), cv = __popc(v.wb) + RAW_BYTES * __popc(v.rb);
   const u32 cnt = ck | (cv << 16);
   u32 incl = cnt;
 #pragma unroll
@@ -336,21 +338,23 @@ __device__ __forceinline__ void plane3_window(const Params& p, const u8* esc, u3
 // bits: a raw group's base is 0, every other group's overlay bits are 0). Only in tiles with a raw group: the lanes
 // zero their own words, then the warp takes the raw groups one at a time (their owner lane broadcasts the group and
 // its 4 plane bytes) and lanes 0..7 OR in token b = lane (atomically: two V tokens, or two groups, share a word).
+// The 4 plane bytes of the r-th raw group (in group order, which is the loop's order) are escape bytes
+// n_wide + 4r .. + 3: every wide group's plane-3 byte comes first (format version 2's escape order).
 template <bool IS_V>
 __device__ __forceinline__ void f3_overlay(const u8* esc, int esc_max, const Scratch& s, int lane, const LaneTags& lt) {
 #pragma unroll
   for (int x = 0; x < C / 64; ++x) *reinterpret_cast<uint4*>(s.ov + (x * 32 + lane) * 16) = make_uint4(0, 0, 0, 0);
   __syncwarp();
   u32 rem = lt.rb;
+  int o = __shfl_sync(0xffffffffu, lt.off + __popc(lt.wb), 31);  // the tile's plane-3 bytes: where planes 4..7 start
 #pragma unroll 1
-  for (u32 who = __ballot_sync(0xffffffffu, rem != 0); who; who = __ballot_sync(0xffffffffu, rem != 0)) {
+  for (u32 who = __ballot_sync(0xffffffffu, rem != 0); who; who = __ballot_sync(0xffffffffu, rem != 0), o += 4) {
     const int src = __ffs(who) - 1;
     u32 gi = 0, e4 = 0;
     if (lane == src) {
       const int k = __ffs(rem) - 1;
-      const u32 bl = (1u << k) - 1;
-      const int o = min(lt.off + __popc(lt.wb & bl) + 4 * __popc(lt.rb & bl), esc_max);
-      e4 = esc[o + 1] | (u32)esc[o + 2] << 8 | (u32)esc[o + 3] << 16 | (u32)esc[o + 4] << 24;  // planes 4..7
+      const int oc = min(o, esc_max);
+      e4 = esc[oc] | (u32)esc[oc + 1] << 8 | (u32)esc[oc + 2] << 16 | (u32)esc[oc + 3] << 24;  // planes 4..7
       gi = lane * GPL + k;
       rem &= rem - 1;
     }
@@ -383,7 +387,7 @@ __device__ __forceinline__ void prepass(const Params& p, const u8* slot, const S
   const u32 wb = lt.wb, rb = lt.rb;
   const int off = lt.off;
   u32 p3[GPL / 4];
-  if (rb == 0) {  // no raw group in the lane
+  if (GAAC_FORMAT == 3 || rb == 0) {  // the lane's plane-3 bytes are consecutive (format 3: always)
     plane3_window(p, esc, wb, off, p3);
   } else {
     unsigned long long acc = 0;  // (a 64-bit word, not an array: dynamic indices would go to local memory)
