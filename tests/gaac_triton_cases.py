@@ -6,21 +6,31 @@ from gaac_hf.codec import encode_tiles, split_head
 from gaac_hf.format import tile_split
 
 
-def compress_kv(k: torch.Tensor, v: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, capacity: int):
-    """Plain K/V `[B, H, S, D]` -> (slot_pool, raw_pool, table `[B, n, 2, H, tiles]`, tail_k, tail_v, fits)."""
+def compress_kv(k: torch.Tensor, v: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, capacity: int,
+                format_version: int = 1):
+    """Plain K/V `[B, H, S, D]` -> (slot_pool, raw_pool, table `[B, n, 2, H, tiles]`, tail_k, tail_v, fits), the slots
+    in `format_version` as the caches store it (version 2: the caches' encoder, `gaac_hf.ops.encode`; even windows)."""
     b, h, s, d = k.shape
     c = tile_split(d)[1]
     n = s // 16
     kv = torch.stack([k, v], 2)[:, :, :, : n * 16]  # [B, H, 2, n*16, D]
     tiles = split_head(kv.reshape(b, h, 2, n, 16, d).permute(0, 3, 2, 1, 4, 5))  # [B, n, 2, H, tiles, 16, C]
     shape = (2, h, d // c, c)
-    enc = encode_tiles(tiles, base3.reshape(shape), base4.reshape(shape), capacity)
-    fits = enc.fits
-    slot_pool = enc.slots[fits]
+    if format_version == 2:
+        from gaac_hf import ops
+
+        p = 2 * h * (d // c)
+        slots, fits, _ = ops.encode(tiles.reshape(b, n, p, 16, c), base3.reshape(p, c), base4.reshape(p, c),
+                                    capacity, 2)
+        slots, fits = slots.reshape(*tiles.shape[:-2], -1), fits.reshape(tiles.shape[:-2])
+    else:
+        enc = encode_tiles(tiles, base3.reshape(shape), base4.reshape(shape), capacity)
+        slots, fits = enc.slots, enc.fits
+    slot_pool = slots[fits]
     raw_pool = tiles[~fits]
     dev = k.device
     if slot_pool.shape[0] == 0:
-        slot_pool = torch.zeros(1, enc.slots.shape[-1], dtype=torch.uint8, device=dev)
+        slot_pool = torch.zeros(1, slots.shape[-1], dtype=torch.uint8, device=dev)
     if raw_pool.shape[0] == 0:
         raw_pool = torch.zeros(1, 16, c, dtype=torch.bfloat16, device=dev)
     table = torch.empty(fits.shape, dtype=torch.int32, device=dev)

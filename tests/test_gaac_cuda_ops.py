@@ -164,13 +164,15 @@ def reference_attention(q, k, v, kv_len, mask, scale):
     return out
 
 
-def compressed_case(b, h, nrep, lengths, d, kind, capacity, seed, pad=0):
-    """Compressed KV of rows of different lengths (per-row tails, as a static cache keeps them) and its plain twin."""
+def compressed_case(b, h, nrep, lengths, d, kind, capacity, seed, pad=0, format_version=1):
+    """Compressed KV of rows of different lengths (per-row tails, as a static cache keeps them) and its plain twin;
+    `format_version` 2: even windows and the caches' version-2 slots (the kernel's format 3)."""
     gen = torch.Generator().manual_seed(seed)
     s = max(lengths)
     s16 = -(-s // 16) * 16
-    k, v, b3, b4 = realistic_kv(b, h, s16, d, gen, kind)
-    slot_pool, raw_pool, table, _, _, _ = compress_kv(k.cuda(), v.cuda(), b3.cuda(), b4.cuda(), capacity)
+    k, v, b3, b4 = realistic_kv(b, h, s16, d, gen, kind, even=format_version == 2)
+    slot_pool, raw_pool, table, _, _, _ = compress_kv(k.cuda(), v.cuda(), b3.cuda(), b4.cuda(), capacity,
+                                                      format_version)
     tail_k = torch.zeros(b, h, 16, d, dtype=torch.bfloat16)
     tail_v = torch.zeros_like(tail_k)
     for i, n in enumerate(lengths):
@@ -189,10 +191,11 @@ def compressed_case(b, h, nrep, lengths, d, kind, capacity, seed, pad=0):
     return t, (k.to(dev), v.to(dev)), None if mask is None else mask.to(dev), layout
 
 
-def case_with_reference(case):
+def case_with_reference(case, format_version=1):
     """A GPU case's tensors (see compressed_case), its softmax scale and the fp64 reference attention."""
     b, h, nrep, lengths, d, kind, cap, pad = case
-    tensors, (k, v), mask, layout = compressed_case(b, h, nrep, lengths, d, kind, cap, seed=sum(lengths) + d, pad=pad)
+    tensors, (k, v), mask, layout = compressed_case(b, h, nrep, lengths, d, kind, cap, seed=sum(lengths) + d, pad=pad,
+                                                    format_version=format_version)
     q, kv_len, scale = tensors[0], tensors[-1], d ** -0.5
     ref = reference_attention(q.cpu(), k.cpu(), v.cpu(), kv_len.cpu(), None if mask is None else mask.cpu(), scale)
     return tensors, (k, v), mask, layout, scale, ref
@@ -271,6 +274,29 @@ def test_warp_specialized_compressed_equals_plain_twin(case):
                 twin_w = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
                 assert torch.equal(bits(got_w), bits(got)), f"ws {ws}/{stages}, nsplit {pc.nsplit}: compressed"
                 assert torch.equal(bits(twin_w), bits(got)), f"ws {ws}/{stages}, nsplit {pc.nsplit}: twin"
+        err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, (err, pc.nsplit)
+
+
+@gpu
+@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[4] in (64, 128)],
+                         ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
+def test_format_2_slots_equal_plain_twin(case):
+    """Slots of format version 2 as the caches store them (even windows, written by the caches' encoder in fragment
+    order, escapes ordered by plane): the kernel's format 3 gives the twin's bits at every case of the format-1 test
+    (lengths 1 / 15 / 17 / 1000 / 65,537, mixed lengths with padding, all-raw and all-4-bit tiles), at several split
+    counts, in the one-warp and the warp-specialized kernel, and is attention."""
+    if case[5] == "mixed":  # even windows leave more escapes: 32 more bytes keep slots and raw tiles both in use
+        case = (*case[:6], case[6] + 32, case[7])
+    b, h, nrep, _, d, _, _, _ = case
+    (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case, 2)
+    for nsplit, ws in ((1, 0), (3, 0), (None, 0), (6, 6), (5, 5)):
+        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, ws=ws,
+                  format_version=3)
+        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, ws=0)
+        got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
+        twin = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
+        assert torch.equal(bits(got), bits(twin)), f"format 2 != twin (nsplit {pc.nsplit}, ws {ws})"
         err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, (err, pc.nsplit)
 
