@@ -65,7 +65,7 @@ def resolve_calibration(calibration, what: str, **hub_kwargs) -> GAACCalibration
 STORAGE_VERSIONS = (1, 2)
 
 
-def storage_calibration(calibration: GAACCalibration, format_version: int | None, what: str) -> GAACCalibration:
+def check_storage_format(calibration: GAACCalibration, format_version: int | None, what: str) -> None:
     """Check that a cache that stores `format_version` (None: chosen per device) can code with `calibration`.
     Version 2 codes against windows that start at even exponents, which only a version-2 calibration has (version-1
     windows moved down to even starts cost much of the saving: 27.9% -> 22.5% resident on SmolLM2's held-out KV,
@@ -79,7 +79,6 @@ def storage_calibration(calibration: GAACCalibration, format_version: int | None
             f"this one is version {calibration.config.format_version}: calibrate with `gaac-hf calibrate "
             "--format-version 2` (or `calibrate(..., format_version=2)`); `calibration.convert(2)` moves its windows "
             "down instead, at a cost in ratio")
-    return calibration
 
 
 def choose_format(requested: int | None, calibration: GAACCalibration, head_dim: int, group_heads: int,
@@ -577,7 +576,7 @@ class GAACCache(Cache):
                  tp_rank: int | None = None, tp_size: int | None = None, format_version: int | None = None):
         config, calibration = config_and_calibration("GAACCache", args, config, calibration)
         calibration.check_model(config)
-        calibration = storage_calibration(calibration, format_version, "GAACCache")
+        check_storage_format(calibration, format_version, "GAACCache")
         if lazy not in ("auto", True, False):
             raise ValueError(f"lazy must be 'auto', True or False, not {lazy!r}")
         self.config = config

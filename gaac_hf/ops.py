@@ -1,8 +1,8 @@
 """The kernels behind the GAAC caches, one entry point per job, the backend chosen per device in `_backend`.
 
 * `encode` / `expand_tiles` / `expand_kv`: tiles -> slots, block-table entries -> tiles or K/V (the Triton kernels
-  on CUDA, the torch codec / `cpu_decode` elsewhere; bit-identical). The slot layout (`format.TileLayout`) is passed
-  down to every kernel.
+  on CUDA, the torch codec / `cpu_decode` elsewhere; bit-identical), in format version 1 or 2 (`format_version`: the
+  caches choose it, `cache.choose_format`). The slot layout (`format.TileLayout`) is passed down to every kernel.
 * `decode_attention` / `plain_decode_attention`: single-query attention over a compressed `DecodeRecord` or over
   plain BF16 KV, the same math either way (so their outputs are bit-identical), registered as `torch.library` custom
   ops (`gaac::decode_attention`, `gaac::plain_decode_attention`) with fake implementations, so Dynamo traces through
@@ -119,16 +119,16 @@ def fused_serves(head_dim: int) -> bool:
     return head_dim in FUSED_HEAD_DIMS
 
 
+# Format version 2 (docs/format.md): the CUDA kernel reads it at these head dims (one 64- or 128-channel tile in
+# fragment order); the Triton attention kernels read version 1 only, and the torch reference reads both.
+CUDA_V2_HEAD_DIMS = (64, 128)
+
+
 def _cuda_serves(query: torch.Tensor, kv_heads: int, format_version: int = 1) -> bool:
     """The CUDA kernel covers this shape (at most 8 query heads per kv-head, head_dim 64/128/256; format version 2:
     64/128); else Triton (format version 1) or the torch reference."""
     return query.shape[1] // kv_heads <= gaac_cuda.MAX_GROUP_HEADS and fused_serves(query.shape[-1]) and (
         format_version == 1 or query.shape[-1] in CUDA_V2_HEAD_DIMS)
-
-
-# Format version 2 (docs/format.md): the CUDA kernel reads it at these head dims (one 64- or 128-channel tile in
-# fragment order); the Triton attention kernels read version 1 only, and the torch reference reads both.
-CUDA_V2_HEAD_DIMS = (64, 128)
 
 
 def fused_reads(format_version: int, head_dim: int, group_heads: int, device) -> bool:

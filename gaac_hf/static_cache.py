@@ -43,8 +43,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from hf_common.cache_layers import full_attention_layers
 
 from . import ops
-from .cache import (GAAC_ATTENTION_NAME, _check_kv_dtype, choose_format, group_heads_of, resolve_calibration,
-                    storage_calibration)
+from .cache import (GAAC_ATTENTION_NAME, _check_kv_dtype, check_storage_format, choose_format, group_heads_of,
+                    resolve_calibration)
 from .calibration import CalibrationMismatchError, GAACCalibration
 from .format import BLOCK_TABLE_ENTRY_BYTES, BLOCK_TOKENS, MODE_NAMES, TileLayout, tile_split
 from .model_layers import text_config
@@ -261,7 +261,8 @@ class _GAACStack(_LayerStack):
 
     def _allocate(self, layers: int, b: int, dev: torch.device) -> None:
         fmt = choose_format(self.requested_format, self.calibration, self.head_dim, self.group_heads, dev)
-        if fmt == 2 and dev.type == "cuda" and not ops.fused_reads(2, self.head_dim, self.group_heads, dev):
+        if fmt == 2 and ops._backend(dev) != "torch" and not ops.fused_reads(2, self.head_dim, self.group_heads, dev):
+            # (the torch reference reads every format, eagerly; a GPU's captured step needs a fused kernel)
             raise ValueError(f"GAACStaticCache: no fused kernel reads format version 2 on {dev} at head_dim "
                              f"{self.head_dim} with {self.group_heads} query heads per KV head (the CUDA kernel "
                              f"on Hopper reads it at head_dim 64/128, up to 8): use format_version=1")
@@ -655,7 +656,7 @@ class GAACStaticCache(_StaticCacheBase):
             raise TypeError("GAACStaticCache needs a calibration: GAACStaticCache(config, max_cache_len, calibration)")
         calibration = resolve_calibration(calibration, "GAACStaticCache", **hub_kwargs)
         calibration.check_model(config)
-        calibration = storage_calibration(calibration, format_version, "GAACStaticCache")
+        check_storage_format(calibration, format_version, "GAACStaticCache")
         if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
             raise ValueError(f"max_batch_size must be a positive int, not {max_batch_size!r}")
         self.calibration = calibration

@@ -87,13 +87,19 @@ def test_compiled_generate_equals_plain_twin(llama, mode):
     assert cache.stats()["slots"] > 0 and cache.stats()["raw_tiles"] > 0
 
 
-def test_compiled_generate_of_format_2_equals_plain_twin(llama):
+@pytest.fixture(scope="module")
+def calibration_v2(llama):
+    """A format-version-2 calibration of the same model (even windows), with room in the slots for its escapes."""
+    calibration = calibrate(llama[0], [_ids(128, 100)[0]], "random ids", format_version=2)
+    return GAACCalibration(dataclasses.replace(calibration.config, escape_capacity=32), calibration.base3,
+                           calibration.base4)
+
+
+def test_compiled_generate_of_format_2_equals_plain_twin(llama, calibration_v2):
     """Slots of format version 2 (what the CUDA kernel reads on Hopper; here the torch reference encodes and
     decodes them): the compiled step is still bit-identical to the twin, through block finalizations."""
     model, _ = llama
-    calibration = calibrate(model, [_ids(128, 100)[0]], "random ids", format_version=2)
-    calibration = GAACCalibration(dataclasses.replace(calibration.config, escape_capacity=32), calibration.base3,
-                                  calibration.base4)
+    calibration = calibration_v2
     kw = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False)
     (out, cache), (ref, _) = _generate_both(model, calibration, _ids(37, 1), 96, format_version=2, **kw)
     assert _same(out, ref)
@@ -425,6 +431,20 @@ def test_calibration_for_another_model_is_rejected(llama):
         GAACStaticCache(tiny_llama_config(num_key_value_heads=4), 64, calibration)
     with pytest.raises(TypeError, match="GAACCalibration"):
         GAACStaticCache(model.config, 64, 3.5)
+
+
+def test_format_2_without_a_fused_reader_is_refused(llama, calibration_v2, monkeypatch):
+    """Forcing format version 2 where only the Triton kernels run (a GPU other than Hopper; here the Triton backend
+    forced on the CPU): a clear error at the first update, before any work, instead of an uncapturable step."""
+    model, _ = llama
+    monkeypatch.setenv("GAAC_HF_BACKEND", "triton")
+    cache = GAACStaticCache(model.config, 64, calibration_v2, format_version=2)
+    kv = torch.zeros(1, 2, 5, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="no fused kernel reads format version 2.*format_version=1"):
+        cache.update(kv, kv, 0)
+    auto = GAACStaticCache(model.config, 64, calibration_v2)  # the default picks version 1 there
+    auto.update(kv, kv, 0)
+    assert auto.stats()["format_version"] == 1
 
 
 def test_stock_attention_is_refused(llama):
