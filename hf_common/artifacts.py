@@ -15,6 +15,8 @@ _HERE = Path(__file__).resolve().parent
 SHIPPED_FOLDERS = (_HERE / "hub_configs", _HERE.parent / "hub_configs")
 HUB_CONFIGS = "hub_configs"  # how the README and the scripts name the checkout's folder of shipped artifacts
 SHIPPED_CALIBRATION = "gaac-SmolLM2-135M-Instruct"  # GAAC calibration of SmolLM2-135M-Instruct
+# the same made for format version 2 (even windows): what the caches store as version 2 on Hopper
+SHIPPED_CALIBRATION_V2 = "gaac-SmolLM2-135M-Instruct-v2"
 SHIPPED_DGAP = "dgap-SmolLM2-135M-Instruct"  # DGAP artifact of SmolLM2-135M-Instruct, every precision
 
 

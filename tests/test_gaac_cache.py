@@ -28,6 +28,7 @@ from gaac_hf.format import BLOCK_TOKENS, MODE_NAMES, TileLayout, tile_split
 from gaac_hf.model_layers import cache_kwarg
 
 SHIPPED_CALIBRATION = Path(__file__).resolve().parents[1] / "hub_configs" / "gaac-SmolLM2-135M-Instruct"
+SHIPPED_CALIBRATION_V2 = SHIPPED_CALIBRATION.with_name("gaac-SmolLM2-135M-Instruct-v2")
 VOCAB = 512
 
 
@@ -645,16 +646,25 @@ def test_from_pretrained(tmp_path, llama):
 
 
 # --- the default model --------------------------------------------------------------------------------------------
-def test_smollm2_shipped_calibration(request):
-    if not (SHIPPED_CALIBRATION / "config.json").is_file():
-        pytest.skip(f"no shipped calibration at {SHIPPED_CALIBRATION}")
+@pytest.mark.parametrize("folder, format_version", [(SHIPPED_CALIBRATION, None), (SHIPPED_CALIBRATION_V2, 2)],
+                         ids=["v1", "v2"])
+def test_smollm2_shipped_calibration(request, folder, format_version):
+    """The shipped calibrations on the real model, lossless; the version-2 one (even windows) stores format version 2
+    when asked and keeps the issue's size bars on held-out text (codec ratio >= 1.40, resident saving >= 27%)."""
+    if not (folder / "config.json").is_file():
+        pytest.skip(f"no shipped calibration at {folder}")
     model, tokenizer = request.getfixturevalue("smollm2")
-    cache = GAACCache.from_pretrained(SHIPPED_CALIBRATION, config=model.config)
+    cache = GAACCache.from_pretrained(folder, config=model.config, format_version=format_version)
     ids = tokenizer("The history of the printing press begins in", return_tensors="pt").input_ids
     with attn_implementation(model, "sdpa"):
         got = _generate(model, ids, cache, max_new_tokens=20, min_new_tokens=20, do_sample=False)
         ref = _generate(model, ids, DynamicCache(config=model.config), max_new_tokens=20, min_new_tokens=20,
                         do_sample=False)
     assert_same_generation(got, ref)
-    assert cache.stats()["ratio"] > 1
+    stats = cache.stats()
+    assert stats["ratio"] > 1 and {s["format_version"] for s in stats["layers"].values()} == {format_version or 1}
+    cfg = cache.calibration.config
+    assert cfg.format_version == (format_version or 1)
+    held_out = next(v for k, v in cfg.measured.items() if k.startswith("held-out"))
+    assert held_out["codec_ratio"] >= 1.40 and held_out["resident_saving"] >= 0.27, held_out
 
