@@ -184,9 +184,14 @@ def decode(slots: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, channe
     return decode_tiles(slots, base3, base4, channels)
 
 
+FRAGMENT_MAP_ROWS = 6  # rows of 16 C int32 per K / V tile in `fragment_map`
+
+
 def fragment_map(c: int, device) -> torch.Tensor | None:
-    """`fragment_destinations` of K and V tiles as one int32 `[2, 3, 16 C]` tensor on `device` (what the Triton
-    encoders take), or None for tiles stored in plane order."""
+    """What the Triton kernels take to write and read the fragment order, for K and V tiles: int32 `[2, 6, 16 C]` on
+    `device`, per tile kind rows 0..2 = `fragment_destinations` (per element: its low byte's offset, its sign's and
+    its code bit 0's bit in the plane area) and rows 3..5 = for each of the plane area's 48 C bits its source bit in
+    the plane-order planes (`plane * 2C * 8 + group * 8 + token bit`); None for tiles stored in plane order."""
     if c not in FRAGMENT_CHANNELS:
         return None
     return _fragment_map(c, str(torch.device(device)))
@@ -194,8 +199,12 @@ def fragment_map(c: int, device) -> torch.Tensor | None:
 
 @functools.lru_cache(maxsize=None)
 def _fragment_map(c: int, device: str) -> torch.Tensor:
-    both = np.stack([fragment_destinations(c, False), fragment_destinations(c, True)])
-    return torch.from_numpy(both).to(device).contiguous()
+    rows = []
+    for is_v in (False, True):
+        _, plane, group, tbit = fragment_maps(c, is_v)
+        sources = ((plane * 2 * c + group) * 8 + tbit).reshape(3, 16 * c)
+        rows.append(np.concatenate([fragment_destinations(c, is_v), sources]).astype(np.int32))
+    return torch.from_numpy(np.stack(rows)).to(device).contiguous()
 
 
 def encode_kv(tiles: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, capacity: int):

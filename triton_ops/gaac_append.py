@@ -58,7 +58,7 @@ def _append_kernel(k_ptr, v_ptr, tk_ptr, tv_ptr, len_ptr, b3_ptr, b4_ptr, slot_p
             idx = tl.atomic_add(count_ptr, 1)
             idx = tl.where(idx < N_SLOTS, idx, N_SLOTS)  # past the pool: the scratch row (the counter tells)
             store_slot(slot_ptr + idx.to(tl.int64) * SLOT_BYTES, sm, code, mode, CAPACITY, C, E_PAD, PLANES, TAGS,
-                       ESC, frag_ptr + kv * 48 * C, FRAGMENT, VERSION)
+                       ESC, frag_ptr + kv * 96 * C, FRAGMENT, VERSION)
             tl.store(slot_modes_ptr + idx * 3 + m, counts, mask=m < 3)
             entry = idx
         else:

@@ -81,7 +81,7 @@ def _expand_v2_kernel(entry_ptr, slot_ptr, raw_ptr, b3_ptr, b4_ptr, frag_ptr, ou
         slot = slot_ptr + entry.to(tl.int64) * SLOT_BYTES
         g = h * C + c  # group of each element, [2, 1, C]
         if FRAGMENT:
-            frag = frag_ptr + ((pid % PERIOD) >= V_FROM).to(tl.int32) * 48 * C
+            frag = frag_ptr + ((pid % PERIOD) >= V_FROM).to(tl.int32) * 96 * C
             low = tl.load(slot + tl.load(frag + e)).to(tl.int32)
             words = (slot + PLANES).to(tl.pointer_type(tl.int32))
             sign_at = tl.load(frag + 16 * C + e)
@@ -119,7 +119,7 @@ def expand_tiles_v2(table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torc
                     base4: torch.Tensor, layout, fragment: torch.Tensor | None = None,
                     v_from: int | None = None) -> torch.Tensor:
     """`expand_tiles` of slots in format version 2 (`gaac_hf.format_v2`): in plane order, or, given `fragment`
-    (the caller's map, int32 `[2, 3, 16 C]`, K then V tiles: `format_v2.fragment_map`), in that order; positions
+    (the caller's map, int32 `[2, 6, 16 C]`, K then V tiles: `format_v2.fragment_map`), in that order; positions
     `v_from..P-1` of the last axis (default P / 2) are V tiles. The bases are the even windows."""
     from .gaac_encode import check_fragment
 

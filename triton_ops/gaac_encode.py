@@ -55,8 +55,10 @@ def store_slot(out, sm, code, mode, CAPACITY, C: tl.constexpr, E_PAD: tl.constex
                VERSION: tl.constexpr = 1):
     """Write one tile's slot at `out` (uint8 pointer) from `tile_modes`' output; escapes past CAPACITY are cut.
     PLANES, TAGS, ESC: the slot layout's section offsets (from the caller: `triton_ops.layout`). FRAGMENT (format
-    version 2): the low bytes and planes 0..2 go where `frag` (int32 `[3, 16 C]`, per element its low byte's offset,
-    its sign's bit and its code bit 0's bit in the plane area) says, instead of token-major bytes and bit-planes."""
+    version 2): the low bytes and planes 0..2 go where `frag` (int32 `[6, 16 C]`: per element its low byte's offset,
+    then per bit of the plane area its source bit in plane order) says, instead of token-major bytes and bit-planes:
+    the plane-order planes are staged in the low-byte area, each plane word gathers its 32 bits from them, then the
+    low bytes overwrite the stage (no atomics)."""
     G: tl.constexpr = 2 * C
     TAG_PLANE: tl.constexpr = G // 8
     t = tl.arange(0, 16)
@@ -65,17 +67,20 @@ def store_slot(out, sm, code, mode, CAPACITY, C: tl.constexpr, E_PAD: tl.constex
     h = tl.arange(0, 2)[:, None]
     g = h * C + c[None, :]
     if FRAGMENT:
+        for p in tl.static_range(3):  # the plane-order planes, staged where the low bytes go last
+            plane = tl.sum(((code >> p) & 1) << i, axis=1)
+            tl.store(out + p * G + g, plane.to(tl.uint8))
+        tl.debug_barrier()  # the stage lands before it is gathered
+        r = tl.arange(0, 2 * C)[:, None]  # plane word (3 C / 2 of them), bit b
+        b = tl.arange(0, 32)[None, :]
+        live = r < 3 * C // 2
+        src = tl.load(frag + 48 * C + r * 32 + b, mask=live, other=0)
+        bit = (tl.load(out + (src >> 3), mask=live, other=0).to(tl.int32) >> (src & 7)) & 1
+        words = (out + PLANES).to(tl.pointer_type(tl.int32))
+        tl.store(words + tl.arange(0, 2 * C), tl.sum(bit << b, axis=1), mask=tl.arange(0, 2 * C) < 3 * C // 2)
+        tl.debug_barrier()  # every gather has read the stage before the low bytes overwrite it
         e = t[:, None] * C + c[None, :]  # element token * C + channel, as the map counts them
         tl.store(out + tl.load(frag + e), sm.to(tl.uint8))
-        words = (out + PLANES).to(tl.pointer_type(tl.int32))
-        zw = tl.arange(0, 2 * C)
-        tl.store(words + zw, tl.zeros([2 * C], tl.int32), mask=zw < 3 * C // 2)  # planes 0..2: 6 C bytes
-        tl.debug_barrier()  # the zeroed words land before the bits are ORed in
-        code16 = tl.reshape(code, [16, C])  # [2, 8, C] (half, token, channel) is token-major
-        sign_at = tl.load(frag + 16 * C + e)
-        code_at = tl.load(frag + 32 * C + e)
-        tl.atomic_or(words + (sign_at >> 5), (code16 & 1) << (sign_at & 31))
-        tl.atomic_or(words + (code_at >> 5), ((code16 >> 1) & 3) << (code_at & 31))
     else:
         tl.store(out + t[:, None] * C + c[None, :], sm.to(tl.uint8))
         for p in tl.static_range(3):
@@ -124,7 +129,7 @@ def _encode_kernel(x_ptr, b3_ptr, b4_ptr, slot_ptr, esc_out, modes_out, frag_ptr
                    ESC: tl.constexpr, VERSION: tl.constexpr, FRAGMENT: tl.constexpr):
     pid = tl.program_id(0)
     kind = pid % PERIOD
-    frag = frag_ptr + (kind >= V_FROM).to(tl.int32) * 48 * C  # the V tiles' map follows the K tiles'
+    frag = frag_ptr + (kind >= V_FROM).to(tl.int32) * 96 * C  # the V tiles' map follows the K tiles'
     out = slot_ptr + pid.to(tl.int64) * SLOT_BYTES
     t = tl.arange(0, 16)
     c = tl.arange(0, C)
@@ -145,13 +150,14 @@ def _placeholder(device: str) -> torch.Tensor:
 
 
 def check_fragment(fragment: torch.Tensor | None, channels: int, device) -> torch.Tensor:
-    """The fragment map of a version-2 launch: int32 `[2, 3, 16 C]` (K tiles, V tiles) on the tiles' device, or a
-    placeholder where the slots are written in plane order (`fragment` None)."""
+    """The fragment map of a version-2 launch: int32 `[2, 6, 16 C]` (K tiles, V tiles; `gaac_hf.format_v2
+    .fragment_map`) on the tiles' device, or a placeholder where the slots are written in plane order (`fragment`
+    None)."""
     if fragment is None:
         return _placeholder(str(torch.device(device)))
-    if fragment.dtype != torch.int32 or fragment.shape != (2, 3, 16 * channels) or not fragment.is_contiguous() \
+    if fragment.dtype != torch.int32 or fragment.shape != (2, 6, 16 * channels) or not fragment.is_contiguous() \
             or fragment.device != torch.device(device):
-        raise ValueError(f"fragment must be a contiguous int32 [2, 3, {16 * channels}] map on {device}")
+        raise ValueError(f"fragment must be a contiguous int32 [2, 6, {16 * channels}] map on {device}")
     return fragment
 
 
@@ -161,8 +167,8 @@ def gaac_encode(tiles: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, l
     2 * H * tiles) into slots of `layout` (a `gaac_hf.format.TileLayout`, see `triton_ops.layout`). Returns
     `(slots uint8 [..., P, slot_bytes], escape_bytes int32 [..., P], mode_counts int32 [..., P, 3])`; a tile fits
     its slot iff escape_bytes <= layout.escape_capacity. `format_version` 2: the byte-split slots of
-    `gaac_hf.format_v2` (even bases), in plane order, or, given `fragment` (the caller's map, int32 `[2, 3, 16 C]`:
-    `format_v2.fragment_destinations` of K and V tiles), in that order; positions `v_from..P-1` (default P / 2)
+    `gaac_hf.format_v2` (even bases), in plane order, or, given `fragment` (the caller's map, int32 `[2, 6, 16 C]`:
+    `format_v2.fragment_map`), in fragment order; positions `v_from..P-1` (default P / 2)
     are V tiles. The windows are not checked here (a caller's job: their parity is a host-side fact)."""
     if tiles.dtype != torch.bfloat16:
         raise TypeError(f"the GAAC encoder takes BF16 tiles, not {tiles.dtype}")
