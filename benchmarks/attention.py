@@ -69,7 +69,9 @@ def lay_out(slots: torch.Tensor, fits: torch.Tensor, tiles: torch.Tensor) -> tup
 
 def compress(k, v, capacity=None, format_version=1):
     """Calibrate windows and capacity on this KV, encode, and lay out pools + table as GAACCache does (format version
-    2: even windows and the caches' own encoder, `gaac_hf.ops.encode`, which writes the fragment order)."""
+    2: even windows and the caches' own encoder, `gaac_hf.ops.encode`, which writes the fragment order). `capacity`:
+    the slots' escape capacity (None: the calibration's choice on the first 512 blocks; -1: the largest any tile
+    needs, so no tile is raw)."""
     b, h, s, d = k.shape
     c = tile_split(d)[1]
     n = s // 16
@@ -84,6 +86,10 @@ def compress(k, v, capacity=None, format_version=1):
         e = split_fields(sample)[0]
         esc = escape_bytes(group_modes(e, b3, b4))
         capacity = choose_escape_capacity(esc.reshape(-1), c)
+    elif capacity < 0:
+        need = max(int(escape_bytes(group_modes(split_fields(tiles[:, j:j + 512])[0], b3, b4)).max())
+                   for j in range(0, n, 512))
+        capacity = -(-need // 16) * 16
     slots, fits, modes = [], [], torch.zeros(3, dtype=torch.int64, device=k.device)
     step = max(1, 16384 // (2 * h * (d // c)))
     p = 2 * h * (d // c)

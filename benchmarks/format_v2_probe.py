@@ -14,7 +14,8 @@ resident saving on held-out SmolLM2 KV, against 1.409x / 27.9%).
 (`to_fragment_order`; the kernel's `k_tile_f3` / `v_tile_f3`): format version 2 of docs/format.md as the caches store
 it on Hopper since session 14 (the plane-order format 2 kernel was removed then).
 
-This script encodes the same real-statistics KV in formats 1 and 3 (with the torch reference encoders), checks each
+This script encodes the same real-statistics KV in formats 1 and 3 (format 3 with the caches' own encoder,
+`benchmarks/attention.py`'s `compress(format_version=2)`), checks each
 kernel variant (`VARIANTS`) bit for bit against the plain-BF16 twin at the
 same split count (a warp-specialized variant with fewer than 12 consumer warps per SM takes proportionally fewer
 splits, so it runs in one wave), and times them and cuDNN, graph-replayed:
@@ -38,12 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import gaac_cuda  # noqa: E402
-from benchmarks.attention import bench_graph, compress, lay_out, real_kv  # noqa: E402
-from benchmarks.tied_windows import aligned_window  # noqa: E402
-from gaac_hf.calibrate import choose_escape_capacity, exponent_histogram  # noqa: E402
-from gaac_hf.codec import escape_bytes, group_modes, split_head  # noqa: E402
+from benchmarks.attention import bench_graph, compress, real_kv  # noqa: E402
 from gaac_hf.format import TileLayout, tile_split  # noqa: E402
-from gaac_hf.format_v2 import encode_tiles, to_fragment_order  # noqa: E402
 
 SHAPES = [("llama8b", 32, 8, 128, 1, 16384), ("llama8b", 32, 8, 128, 1, 65536), ("llama8b", 32, 8, 128, 4, 65536),
           ("smollm2", 9, 3, 64, 1, 65536)]
@@ -60,47 +57,11 @@ def head_major(packed: tuple) -> tuple:
     return (slot_pool[old.long()].contiguous(), raw_pool, new_t.permute(0, 4, 1, 2, 3).contiguous(), *rest)
 
 
-def compress_v2(k: torch.Tensor, v: torch.Tensor, fragment: bool = False, capacity: int | None = None):
-    """`compress` of benchmarks/attention.py with even windows and the prototype encoder (the kernel halves the
-    bases itself). `fragment`: format 3 (the same slots in fragment order). `capacity`: the slots'
-    escape capacity (default: the calibration's choice on the first 512 blocks; -1: the largest any tile needs, so
-    no tile is raw)."""
-    b, h, s, d = k.shape
-    c = tile_split(d)[1]
-    n = s // 16
-    hist = exponent_histogram(torch.stack([k, v]).transpose(1, 2).reshape(1, 2, h, b * s, d))[0]
-    base3, base4 = aligned_window(hist, 8, 2), aligned_window(hist, 16, 2)  # [2, H, D], even starts
-    shape = (2, h, d // c, c)
-    b3, b4 = base3.reshape(shape), base4.reshape(shape)
-    kv = torch.stack([k, v], 2)[:, :, :, : n * 16]
-    tiles = split_head(kv.reshape(b, h, 2, n, 16, d).permute(0, 3, 2, 1, 4, 5))  # [B, n, 2, H, T, 16, C]
-    sample = tiles[:, : min(n, 512)]
-    exp = (sample.view(torch.int16).to(torch.int32) >> 7) & 0xFF
-    if capacity is None:
-        capacity = choose_escape_capacity(escape_bytes(group_modes(exp, b3, b4)).reshape(-1), c)
-    elif capacity < 0:
-        need = max(int(escape_bytes(group_modes((tiles[:, j:j + 512].view(torch.int16).to(torch.int32) >> 7) & 0xFF,
-                                                b3, b4)).max()) for j in range(0, n, 512))
-        capacity = -(-need // 16) * 16
-    slots, fits, modes = [], [], torch.zeros(3, dtype=torch.int64, device=k.device)
-    step = max(1, 16384 // (2 * h * (d // c)))
-    for j in range(0, n, step):
-        sl, ft, md = encode_tiles(tiles[:, j:j + step], b3, b4, capacity)
-        if fragment:
-            sl = torch.stack([to_fragment_order(sl[:, :, kv], c, kv == 1) for kv in range(2)], 2)
-        slots.append(sl)
-        fits.append(ft)
-        modes += torch.bincount(md.reshape(-1).long(), minlength=3)
-    slot_pool, raw_pool, table = lay_out(torch.cat(slots, 1), torch.cat(fits, 1), tiles)
-    fits = table >= 0
-    layout = TileLayout(c, capacity)
-    info = {"escape_capacity": capacity, "raw_tiles": int((~fits).sum()),
-            "mode_shares": (modes.double() / modes.sum()).tolist(),
-            "bytes": int(fits.sum()) * layout.slot_bytes + int((~fits).sum()) * layout.raw_bytes + table.numel() * 4
-            + 2 * k[:, :, n * 16:].numel() * 2}
-    packed = (slot_pool, raw_pool, table, k[:, :, n * 16:].contiguous(), v[:, :, n * 16:].contiguous(),
-              base3.contiguous(), base4.contiguous())
-    return packed, layout, info
+def compress_v2(k: torch.Tensor, v: torch.Tensor, capacity: int | None = None):
+    """Format version 2 as the caches store it (even windows, the caches' encoder: fragment order at 64/128 channels)
+    -> (packed, layout, info): `benchmarks/attention.py`'s `compress` with the slot layout. `capacity`: see there."""
+    packed, info = compress(k, v, capacity, format_version=2)
+    return packed, TileLayout(tile_split(k.shape[-1])[1], info["escape_capacity"]), info
 
 
 VARIANTS = (  # label, format, ws consumers (0: the one-warp kernel), stages and CTAs per SM (0: the defaults),
@@ -147,7 +108,7 @@ def main():
         t0 = time.time()
         p1, info1 = compress(k, v)
         l1 = TileLayout(tile_split(d)[1], info1["escape_capacity"])
-        p3, l3, info3 = compress_v2(k, v, fragment=True)
+        p3, l3, info3 = compress_v2(k, v)
         encoded = {1: (p1, l1, info1), 3: (p3, l3, info3)}
         pp = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, ws=0)
         twin = gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, pp)

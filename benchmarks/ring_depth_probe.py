@@ -40,7 +40,7 @@ def main():
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
     for (hq, hkv, d, b, s), k, v, q, scale, kv_len in probe_shapes(args, dev):
         t0 = time.time()
-        encoded = {cap: compress_v2(k, v, fragment=True, capacity=cap) for cap in (None, -1)}
+        encoded = {cap: compress_v2(k, v, capacity=cap) for cap in (None, -1)}
         pp = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, ws=0)
         row = {"shape": f"{hq}/{hkv}/{d} {b}x{s}", "bf16_bytes": 4 * k.numel(), "twin_nsplit": pp.nsplit}
         for label, cap, compact, warps, stages, ctas in VARIANTS:

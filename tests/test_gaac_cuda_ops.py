@@ -315,7 +315,7 @@ def test_fragment_order_prototype_equals_plain_twin(d):
     k, v = k[:, :, :s].cuda(), v[:, :, :s].cuda()
     q = torch.randn(b, h * nrep, d, generator=gen).to(torch.bfloat16).cuda()
     kv_len = torch.full((b,), s, dtype=torch.int32, device="cuda")
-    packed, layout, info = compress_v2(k, v, fragment=True)
+    packed, layout, info = compress_v2(k, v)
     assert info["raw_tiles"] > 0 and min(info["mode_shares"]) > 0, info
     cases = [(n, w, ()) for n, w in ((1, 0), (7, 0), (12, 6), (10, 5), (11, 11), (12, 3), (8, 4))]
     cases += [(7, 0, ("GAAC_F3DUP=0",)), (12, 6, ("GAAC_F3DUP=0",))]

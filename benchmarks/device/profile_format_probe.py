@@ -2,7 +2,7 @@
 for ncu:
 
     ncu --clock-control none -k regex:gaac_decode_split -c 1 --section ... \
-        python benchmarks/device/profile_format_probe.py FORMAT   # 1, 2 (byte-split) or 3 (fragment order)
+        python benchmarks/device/profile_format_probe.py FORMAT   # 1 or 3 (format version 2 in fragment order)
 """
 
 import sys
@@ -25,7 +25,7 @@ if fmt == 1:
     packed, info = compress(k, v)
     layout = TileLayout(128, info["escape_capacity"])
 else:
-    packed, layout, info = compress_v2(k, v, fragment=fmt == 3)
+    packed, layout, info = compress_v2(k, v)
 q = torch.randn(1, 32, 128, device=dev).to(torch.bfloat16)
 kv_len = torch.full((1,), 65536, dtype=torch.int32, device=dev)
 p = gaac_cuda.plan(1, 8, 4, 128, 65536, dev, slot_bytes=layout.slot_bytes, format_version=fmt, ws=0)
