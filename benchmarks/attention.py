@@ -464,8 +464,9 @@ GRAPH_VARIANTS = ("gaac_cuda", "gaac_cuda_v2", "cuda_same_kernel_bf16", "cudnn_s
 
 
 def table(results) -> str:
-    cols = ["gaac_cuda_v2_graph", "gaac_cuda_graph", "cudnn_sdpa_graph", "flash_sdpa_graph", "fa3_graph", "flashinfer_graph",
-            "cuda_same_kernel_bf16_graph", "gaac_cuda_v2", "gaac_cuda", "cudnn_sdpa", "flash_sdpa", "fa3", "flashinfer", "flex_attention",
+    cols = ["gaac_cuda_v2_graph", "gaac_cuda_graph", "cudnn_sdpa_graph", "flash_sdpa_graph", "fa3_graph",
+            "flashinfer_graph", "cuda_same_kernel_bf16_graph", "gaac_cuda_v2", "gaac_cuda", "cudnn_sdpa", "flash_sdpa",
+            "fa3", "flashinfer", "flex_attention",
             "cuda_same_kernel_bf16", "gaac_fused", "triton_same_kernel_bf16", "decompress_then_cudnn"]
     cols = [c for c in cols if any("us" in r["times"].get(c, {}) for r in results["rows"])]
     out = ["| q/kv/dim, batch x context | " + " | ".join(f"{c} µs (GB/s)" for c in cols) + " | GAAC vs best |",

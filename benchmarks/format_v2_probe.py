@@ -67,7 +67,8 @@ def compress_v2(k: torch.Tensor, v: torch.Tensor, capacity: int | None = None):
 VARIANTS = (  # label, format, ws consumers (0: the one-warp kernel), stages and CTAs per SM (0: the defaults),
     # more compile-time defines
     ("format_1", 1, 0, 0, 0, ()), ("format_3", 3, 0, 0, 0, ()), ("format_3_ws6", 3, 6, 12, 2, ()))
-# Also measured, none the fastest (the kernel's format 2 and raw patches 1 / 2 removed in session 14): format 2, format 1/2/3 at ws 6, format 3 at ws 3 x 4 CTAs and with raw groups
+# Also measured, none the fastest (the kernel's format 2 and raw patches 1 / 2 removed in session 14): format 2,
+# format 1/2/3 at ws 6, format 3 at ws 3 x 4 CTAs and with raw groups
 # patched per word (raw_patch 1) in session 12 (format_v3_probe_s12_rawbf.json); format 3 with the branch-free patch
 # (raw_patch 2) and with the overlay at ws 3 x 3,
 # 5 x 2, 6 x 2 and 11 x 1 in session 13 (format_v3_probe_s13_overlay_first.json), and with each chunk pair fused

@@ -33,7 +33,7 @@ from hf_common.cache_layers import RowSelectionMixin, full_attention_layers, sto
 from . import ops
 from .calibration import CalibrationMismatchError, GAACCalibration
 from .format import BLOCK_TABLE_ENTRY_BYTES, BLOCK_TOKENS, MODE_NAMES, TileLayout, tile_split
-from .model_layers import text_config
+from .model_layers import kv_geometry, text_config
 from .tile_pool import TilePool, grow
 
 GAAC_ATTENTION_NAME = "gaac"
@@ -90,14 +90,6 @@ def choose_format(requested: int | None, calibration: GAACCalibration, head_dim:
         return requested
     even = calibration.config.format_version == 2
     return 2 if even and ops.fused_reads(2, head_dim, group_heads, device) else 1
-
-
-def group_heads_of(config) -> int:
-    """Query heads per KV head of a model config (1 where the config does not say)."""
-    cfg = text_config(config)
-    heads = getattr(cfg, "num_attention_heads", None)
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    return heads // kv if heads and kv else 1
 
 
 def _is_model_config(x) -> bool:
@@ -584,7 +576,7 @@ class GAACCache(Cache):
         self.lazy = lazy
         # Under tensor parallelism each rank's layers see a contiguous slice of the KV heads; the rank comes from
         # tp_rank/tp_size or, when they are not given, from torch.distributed (the whole world is one TP group).
-        group_heads = group_heads_of(config)
+        group_heads = kv_geometry(config).group_heads
         layers = full_attention_layers(
             config, lambda i: GAACLayer(calibration, i, tp_rank, tp_size, format_version, group_heads))
         super().__init__(layers=layers, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)

@@ -135,15 +135,21 @@ def fragment_destinations(c: int, is_v: bool) -> np.ndarray:
     return out.astype(np.int32)
 
 
+def plane_bit_sources(c: int, is_v: bool) -> np.ndarray:
+    """For each bit of the fragment-order plane area (`48 C`), its bit in the plane-order planes:
+    `(plane * 2C + group) * 8 + token bit`."""
+    _, plane, group, tbit = fragment_maps(c, is_v)
+    return (plane * 2 * c + group) * 8 + tbit
+
+
 def _maps(c: int, is_v: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
     return _device_maps(c, is_v, str(torch.device(device)))
 
 
 @functools.lru_cache(maxsize=None)
 def _device_maps(c: int, is_v: bool, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    low_src, plane, group, tbit = fragment_maps(c, is_v)
-    return (torch.from_numpy(low_src).to(device),
-            torch.from_numpy(((plane * 2 * c + group) * 8 + tbit)).to(device))  # bit index in the 3 planes
+    return (torch.from_numpy(fragment_maps(c, is_v)[0]).to(device),
+            torch.from_numpy(plane_bit_sources(c, is_v)).to(device))
 
 
 def to_fragment_order(slots: torch.Tensor, c: int, is_v: bool) -> torch.Tensor:
@@ -184,9 +190,6 @@ def decode(slots: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, channe
     return decode_tiles(slots, base3, base4, channels)
 
 
-FRAGMENT_MAP_ROWS = 6  # rows of 16 C int32 per K / V tile in `fragment_map`
-
-
 def fragment_map(c: int, device) -> torch.Tensor | None:
     """What the Triton kernels take to write and read the fragment order, for K and V tiles: int32 `[2, 6, 16 C]` on
     `device`, per tile kind rows 0..2 = `fragment_destinations` (per element: its low byte's offset, its sign's and
@@ -199,11 +202,8 @@ def fragment_map(c: int, device) -> torch.Tensor | None:
 
 @functools.lru_cache(maxsize=None)
 def _fragment_map(c: int, device: str) -> torch.Tensor:
-    rows = []
-    for is_v in (False, True):
-        _, plane, group, tbit = fragment_maps(c, is_v)
-        sources = ((plane * 2 * c + group) * 8 + tbit).reshape(3, 16 * c)
-        rows.append(np.concatenate([fragment_destinations(c, is_v), sources]).astype(np.int32))
+    rows = [np.concatenate([fragment_destinations(c, is_v), plane_bit_sources(c, is_v).reshape(3, 16 * c)])
+            .astype(np.int32) for is_v in (False, True)]
     return torch.from_numpy(np.stack(rows)).to(device).contiguous()
 
 

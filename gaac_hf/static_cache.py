@@ -43,11 +43,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from hf_common.cache_layers import full_attention_layers
 
 from . import ops
-from .cache import (GAAC_ATTENTION_NAME, _check_kv_dtype, check_storage_format, choose_format, group_heads_of,
-                    resolve_calibration)
+from .cache import GAAC_ATTENTION_NAME, _check_kv_dtype, check_storage_format, choose_format, resolve_calibration
 from .calibration import CalibrationMismatchError, GAACCalibration
 from .format import BLOCK_TABLE_ENTRY_BYTES, BLOCK_TOKENS, MODE_NAMES, TileLayout, tile_split
-from .model_layers import text_config
+from .model_layers import kv_geometry, text_config
 
 # Tiles per encode call of the eager prefill (bounds the encoder's temporary memory).
 ENCODE_MAX_TILES = 8192
@@ -662,7 +661,7 @@ class GAACStaticCache(_StaticCacheBase):
         self.calibration = calibration
         self._max_batch_size = max_batch_size
         stack = _GAACStack(calibration, max_cache_len, max_batch_size, raw_tiles, format_version,
-                           group_heads_of(config))
+                           kv_geometry(config).group_heads)
         self._build(config, max_cache_len, stack,
                     lambda i: GAACStaticLayer(calibration, i, max_cache_len, max_batch_size, raw_tiles, stack),
                     offloading)
@@ -699,8 +698,6 @@ class PlainStaticCache(_StaticCacheBase):
 
     def __init__(self, config, max_cache_len: int, *, max_batch_size: int | None = None,
                  offloading: bool = False):
-        from .model_layers import kv_geometry
-
         g = kv_geometry(config)
         self._max_batch_size = max_batch_size
         stack = _PlainStack(max_cache_len, max_batch_size, g.num_kv_heads, g.head_dim)

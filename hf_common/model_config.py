@@ -15,6 +15,12 @@ class KVGeometry:
     layer_types: tuple[str, ...]
     num_kv_heads: int
     head_dim: int
+    num_attention_heads: int = 0  # query heads (0: not given)
+
+    @property
+    def group_heads(self) -> int:
+        """Query heads per KV head (1 where the query heads are not known)."""
+        return max(1, self.num_attention_heads // self.num_kv_heads) if self.num_attention_heads else 1
 
     @property
     def full_attention_layers(self) -> tuple[int, ...]:
@@ -56,7 +62,7 @@ def kv_geometry(config) -> KVGeometry:
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return KVGeometry(tuple(types), int(kv_heads), int(head_dim))
+    return KVGeometry(tuple(types), int(kv_heads), int(head_dim), int(heads))
 
 
 def cache_kwarg(model) -> str:

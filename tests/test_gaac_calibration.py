@@ -170,7 +170,8 @@ def test_a_format_2_calibration_converts_saves_and_serves_the_caches(tmp_path, t
         make(loaded)
         make(loaded, format_version=2)
         make(tiny_calibration, format_version=1)
-        with pytest.raises(ValueError, match=r"format-version-2 calibration.*this one is version 1.*--format-version 2"):
+        with pytest.raises(ValueError,
+                           match=r"format-version-2 calibration.*this one is version 1.*--format-version 2"):
             make(tiny_calibration, format_version=2)  # version-1 windows are not silently moved
         with pytest.raises(ValueError, match="format version 1 or 2"):
             make(loaded, format_version=3)

@@ -90,10 +90,7 @@ def gaac_append(key: torch.Tensor, value: torch.Tensor, tail_k: torch.Tensor, ta
     tiles = d // channels
     offsets = slot_constants(layout, channels, slot_pool.shape[-1])
     capacity = layout.escape_capacity
-    if format_version not in (1, 2) or (fragment is not None and format_version != 2):
-        raise ValueError(f"gaac_append writes format versions 1 and 2 (a fragment map: version 2 only), not "
-                         f"{format_version}")
-    frag = check_fragment(fragment, channels, key.device)
+    frag = check_fragment(fragment, channels, key.device, format_version)
     with on_device_of(key):
         _append_kernel[(b * 2 * h * tiles,)](
             key, value, tail_k, tail_v, kv_len, base3, base4, slot_pool, raw_pool, table, slot_modes, raw_modes,

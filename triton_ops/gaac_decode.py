@@ -7,7 +7,7 @@ import triton.language as tl
 
 from .device import interpreted, on_device_of
 from .layout import slot_constants
-from .gaac_encode import exclusive_rank
+from .gaac_encode import check_fragment, escape_places
 from .tile import chunk_words, token_rows
 
 
@@ -96,9 +96,7 @@ def _expand_v2_kernel(entry_ptr, slot_ptr, raw_ptr, b3_ptr, b4_ptr, frag_ptr, ou
         g2 = tl.arange(0, 2)[:, None] * C + tl.arange(0, C)[None, :]  # [2, C]
         wide = (tl.load(slot + TAGS + g2 // 8).to(tl.int32) >> (g2 % 8)) & 1
         raw = (tl.load(slot + TAGS + G // 8 + g2 // 8).to(tl.int32) >> (g2 % 8)) & 1
-        hh = tl.arange(0, 2)[:, None]
-        at3 = exclusive_rank(wide, hh)  # plane-3 bytes of the wide groups, then planes 4..7 of the raw ones
-        at_hi = tl.sum(tl.sum(wide, axis=1), axis=0) + 4 * exclusive_rank(raw, hh) - 1
+        at3, at_hi = escape_places(wide, raw, tl.arange(0, 2)[:, None], 2)
         p3 = tl.load(slot + ESC + at3, mask=wide == 1, other=0).to(tl.int32)
         high_bits = (p3[:, None, :] >> i) & 1  # code bit 2
         for k in tl.static_range(1, 5):
@@ -121,8 +119,6 @@ def expand_tiles_v2(table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torc
     """`expand_tiles` of slots in format version 2 (`gaac_hf.format_v2`): in plane order, or, given `fragment`
     (the caller's map, int32 `[2, 6, 16 C]`, K then V tiles: `format_v2.fragment_map`), in that order; positions
     `v_from..P-1` of the last axis (default P / 2) are V tiles. The bases are the even windows."""
-    from .gaac_encode import check_fragment
-
     channels = raw_pool.shape[-1]
     period = base3.shape[0]
     if table.shape[-1] != period or base3.shape != (period, channels):

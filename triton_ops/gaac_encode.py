@@ -50,6 +50,20 @@ def exclusive_rank(x, h):
 
 
 @triton.jit
+def escape_places(wide, raw, h, VERSION: tl.constexpr):
+    """Where a group's escape bytes lie (`gaac_hf.codec.escape_positions`), from its tags `[2, C]` (half h): its
+    plane-3 byte at `at3` and plane 3 + k at `at_hi + k`. Version 2: the plane-3 bytes of the wide groups first, then
+    planes 4..7 of the raw groups; version 1: each group's bytes together, in group order."""
+    if VERSION == 2:
+        at3 = exclusive_rank(wide, h)
+        at_hi = tl.sum(tl.sum(wide, axis=1), axis=0) + 4 * exclusive_rank(raw, h) - 1
+    else:
+        at3 = exclusive_rank(wide + 4 * raw, h)
+        at_hi = at3
+    return at3, at_hi
+
+
+@triton.jit
 def store_slot(out, sm, code, mode, CAPACITY, C: tl.constexpr, E_PAD: tl.constexpr, PLANES: tl.constexpr,
                TAGS: tl.constexpr, ESC: tl.constexpr, frag=None, FRAGMENT: tl.constexpr = False,
                VERSION: tl.constexpr = 1):
@@ -99,13 +113,7 @@ def store_slot(out, sm, code, mode, CAPACITY, C: tl.constexpr, E_PAD: tl.constex
         z16 = tl.arange(0, 16)
         tl.store(out + TAGS + 2 * TAG_PLANE + z16, tl.zeros([16], tl.uint8), mask=z16 < PAD)
 
-    if VERSION == 2:  # plane-3 bytes of the wide groups, then planes 4..7 of the raw groups (codec.escape_positions)
-        at3 = exclusive_rank(wide, h)
-        n_wide = tl.sum(tl.sum(wide, axis=1), axis=0)
-        at_hi = n_wide + 4 * exclusive_rank(raw, h) - 1  # + k: plane 3 + k
-    else:  # each group's bytes together, in group order
-        at3 = exclusive_rank(wide + 4 * raw, h)
-        at_hi = at3
+    at3, at_hi = escape_places(wide, raw, h, VERSION)
     ez = tl.arange(0, E_PAD)
     tl.store(out + ESC + ez, tl.zeros([E_PAD], tl.uint8), mask=ez < CAPACITY)
     tl.debug_barrier()  # the zero fill lands before the escape bytes
@@ -149,10 +157,14 @@ def _placeholder(device: str) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def check_fragment(fragment: torch.Tensor | None, channels: int, device) -> torch.Tensor:
-    """The fragment map of a version-2 launch: int32 `[2, 6, 16 C]` (K tiles, V tiles; `gaac_hf.format_v2
-    .fragment_map`) on the tiles' device, or a placeholder where the slots are written in plane order (`fragment`
-    None)."""
+def check_fragment(fragment: torch.Tensor | None, channels: int, device, format_version: int = 2) -> torch.Tensor:
+    """The fragment map of a launch: int32 `[2, 6, 16 C]` (K tiles, V tiles; `gaac_hf.format_v2.fragment_map`) on the
+    tiles' device, or a placeholder where the slots are written in plane order (`fragment` None). Checks the format
+    version too: 1 or 2, a fragment map with version 2 only."""
+    if format_version not in (1, 2):
+        raise ValueError(f"the GAAC kernels write and read format versions 1 and 2, not {format_version}")
+    if fragment is not None and format_version != 2:
+        raise ValueError("a fragment map orders version-2 slots only")
     if fragment is None:
         return _placeholder(str(torch.device(device)))
     if fragment.dtype != torch.int32 or fragment.shape != (2, 6, 16 * channels) or not fragment.is_contiguous() \
@@ -172,14 +184,10 @@ def gaac_encode(tiles: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, l
     are V tiles. The windows are not checked here (a caller's job: their parity is a host-side fact)."""
     if tiles.dtype != torch.bfloat16:
         raise TypeError(f"the GAAC encoder takes BF16 tiles, not {tiles.dtype}")
-    if format_version not in (1, 2):
-        raise ValueError(f"the GAAC encoder writes format versions 1 and 2, not {format_version}")
-    if fragment is not None and format_version != 2:
-        raise ValueError("a fragment map orders version-2 slots only")
     *lead, period, tokens, channels = tiles.shape
     if tokens != 16 or base3.shape != (period, channels) or base4.shape != (period, channels):
         raise ValueError(f"tiles {tuple(tiles.shape)} and bases {tuple(base3.shape)} do not line up")
-    frag = check_fragment(fragment, channels, tiles.device)
+    frag = check_fragment(fragment, channels, tiles.device, format_version)
     offsets = slot_constants(layout, channels)
     slot_bytes, escape_capacity = layout.slot_bytes, layout.escape_capacity
     x = tiles.contiguous().view(torch.int16)

@@ -896,7 +896,8 @@ __device__ __forceinline__ void load_query(const Params& p, int b, int hk, int g
       kpairs(q01, q23, qb[T][sl][0], qb[T][sl][1]);
     }
 }
-// Windows of the prepass lane's groups (as given: the windows' starts, even for formats 2 and 3) (channels (lane*GPL) % C ..) of kv-head hk, per K|V and tile.
+// Windows of the prepass lane's groups (channels (lane*GPL) % C ..) of kv-head hk, per K|V and tile, as given: the
+// windows' starts (even for format 3, which halves them here).
 __device__ __forceinline__ void load_bases(const Params& p, int hk, int lane, u32 (&b3)[2][TILES][GPL / 4],
                                            u32 (&b4)[2][TILES][GPL / 4]) {
 #pragma unroll
