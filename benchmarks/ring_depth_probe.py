@@ -47,8 +47,9 @@ def main():
             packed, layout, info = encoded[cap]
             assert not compact or info["raw_tiles"] == 0, info
             nsplit = pp.nsplit * warps * ctas // 12
+            compact_bytes = -(-(layout.slot_bytes + gaac_cuda.ESCAPE_SLACK) // 16) * 16
             kw = dict(ws=0, warps=warps, stages=stages, min_ctas=ctas, format_version=3, nsplit=nsplit,
-                      slot_bytes=layout.slot_bytes, buf_bytes=layout.slot_bytes if compact else None)
+                      slot_bytes=layout.slot_bytes, buf_bytes=compact_bytes if compact else None)
             pc = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, **kw)
             got = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout, pc)
             twin = gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, gaac_cuda.plan(

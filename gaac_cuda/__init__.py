@@ -4,8 +4,8 @@ Kernel sources live in `kernels/`, thin launchers beside them; nothing here know
 touches no GPU: `available(device)` tells whether the kernels can run there (a Hopper GPU with NVRTC found).
 """
 
-from .decode_attention import (MAX_GROUP_HEADS, DecodePlan, available, decode_attention, plain_decode_attention, plan,
-                               trace_size)
+from .decode_attention import (ESCAPE_SLACK, MAX_GROUP_HEADS, DecodePlan, available, decode_attention,
+                               plain_decode_attention, plan, trace_size)
 
-__all__ = ["MAX_GROUP_HEADS", "DecodePlan", "available", "decode_attention", "plain_decode_attention", "plan",
-           "trace_size"]
+__all__ = ["ESCAPE_SLACK", "MAX_GROUP_HEADS", "DecodePlan", "available", "decode_attention", "plain_decode_attention",
+           "plan", "trace_size"]

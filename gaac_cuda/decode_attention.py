@@ -186,9 +186,9 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     tiles = head_dim // channels
     buf = _stage_buffer(channels, slot_bytes, plain, dense_slots)
     if buf_bytes is not None:
-        if plain or not dense_slots or buf_bytes < slot_bytes or buf_bytes % 16:
+        if plain or not dense_slots or buf_bytes < slot_bytes + ESCAPE_SLACK or buf_bytes % 16:
             raise ValueError(f"buf_bytes {buf_bytes}: compressed KV staged as stored, a multiple of 16 bytes that "
-                             f"holds a {slot_bytes}-byte slot")
+                             f"holds a {slot_bytes}-byte slot and {ESCAPE_SLACK} bytes past it")
         buf = buf_bytes
     scratch = 0 if plain else _scratch(channels, format_version)
     header = 128 if plain else 64  # stage barriers (K and V apart for plain KV) and slot bits: the kernel's HDR
@@ -234,11 +234,17 @@ def _scratch(channels: int, format_version: int) -> int:
     return per_group * 2 * channels
 
 
+ESCAPE_SLACK = 16  # buffer bytes past a slot: the prepass reads a lane's escape bytes as a 12-byte window and clamps
+# reads to the buffer, so a window that starts near a full escape area must not reach the buffer's end
+
+
 def _stage_buffer(channels: int, slot_bytes: int, plain: bool, dense_slots: bool) -> int:
     """Bytes of one tile buffer in a ring stage: a BF16 tile, or a slot (its sign+mantissa rows padded by 16 bytes
-    each unless staged as stored), whichever is larger."""
+    each unless staged as stored) and `ESCAPE_SLACK`, whichever is larger."""
     raw_bytes = 2 * BLOCK * channels
-    return raw_bytes if plain else max(raw_bytes, -(-(slot_bytes + (0 if dense_slots else 16 * 16)) // 16) * 16)
+    if plain:
+        return raw_bytes
+    return max(raw_bytes, -(-(slot_bytes + (0 if dense_slots else 16 * 16) + ESCAPE_SLACK) // 16) * 16)
 
 
 def _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, *, slot_bytes, plain, nsplit, ws, stages, min_ctas,

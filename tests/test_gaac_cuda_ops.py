@@ -80,7 +80,14 @@ def test_plan_rejects_shapes_the_kernel_does_not_cover():
     assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, ws=0).warp_bytes == -(-(64 + 2 * 2 * 4096 + 14 * 128) // 128) * 128
     dense = plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=3200, dense_slots=True, ws=0)
     assert "-DGAAC_DENSE_SLOT=1" in dense.options and dense.buf_bytes == 4096  # no row padding: the raw tile's size
-    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=4000, ws=0).buf_bytes == 4256
+    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=4000, ws=0).buf_bytes == 4256 + 16
+    # a slot larger than a raw tile keeps 16 bytes past it: the prepass reads 12-byte escape windows clamped to the
+    # buffer, and a full escape area (all-raw tiles, 1,280 escape bytes at 128 channels) must not be clamped
+    for ws in (0, 4):
+        assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=4160, dense_slots=True, ws=ws,
+                    format_version=3).buf_bytes == 4176
+    with pytest.raises(ValueError, match="16 bytes past it"):
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=4160, dense_slots=True, ws=0, buf_bytes=4160)
     with pytest.raises(ValueError, match="v_words"):
         plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, v_words=3, ws=0)
 

@@ -417,7 +417,7 @@ __device__ __forceinline__ void prepass(const Params& p, const u8* slot, const S
     if (lt.any_raw && !F3_OVERLAY) *reinterpret_cast<u32*>(s.raw + g0) = rm;
   }
   if (F3_OVERLAY) {
-    if (lt.any_raw) f3_overlay<IS_V>(esc, p.buf_bytes - SECTION_SHIFT - p.esc_off - 5, s, lane, lt);
+    if (lt.any_raw) f3_overlay<IS_V>(esc, p.buf_bytes - SECTION_SHIFT - p.esc_off - 4, s, lane, lt);
   } else if (lt.any_raw) {  // planes 4..7 of raw groups: the 4 escape bytes after plane 3
     const int esc_max = p.buf_bytes - SECTION_SHIFT - p.esc_off - 5;
     unsigned long long hi[4] = {0, 0, 0, 0};
