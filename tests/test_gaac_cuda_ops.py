@@ -309,24 +309,6 @@ def test_format_2_slots_equal_plain_twin(case):
 
 
 @gpu
-@pytest.mark.parametrize("case", [GPU_CASES[1], GPU_CASES[9]],
-                         ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
-def test_work_orders_give_the_same_bits(case):
-    """The one-warp kernel's work orders (GAAC_SPREAD: which warp takes which split) move no partial result: 3 and
-    8 kv heads, two rows of different lengths, split counts that are and are not multiples of the heads."""
-    b, h, nrep, _, d, _, _, _ = case
-    (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, _ = case_with_reference(case, 2)
-    for nsplit in (5, None):
-        kw = dict(slot_bytes=layout.slot_bytes, nsplit=nsplit, ws=0, format_version=3)
-        want = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout,
-                                plan(b, h, nrep, d, k.shape[2], "cuda", **kw))
-        for order in (1, 2):
-            pc = plan(b, h, nrep, d, k.shape[2], "cuda", defines=(f"GAAC_SPREAD={order}",), **kw)
-            got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
-            assert torch.equal(bits(got), bits(want)), f"order {order}, nsplit {pc.nsplit}"
-
-
-@gpu
 @pytest.mark.parametrize("d", [64, 128])
 def test_fragment_order_prototype_equals_plain_twin(d):
     """Format 3 (the fragment-order byte-split prototype of benchmarks/format_v2_probe.py, CPU-checked in

@@ -43,9 +43,6 @@
 #ifndef GAAC_TRACE  // benchmark probe: per-warp globaltimer stamps into Params::trace
 #define GAAC_TRACE 0
 #endif
-#ifndef GAAC_SPREAD  // the one-warp kernel's work order (which warp takes which split; the bits never change): a
-#define GAAC_SPREAD 0  // (row, kv head)'s splits on consecutive warps (0), kv heads interleaved warp by warp (1), or
-#endif                 // interleaved and rotated by one head every second CTA (2), so that an SM holds most heads
 #ifndef GAAC_F3DUP  // format 3 with the overlay: tiles with and without a raw group run their own inlined copy of the
 #define GAAC_F3DUP 1  // tile code (1: the other never touches the overlay; 74.8 against 77.5 us) or one copy (0)
 #endif
@@ -923,17 +920,8 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int total = p.batch * p.heads * p.nsplit;
-  const int w = blockIdx.x * GAAC_WARPS + warp;  // the warp's place in the work order (GAAC_SPREAD)
-  if (w >= total) return;
-  int b, hk, split;
-  if (GAAC_SPREAD == 0) {
-    b = w / (p.heads * p.nsplit), hk = (w / p.nsplit) % p.heads, split = w % p.nsplit;
-  } else {
-    const int r = w / p.heads;
-    const int turn = GAAC_SPREAD == 2 ? r / max(1, 2 * GAAC_WARPS / p.heads) : 0;  // one value per run of heads
-    hk = (w % p.heads + turn) % p.heads, split = r % p.nsplit, b = r / p.nsplit;
-  }
-  const int item = (b * p.heads + hk) * p.nsplit + split;  // where its partial goes: the same in every order
+  const int item = blockIdx.x * GAAC_WARPS + warp;
+  if (item >= total) return;
 
   u8* ws = smem + warp * p.warp_bytes;
   const u32 bars = smem_u32(ws);
@@ -949,6 +937,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   __syncwarp();
   u32 phases = 0;  // parity of each stage's barrier
 
+  const int b = item / (p.heads * p.nsplit), hk = (item / p.nsplit) % p.heads, split = item % p.nsplit;
   if (GAAC_TRACE && lane == 0) {
     u32 sm;
     asm volatile("mov.u32 %0, %smid;" : "=r"(sm));
