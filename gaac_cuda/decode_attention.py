@@ -35,13 +35,17 @@ DENSE_SLOTS = False  # compressed KV: slots staged as stored by one bulk copy (s
 # keeps the one-warp kernel (session 10 on the H200, benchmarks/results/attention_cuda.md: this twin 0.90 / 0.94 /
 # 0.91x cuDNN at 1x64K / 1x128K / 4x64K against 0.85 / 0.88 / 0.86x; compressed KV on it 2-7% slower there)
 WS_TWIN = 6
+# Pace of the one-warp kernel's CTAs by their launch rank on the SM (3 per SM), measured in session 15 (the warp
+# schedulers favour the older CTA: 1.26-1.29 : 1.12 : 1 at 1x16K-4x64K, benchmarks/results/warp_finish_probe_s15.json):
+# `plan(balance=RANK_PACE)` weighs the splits by it (see `split_table`)
+RANK_PACE = (32, 28, 25)
 WS_TWIN_CTAS_PER_SM = 2
 WS_DENSE_SLOTS = True  # slots staged as stored, one bulk copy each (the producer's issue rate)
 
 
 class _Params(ctypes.Structure):  # mirrors `struct Params` in the kernel source
     _fields_ = ([(n, ctypes.c_void_p) for n in ("q", "slots", "raw", "table", "kv_k", "kv_v", "base3", "base4",
-                                                 "kv_len", "mask", "part_o", "part_ml", "out", "trace", "spare0")]
+                                                 "kv_len", "mask", "part_o", "part_ml", "out", "trace", "split_cum")]
                 + [(n, ctypes.c_longlong) for n in ("slot_bytes", "table_sb", "kv_sb", "kv_sh", "kv_ss", "mask_sb")]
                 + [(n, ctypes.c_int) for n in ("batch", "heads", "rep", "nsplit", "spare1", "buf_bytes", "warp_bytes",
                                                "planes_off", "tags_off", "esc_off")]
@@ -84,6 +88,7 @@ class DecodePlan:
     warp_bytes: int
     options: tuple
     ws: int = 0  # consumer warps of the warp-specialized kernel (`plan(ws=n)`); warp_bytes is then per CTA
+    split_cum: tuple = ()  # `plan(balance=...)`: cumulative split weights per row, [batch * (nsplit + 1)]
 
     @property
     def items(self) -> int:
@@ -122,7 +127,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
          min_ctas: int | None = None, skip: int = 0, trace: bool = False, format_version: int = 1,
          swizzle: bool = SWIZZLE, v_words: int | None = None, dense_slots: bool | None = None,
          ws: int | None = None, defines: tuple[str, ...] = (),
-         buf_bytes: int | None = None) -> DecodePlan:
+         buf_bytes: int | None = None, balance: tuple[int, ...] | None = None) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
@@ -149,7 +154,12 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     more `NAME=VALUE` compile-time options of the kernel source, e.g. ("GAAC_F3DUP=0",); they key the kernel cache
     like every option.
     `buf_bytes` (benchmarks, one-warp kernel, slots staged as stored): a ring stage's tile buffer, at least the slot;
-    below a BF16 tile's bytes only for KV without raw tiles (the caller's check: a raw tile would overrun it)."""
+    below a BF16 tile's bytes only for KV without raw tiles (the caller's check: a raw tile would overrun it).
+    `balance` (benchmarks, measured next): per-rank split weights (e.g. `RANK_PACE`): each row's units are shared
+    out in proportion to `split_table`'s weights instead of ceil(units / nsplit) per split, and the one-warp kernel
+    interleaves the kv heads warp by warp, so a row's splits lie in CTAs of every launch rank. The table depends on
+    the shape, the SM count and the weights only: compressed KV and its twin planned with the same `balance` split
+    alike (the same bits), on either kernel."""
     if not 1 <= rep <= MAX_GROUP_HEADS:
         raise ValueError(f"the CUDA decode kernel packs at most {MAX_GROUP_HEADS} query heads per kv-head, got {rep}")
     one_warp = bool(trace or (swizzle and plain) or warps != 4)
@@ -174,7 +184,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         return _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, slot_bytes=slot_bytes, plain=plain,
                         nsplit=nsplit, ws=ws, stages=2 * ws if stages is None else stages, min_ctas=min_ctas,
                         skip=skip, dense_slots=WS_DENSE_SLOTS if dense_slots is None else dense_slots,
-                        format_version=format_version, extra=extra)
+                        format_version=format_version, extra=extra, balance=balance)
     if stages is None:
         stages = 2
     if dense_slots is None:
@@ -210,7 +220,46 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         options += (f"-DGAAC_SKIP={skip}",)
     if nsplit is None:
         nsplit = _default_nsplit(batch, kv_heads, max_tokens, device, tiles)
-    return DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes, options)
+    options, cum = _balanced(options, batch, kv_heads, nsplit, device, balance)
+    return DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes, options,
+                      split_cum=cum)
+
+
+def split_table(batch: int, kv_heads: int, nsplit: int, weights: tuple[int, ...], sms: int,
+                warps: int = 4) -> tuple[int, ...]:
+    """Cumulative split weights per row, flat `[batch * (nsplit + 1)]`: split s of row b weighs `weights[r]`, r the
+    launch rank on its SM of the one-warp kernel's CTA that runs it under `plan(balance=...)` (warp (b * nsplit + s)
+    * kv_heads + head, `warps` warps per CTA, `sms` CTAs per rank: CTA index // sms), the last weight for later
+    ranks. Split s of a row then holds units [units * cum[s] // cum[nsplit], units * cum[s + 1] // cum[nsplit])."""
+    if not weights or any(int(w) != w or w < 1 for w in weights):
+        raise ValueError(f"split weights are positive integers, not {weights}")
+    out = []
+    for b in range(batch):
+        acc = 0
+        out.append(acc)
+        for s in range(nsplit):
+            rank = (b * nsplit + s) * kv_heads // warps // sms
+            acc += int(weights[min(rank, len(weights) - 1)])
+            out.append(acc)
+    return tuple(out)
+
+
+def _sm_count(device) -> int:
+    """SMs of `device`; 132 (an H100 / H200) where it is not a CUDA device (plans made on a CPU machine)."""
+    dev = torch.device(device)
+    return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
+
+
+def _balanced(options: tuple, batch, kv_heads, nsplit, device, balance) -> tuple[tuple, tuple]:
+    """`plan(balance=...)`: the kernel option and the split table (none without `balance`)."""
+    if balance is None:
+        return options, ()
+    return options + ("-DGAAC_BALANCE=1",), split_table(batch, kv_heads, nsplit, tuple(balance), _sm_count(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _split_cum_tensor(cum: tuple, device: torch.device) -> torch.Tensor:
+    return torch.tensor(cum, dtype=torch.int32, device=device)
 
 
 def _default_nsplit(batch, kv_heads, max_tokens, device, tiles=1) -> int:
@@ -248,7 +297,7 @@ def _stage_buffer(channels: int, slot_bytes: int, plain: bool, dense_slots: bool
 
 
 def _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, *, slot_bytes, plain, nsplit, ws, stages, min_ctas,
-             skip, dense_slots, format_version=1, extra=()) -> DecodePlan:
+             skip, dense_slots, format_version=1, extra=(), balance=None) -> DecodePlan:
     if head_dim not in (64, 128):
         raise ValueError(f"the warp-specialized kernel supports head_dim 64 and 128, not {head_dim}")
     if not 1 <= ws <= 15 or stages < ws or stages % ws:
@@ -272,8 +321,9 @@ def _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, *, slot_bytes, 
         options += (f"-DGAAC_SKIP={skip}",)
     if nsplit is None:  # the one-warp kernel's split count (compressed KV and its twin must split alike)
         nsplit = _default_nsplit(batch, kv_heads, max_tokens, device)
+    options, cum = _balanced(options, batch, kv_heads, nsplit, device, balance)
     return DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, ws + 1, stages, buf, cta_bytes, options,
-                      ws=ws)
+                      ws=ws, split_cum=cum)
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -319,6 +369,8 @@ def _run(p: DecodePlan, query, kv_len, mask, scale, fill, combine_too: bool = Tr
         if trace is None or trace.dtype != torch.int64 or trace.numel() < trace_size(p) or trace.device != dev:
             raise ValueError(f"a traced plan needs an int64 trace tensor of {trace_size(p)} elements on {dev}")
         prm.trace = trace.data_ptr()
+    if p.split_cum:  # cached per table and device: made once, outside any graph capture that replays it
+        prm.split_cum = _split_cum_tensor(p.split_cum, dev).data_ptr()
     keep = fill(prm)  # tensors the launch reads must outlive it
     split_kernel, combine = p.kernels(dev)
     with torch.cuda.device(dev):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gaac_cuda import available, decode_attention, plain_decode_attention, plan
-from gaac_cuda.decode_attention import _SOURCE_FILE, WS_TWIN, WS_TWIN_CTAS_PER_SM
+from gaac_cuda.decode_attention import _SOURCE_FILE, RANK_PACE, WS_TWIN, WS_TWIN_CTAS_PER_SM, split_table
 from gaac_hf.format import TileLayout
 from gaac_triton_cases import compress_kv, realistic_kv
 
@@ -90,6 +90,33 @@ def test_plan_rejects_shapes_the_kernel_does_not_cover():
         plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=4160, dense_slots=True, ws=0, buf_bytes=4160)
     with pytest.raises(ValueError, match="v_words"):
         plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, v_words=3, ws=0)
+
+
+def test_balanced_split_table():
+    """plan(balance=...): each row's splits weighted by the launch rank of the one-warp CTA that runs them (heads
+    interleaved warp by warp, 4 warps per CTA, 132 SMs per rank); the kernel's ranges (units * cum[s] // cum[n])
+    cover every unit once; compressed KV and its twin (one-warp or warp-specialized) get the same table."""
+    cum = split_table(2, 8, 198, RANK_PACE, 132)
+    assert len(cum) == 2 * 199
+    row0, row1 = cum[:199], cum[199:]
+    steps0 = [row0[s + 1] - row0[s] for s in range(198)]
+    # row 0: warps s * 8 .. s * 8 + 7 -> CTA 2s, 2s + 1 -> rank 2s // 132: splits 0..65 rank 0, 66..131 rank 1, ...
+    assert steps0[:66] == [32] * 66 and steps0[66:132] == [28] * 66 and steps0[132:] == [25] * 66
+    assert set(row1[s + 1] - row1[s] for s in range(198)) == {25}  # row 1's CTAs are past the third rank
+    for units in (0, 1, 5, 197, 198, 4096, 65537 // 16 + 1):
+        for row in (row0, row1):
+            ranges = [(units * row[s] // row[-1], units * row[s + 1] // row[-1]) for s in range(198)]
+            assert ranges[0][0] == 0 and ranges[-1][1] == units
+            assert all(a[1] == b[0] and a[0] <= a[1] for a, b in zip(ranges, ranges[1:]))
+    compressed = plan(2, 8, 4, 128, 65536, "cpu", slot_bytes=3000, format_version=3, ws=0, nsplit=198,
+                      balance=RANK_PACE)
+    twin = plan(2, 8, 4, 128, 65536, "cpu", plain=True, nsplit=198, balance=RANK_PACE)
+    twin_one_warp = plan(2, 8, 4, 128, 65536, "cpu", plain=True, nsplit=198, balance=RANK_PACE, ws=0)
+    assert twin.ws and compressed.split_cum == twin.split_cum == twin_one_warp.split_cum == cum
+    assert all("-DGAAC_BALANCE=1" in p.options for p in (compressed, twin, twin_one_warp))
+    assert plan(2, 8, 4, 128, 65536, "cpu", plain=True, nsplit=198).split_cum == ()
+    with pytest.raises(ValueError, match="positive integers"):
+        split_table(1, 8, 4, (1.5, 1), 132)
 
 
 def test_plan_of_the_warp_specialized_kernel():
@@ -306,6 +333,29 @@ def test_format_2_slots_equal_plain_twin(case):
         assert torch.equal(bits(got), bits(twin)), f"format 2 != twin (nsplit {pc.nsplit}, ws {ws})"
         err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, (err, pc.nsplit)
+
+
+@gpu
+@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[4] in (64, 128)],
+                         ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
+def test_balanced_splits_equal_the_balanced_twin(case):
+    """plan(balance=...) (splits weighted by launch rank, heads interleaved across warps): compressed KV of both
+    format versions on the one-warp kernel gives the bits of its plain twin planned with the same weights, on the
+    warp-specialized and on the one-warp kernel, at several split counts, and is attention."""
+    b, h, nrep, _, d, kind, cap, pad = case
+    for version, fmt in ((1, 1), (2, 3)):
+        c = (b, h, nrep, case[3], d, kind, cap + 32 if version == 2 and kind == "mixed" else cap, pad)
+        (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(c, version)
+        for nsplit, weights in ((None, RANK_PACE), (5, (3, 1)), (1, (2,))):
+            pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, ws=0,
+                      format_version=fmt, balance=weights)
+            got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
+            for ws in (None, 0):
+                pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, ws=ws, balance=weights)
+                twin = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
+                assert torch.equal(bits(got), bits(twin)), f"version {version}, nsplit {pc.nsplit}, twin ws {pp.ws}"
+            err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
+            assert err < 1e-2, (err, pc.nsplit)
 
 
 @gpu

@@ -43,6 +43,10 @@
 #ifndef GAAC_TRACE  // benchmark probe: per-warp globaltimer stamps into Params::trace
 #define GAAC_TRACE 0
 #endif
+#ifndef GAAC_BALANCE  // split sizes (the same for compressed KV and its twin, so the bits match): ceil(units /
+#define GAAC_BALANCE 0  // nsplit) units per split (0), or a row's units in proportion to the per-split weights of
+#endif                  // Params::split_cum (1); the one-warp kernel then interleaves the kv heads warp by warp, so
+                        // that a row's splits lie in CTAs of every launch rank on their SMs (split_table)
 #ifndef GAAC_F3DUP  // format 3 with the overlay: tiles with and without a raw group run their own inlined copy of the
 #define GAAC_F3DUP 1  // tile code (1: the other never touches the overlay; 74.8 against 77.5 us) or one copy (0)
 #endif
@@ -109,14 +113,15 @@ struct Params {
   float* part_ml;      // [items, rep, 2]
   u16* out;            // [B, Hq, D]
   unsigned long long* trace;  // GAAC_TRACE: [items, 4] split stamps (entry, first unit ready, done, SM), combine starts
-  void* spare0;        // unused: spare0 and spare1 keep the offsets of the fields after them, and with them the
+  const int* split_cum;  // GAAC_BALANCE: [B, nsplit + 1] cumulative split weights per row (else unused: it and
+                        // spare1 keep the offsets of the fields after them, and with them the
                        // code of every build as measured (dropping them changes register allocation)
   i64 slot_bytes;
   i64 table_sb;        // table stride per batch row, in int32
   i64 kv_sb, kv_sh, kv_ss;  // strides of kv_k / kv_v in elements
   i64 mask_sb;
   int batch, heads, rep, nsplit;
-  int spare1;          // unused (see spare0)
+  int spare1;          // unused (see split_cum)
   int buf_bytes;       // bytes of one tile buffer in the ring
   int warp_bytes;      // shared memory per warp
   int planes_off, tags_off, esc_off;  // slot layout (format.py)
@@ -915,13 +920,31 @@ __device__ __forceinline__ void load_bases(const Params& p, int hk, int lane, u3
       }
 }
 
+#if GAAC_BALANCE
+// Split `split` of row b: its first unit and unit count, the row's `units` in proportion to its cumulative split
+// weights (without GAAC_BALANCE each kernel takes ceil(units / nsplit) per split, the last ones short or empty).
+__device__ __forceinline__ void split_range(const Params& p, int b, int split, int units, int& u0, int& n) {
+  const int* cum = p.split_cum + (i64)b * (p.nsplit + 1);
+  const i64 tot = cum[p.nsplit];
+  u0 = (int)((i64)units * cum[split] / tot);
+  n = (int)((i64)units * cum[split + 1] / tot) - u0;
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaac_decode_split(const Params p) {
   extern __shared__ __align__(128) u8 smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int total = p.batch * p.heads * p.nsplit;
+#if GAAC_BALANCE  // the kv heads interleaved warp by warp: warp w takes head w % heads, split w / heads of its row
+  const int w = blockIdx.x * GAAC_WARPS + warp;
+  if (w >= total) return;
+  const int b = w / (p.heads * p.nsplit), hk = w % p.heads, split = (w / p.heads) % p.nsplit;
+  const int item = (b * p.heads + hk) * p.nsplit + split;  // where its partial goes
+#else
   const int item = blockIdx.x * GAAC_WARPS + warp;
   if (item >= total) return;
+#endif
 
   u8* ws = smem + warp * p.warp_bytes;
   const u32 bars = smem_u32(ws);
@@ -937,7 +960,9 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   __syncwarp();
   u32 phases = 0;  // parity of each stage's barrier
 
+#if !GAAC_BALANCE
   const int b = item / (p.heads * p.nsplit), hk = (item / p.nsplit) % p.heads, split = item % p.nsplit;
+#endif
   if (GAAC_TRACE && lane == 0) {
     u32 sm;
     asm volatile("mov.u32 %0, %smid;" : "=r"(sm));
@@ -948,9 +973,14 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   const int len = p.kv_len[b];
   const int nb = len >> 4, tl = len & 15;
   const int units = nb + (tl > 0 ? 1 : 0);
+#if GAAC_BALANCE
+  int u0, n;
+  split_range(p, b, split, units, u0, n);
+#else
   // the split's units: a contiguous range of ceil(units / nsplit), u0 .. u0 + n - 1
   const int per = (units + p.nsplit - 1) / p.nsplit;
   const int u0 = min(units, split * per), n = min(units, u0 + per) - u0;
+#endif
 
   u32 qb[TILES][NKS][2];
   load_query(p, b, hk, g, t, qb);
@@ -1276,6 +1306,17 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
   const int len = p.kv_len[b];
   const int nb = len >> 4, tl = len & 15;
   const int units = nb + (tl > 0 ? 1 : 0);
+#if GAAC_BALANCE
+  // split (cs * NC + w)'s first unit and unit count, as in the one-warp kernel: computed once by lane w of every
+  // warp, read by a shuffle (all callers are whole warps)
+  int lane_u0 = units, lane_n = 0;
+  if (lane < NC && cs * NC + lane < p.nsplit) split_range(p, b, cs * NC + lane, units, lane_u0, lane_n);
+  auto range = [&](int w, int& u0, int& n) {
+    u0 = __shfl_sync(0xffffffffu, lane_u0, w);
+    n = __shfl_sync(0xffffffffu, lane_n, w);
+  };
+  const int per = __reduce_max_sync(0xffffffffu, lane_n);  // the most units of one of the CTA's splits
+#else
   const int per = (units + p.nsplit - 1) / p.nsplit;  // units per split, as in the one-warp kernel
   // split (cs * NC + w)'s first unit and unit count
   auto range = [&](int w, int& u0, int& n) {
@@ -1283,6 +1324,7 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
     u0 = min(units, split * per);
     n = split < p.nsplit ? min(units, u0 + per) - u0 : 0;
   };
+#endif
 
   if (warp == NC) {  // the producer
     const int* trow = p.table + (i64)b * p.table_sb;

@@ -1,0 +1,146 @@
+"""Splits weighted by the pace of their CTA's launch rank (`gaac_cuda.plan(balance=...)`), measured on format version 2
+as the caches store it (the kernel's format 3), real-statistics KV, H200.
+
+Session 15 found the one-warp kernel's tail in the warp schedulers' preference for the older CTA: of the three CTAs
+on an SM the first-launched finishes 26-29% sooner, the last sets the kernel's time
+(`benchmarks/results/warp_finish_probe_s15.json`). `balance` shares each row's units out in proportion to per-rank
+weights, with the kv heads interleaved across warps so a row's splits span the ranks; the twin planned with the same
+weights splits alike (bits checked here, on the warp-specialized and the one-warp kernel). Also timed: one CTA of 12
+warps per SM (no CTA age at all). Per variant: graph-replayed µs, bits against the twin, and the finish times by
+launch rank (or warp group) from the kernel's globaltimer stamps. JSON and a table:
+
+    python benchmarks/balance_probe.py --real-kv .bench/real_kv_2k.safetensors --out $OUT/balance.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import gaac_cuda  # noqa: E402
+from benchmarks.attention import bench_graph  # noqa: E402
+from benchmarks.format_v2_probe import compress_v2, probe_args, probe_shapes  # noqa: E402
+from benchmarks.warp_finish_probe import grouped  # noqa: E402
+from gaac_cuda.decode_attention import RANK_PACE  # noqa: E402
+
+GAAC_VARIANTS = {  # label: plan options of the compressed kernel (one-warp, format 3)
+    "gaac": {},
+    "gaac_balanced": {"balance": RANK_PACE},
+    "gaac_balanced_strong": {"balance": (36, 29, 23)},
+    "gaac_balanced_mild": {"balance": (29, 27, 25)},
+    "gaac_12_warps": {"warps": 12, "min_ctas": 1},
+}
+
+
+def finish_by_rank(tr: torch.Tensor, pl, hkv: int) -> dict:
+    """Finish times (µs after the first entry) grouped by the launch rank of the warp's CTA on its SM, and by warp
+    group (warp index in the CTA // 4) for CTAs of more than 4 warps."""
+    items = pl.items
+    st = tr[: 4 * items].view(items, 4).cpu().double()
+    live = st[:, 1] > -1e17
+    done = (st[:, 2] - st[:, 0].min()) / 1e3
+    sm = st[:, 3].long()
+    item = torch.arange(items)
+    if "-DGAAC_BALANCE=1" in pl.options:  # warp w ran item (b, head w % heads, split w / heads)
+        b, rest = item // (hkv * pl.nsplit), item % (hkv * pl.nsplit)
+        w = (b * pl.nsplit + rest % pl.nsplit) * hkv + rest // pl.nsplit
+    else:
+        w = item
+    cta, warp = w // pl.warps, w % pl.warps
+    rank = torch.zeros(items, dtype=torch.long)
+    for smi in sm[live].unique():
+        on = (sm == smi) & live
+        rank[on] = torch.searchsorted(cta[on].unique(), cta[on])
+    out = {"done_max_us": round(float(done[live].max()), 2), "done_p50_us": round(float(done[live].median()), 2),
+           "by_cta_rank": grouped(done[live], rank[live])}
+    if pl.warps > 4:
+        out["by_warp_group"] = grouped(done[live], (warp // 4)[live])
+    return out
+
+
+def main():
+    args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/balance_probe.json")
+    dev = torch.device("cuda")
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rank_pace": RANK_PACE, "rows": []}
+    for (hq, hkv, d, b, s), k, v, q, scale, kv_len in probe_shapes(args, dev):
+        t0 = time.time()
+        packed, layout, info = compress_v2(k, v)
+        bufs = [packed] + [tuple(x.clone() for x in packed) for _ in range(args.buffers - 1)]
+        kvs = [(k, v)] + [(k.clone(), v.clone()) for _ in range(args.buffers - 1)]
+        nsplit = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, ws=0).nsplit
+        row = {"shape": f"{hq}/{hkv}/{d} {b}x{s}", "nsplit": nsplit, "bytes": info["bytes"]}
+
+        def gaac(pl, i=0, trace=None):
+            pk = bufs[i]
+            return gaac_cuda.decode_attention(q, *pk[:5], pk[5], pk[6], kv_len, None, scale, layout, pl, trace=trace)
+
+        def twin(pl, i=0):
+            return gaac_cuda.plain_decode_attention(q, kvs[i][0], kvs[i][1], kv_len, None, scale, pl)
+
+        twins = {}  # balance -> twin bits (warp-specialized)
+        for label, ws, balance in (("twin", None, None), ("twin_balanced", None, RANK_PACE),
+                                   ("twin_one_warp_balanced", 0, RANK_PACE)):
+            pl = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, nsplit=nsplit, ws=ws, balance=balance)
+            out = twin(pl)
+            twins.setdefault(balance, out)
+            row[label] = {"us": bench_graph(lambda i, pl=pl: twin(pl, i), args.buffers),
+                          "same_bits_as_ws_twin": torch.equal(out.view(torch.int16), twins[balance].view(torch.int16))}
+        for label, kw in GAAC_VARIANTS.items():
+            pl = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, format_version=3,
+                                nsplit=nsplit, ws=0, **kw)
+            out = gaac(pl)
+            want = twins.get(kw.get("balance")) if "balance" in kw else twins[None]
+            if want is None:  # weights no twin was planned with
+                want = twin(gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, nsplit=nsplit,
+                                           balance=kw["balance"]))
+            us = bench_graph(lambda i, pl=pl: gaac(pl, i), args.buffers)
+            entry = {"us": us, "tb_per_s": round(info["bytes"] / us / 1e6, 3),
+                     "bit_identical_to_twin": torch.equal(out.view(torch.int16), want.view(torch.int16))}
+            pt = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, format_version=3,
+                                nsplit=nsplit, ws=0, trace=True, **kw)
+            tr = torch.full((gaac_cuda.trace_size(pt),), -(2 ** 62), dtype=torch.int64, device=dev)
+            gaac(pt, trace=tr)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                gaac(pt, trace=tr)
+            for _ in range(3):
+                g.replay()
+            torch.cuda.synchronize()
+            entry["finish"] = finish_by_rank(tr, pt, hkv)
+            row[label] = entry
+            print(row["shape"], label, json.dumps(entry), flush=True)
+        q4 = q.unsqueeze(2)
+
+        def cudnn(i):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                torch.nn.functional.scaled_dot_product_attention(q4, kvs[i][0], kvs[i][1], scale=scale,
+                                                                 enable_gqa=True)
+        row["cudnn_us"] = bench_graph(cudnn, args.buffers)
+        res["rows"].append(row)
+        print(row["shape"], {k2: v2 for k2, v2 in row.items() if k2.startswith("twin") or k2 == "cudnn_us"},
+              f"({time.time() - t0:.0f}s)", flush=True)
+        bufs = kvs = packed = None  # free the pools before the next shape
+        torch.cuda.empty_cache()
+    labels = list(GAAC_VARIANTS) + ["twin", "twin_balanced", "twin_one_warp_balanced"]
+    print("\n| shape | " + " | ".join(labels) + " | cuDNN |")
+    print("|---" * (len(labels) + 2) + "|")
+    for r in res["rows"]:
+        cells = [f"{r[lab]['us']:.1f}" + ("" if r[lab].get("bit_identical_to_twin", True) else " BITS DIFFER")
+                 for lab in labels]
+        print(f"| {r['shape']} | " + " | ".join(cells) + f" | {r['cudnn_us']:.1f} |")
+    res["command"] = " ".join(["python", "benchmarks/balance_probe.py", *sys.argv[1:]])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
