@@ -39,6 +39,9 @@ WS_TWIN = 6
 # schedulers favour the older CTA: 1.26-1.29 : 1.12 : 1 at 1x16K-4x64K, benchmarks/results/warp_finish_probe_s15.json):
 # `plan(balance=RANK_PACE)` weighs the splits by it (see `split_table`)
 RANK_PACE = (32, 28, 25)
+# `plan`'s split weights where none are given (one tile per head): off (None) until measured faster on the H200;
+# GAAC_HF_CUDA_BALANCE=1 turns RANK_PACE on for every plan of the process (compressed KV and its twin alike)
+BALANCE = RANK_PACE if os.environ.get("GAAC_HF_CUDA_BALANCE") == "1" else None
 WS_TWIN_CTAS_PER_SM = 2
 WS_DENSE_SLOTS = True  # slots staged as stored, one bulk copy each (the producer's issue rate)
 
@@ -155,11 +158,13 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     like every option.
     `buf_bytes` (benchmarks, one-warp kernel, slots staged as stored): a ring stage's tile buffer, at least the slot;
     below a BF16 tile's bytes only for KV without raw tiles (the caller's check: a raw tile would overrun it).
-    `balance` (benchmarks, measured next): per-rank split weights (e.g. `RANK_PACE`): each row's units are shared
-    out in proportion to `split_table`'s weights instead of ceil(units / nsplit) per split, and the one-warp kernel
-    interleaves the kv heads warp by warp, so a row's splits lie in CTAs of every launch rank. The table depends on
-    the shape, the SM count and the weights only: compressed KV and its twin planned with the same `balance` split
-    alike (the same bits), on either kernel."""
+    `balance`: per-rank split weights (e.g. `RANK_PACE`; None: `BALANCE` at one tile per head, else none; `()`:
+    none): each row's units are shared out in proportion to `split_table`'s weights instead of ceil(units / nsplit)
+    per split, and the one-warp kernel interleaves the kv heads warp by warp, so a row's splits lie in CTAs of every
+    launch rank. The table depends on the shape, the SM count and the weights only: compressed KV and its twin
+    planned with the same `balance` split alike (the same bits), on either kernel."""
+    if balance is None and head_dim <= 128:  # one tile per head: the process-wide default (before the kernel choice)
+        balance = BALANCE
     if not 1 <= rep <= MAX_GROUP_HEADS:
         raise ValueError(f"the CUDA decode kernel packs at most {MAX_GROUP_HEADS} query heads per kv-head, got {rep}")
     one_warp = bool(trace or (swizzle and plain) or warps != 4)
@@ -252,7 +257,7 @@ def _sm_count(device) -> int:
 
 def _balanced(options: tuple, batch, kv_heads, nsplit, device, balance) -> tuple[tuple, tuple]:
     """`plan(balance=...)`: the kernel option and the split table (none without `balance`)."""
-    if balance is None:
+    if not balance:
         return options, ()
     return options + ("-DGAAC_BALANCE=1",), split_table(batch, kv_heads, nsplit, tuple(balance), _sm_count(device))
 

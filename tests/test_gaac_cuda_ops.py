@@ -114,7 +114,12 @@ def test_balanced_split_table():
     twin_one_warp = plan(2, 8, 4, 128, 65536, "cpu", plain=True, nsplit=198, balance=RANK_PACE, ws=0)
     assert twin.ws and compressed.split_cum == twin.split_cum == twin_one_warp.split_cum == cum
     assert all("-DGAAC_BALANCE=1" in p.options for p in (compressed, twin, twin_one_warp))
-    assert plan(2, 8, 4, 128, 65536, "cpu", plain=True, nsplit=198).split_cum == ()
+    assert plan(2, 8, 4, 128, 65536, "cpu", plain=True, nsplit=198, balance=()).split_cum == ()
+    # no weights given: the process default (gaac_cuda.decode_attention.BALANCE, GAAC_HF_CUDA_BALANCE=1), the same
+    # for both kernels; never at head_dim 256
+    default = plan(2, 8, 4, 128, 65536, "cpu", slot_bytes=3000, format_version=3, ws=0, nsplit=198).split_cum
+    assert default == plan(2, 8, 4, 128, 65536, "cpu", plain=True, nsplit=198).split_cum
+    assert plan(2, 8, 4, 256, 65536, "cpu", plain=True, nsplit=50).split_cum == ()
     with pytest.raises(ValueError, match="positive integers"):
         split_table(1, 8, 4, (1.5, 1), 132)
 
