@@ -105,6 +105,15 @@ def own_kv_calibration(model, tiny: bool, device, format_version: int = 2):
     return sample, calibration, seconds, kv
 
 
+def cuda_balance():
+    """The CUDA kernel's process-wide split weights (`gaac_cuda.decode_attention.BALANCE`), None without the kernel."""
+    try:
+        from gaac_cuda.decode_attention import BALANCE
+    except ImportError:
+        return None
+    return BALANCE
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -489,7 +498,8 @@ def main(argv=None):
                "torch": torch.__version__, "transformers": __import__("transformers").__version__,
                "model": "Llama-3.1-8B architecture, random BF16 weights" if not args.tiny else "tiny Llama",
                "param_bytes": param_bytes, "compile": describe(compile_kw), "steps": steps, "warmup": warmup,
-               "eager_steps": args.eager_steps, "command": "python benchmarks/generate.py " + " ".join(
+               "eager_steps": args.eager_steps, "cuda_split_balance": cuda_balance(),
+               "command": "python benchmarks/generate.py " + " ".join(
                    sys.argv[1:] if argv is None else argv),
                "calibration": {"escape_capacity": calibration.config.escape_capacity,
                                "format_version": calibration.config.format_version,
