@@ -1,4 +1,4 @@
-"""The kernels behind the GAAC caches, one entry point per job, the backend chosen per device in `_backend`.
+"""The kernels behind the GAAC caches, one entry point per job, the backend chosen per device in `backend_of`.
 
 * `encode` / `expand_tiles` / `expand_kv`: tiles -> slots, block-table entries -> tiles or K/V (the Triton kernels
   on CUDA, the torch codec / `cpu_decode` elsewhere; bit-identical), in format version 1 or 2 (`format_version`: the
@@ -43,7 +43,7 @@ _slot_layout = functools.lru_cache(maxsize=None)(TileLayout.of_slot_bytes)
 REFERENCE_CHUNK_TOKENS = 512
 
 
-def _backend(device: torch.device) -> str:
+def backend_of(device: torch.device) -> str:
     """`"gaac_cuda"`, `"triton"` or `"torch"`: which kernels serve tensors on `device`. The one place that decides.
 
     `GAAC_HF_BACKEND=triton` runs the Triton kernels on CPU tensors too (under `TRITON_INTERPRET=1`: the tests
@@ -77,7 +77,7 @@ class DecodePlan:
 def splits(batch: int, kv_heads: int, max_blocks: int, device, head_dim: int = 128) -> int:
     """Split count of the decode attention over at most `max_blocks` blocks (1 for the torch reference)."""
     device = torch.device(device)
-    backend = _backend(device)
+    backend = backend_of(device)
     if not fused_serves(head_dim):
         return 1
     if backend == "gaac_cuda":  # the CUDA kernel's split count depends on the shape alone (host arithmetic)
@@ -136,7 +136,7 @@ def fused_reads(format_version: int, head_dim: int, group_heads: int, device) ->
     needs, and what `GAACCache`'s choice of format version asks before it picks version 2."""
     if not fused_serves(head_dim):
         return False
-    backend = _backend(device)
+    backend = backend_of(device)
     if format_version == 1:
         return backend != "torch"
     return (backend == "gaac_cuda" and head_dim in CUDA_V2_HEAD_DIMS and group_heads <= gaac_cuda.MAX_GROUP_HEADS)
@@ -332,7 +332,7 @@ def _mask4(mask: torch.Tensor | None) -> torch.Tensor | None:
 # Each op's body is a plain function too: eager callers (GAACCache) skip the dispatcher's per-call cost.
 def _decode_attention_impl(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, kv_len, mask, scale,
                            num_splits, format_version=1):
-    backend = _backend(query.device)
+    backend = backend_of(query.device)
     if not fused_serves(query.shape[-1]):
         backend = "torch"
     if backend == "gaac_cuda" and _cuda_serves(query, table.shape[3], format_version):
@@ -371,7 +371,7 @@ def _(query, slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, kv_len, m
 
 
 def _plain_decode_attention_impl(query, key, value, table, kv_len, mask, scale, num_splits):
-    backend = _backend(query.device)
+    backend = backend_of(query.device)
     if not fused_serves(query.shape[-1]):
         backend = "torch"
     if backend == "gaac_cuda" and _cuda_serves(query, key.shape[1]):
@@ -492,7 +492,7 @@ def _append_token_op(key: torch.Tensor, value: torch.Tensor, tail_k: torch.Tenso
     c = raw_pool.shape[-1]
     p = base3.numel() // c
     layout = _slot_layout(c, slot_pool.shape[-1])
-    if _backend(key.device) != "torch":
+    if backend_of(key.device) != "torch":
         from triton_ops.gaac_append import gaac_append
 
         frag = format_v2.fragment_map(c, key.device) if format_version == 2 else None
@@ -530,7 +530,7 @@ def append_token(key: torch.Tensor, value: torch.Tensor, record: DecodeRecord, s
 @torch.library.custom_op("gaac::plain_append_token", mutates_args=("keys", "values", "kv_len"))
 def _plain_append_token_op(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                            kv_len: torch.Tensor) -> None:
-    if _backend(key.device) != "torch":
+    if backend_of(key.device) != "torch":
         from triton_ops.gaac_append import plain_append
 
         plain_append(key, value, keys, values, kv_len)

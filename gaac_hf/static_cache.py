@@ -260,7 +260,7 @@ class _GAACStack(_LayerStack):
 
     def _allocate(self, layers: int, b: int, dev: torch.device) -> None:
         fmt = choose_format(self.requested_format, self.calibration, self.head_dim, self.group_heads, dev)
-        if fmt == 2 and ops._backend(dev) != "torch" and not ops.fused_reads(2, self.head_dim, self.group_heads, dev):
+        if fmt == 2 and ops.backend_of(dev) != "torch" and not ops.fused_reads(2, self.head_dim, self.group_heads, dev):
             # (the torch reference reads every format, eagerly; a GPU's captured step needs a fused kernel)
             raise ValueError(f"GAACStaticCache: no fused kernel reads format version 2 on {dev} at head_dim "
                              f"{self.head_dim} with {self.group_heads} query heads per KV head (the CUDA kernel "
@@ -514,7 +514,7 @@ class _PlainStack(_LayerStack):
                                       device=dev))
         self.kv_len = _static(torch.zeros(layers, b, dtype=torch.int32, device=dev))
         self.table = None
-        if ops._backend(dev) == "triton":
+        if ops.backend_of(dev) == "triton":
             from triton_ops.gaac_attention import plain_table
 
             self.table = _static(plain_table(b, self.num_kv_heads, s_cap, self.head_dim, dev, self.channels))
