@@ -35,6 +35,8 @@ DENSE_SLOTS = False  # compressed KV: slots staged as stored by one bulk copy (s
 # keeps the one-warp kernel (session 10 on the H200, benchmarks/results/attention_cuda.md: this twin 0.90 / 0.94 /
 # 0.91x cuDNN at 1x64K / 1x128K / 4x64K against 0.85 / 0.88 / 0.86x; compressed KV on it 2-7% slower there)
 WS_TWIN = 6
+WS_TWIN_CTAS_PER_SM = 2
+WS_DENSE_SLOTS = True  # slots staged as stored, one bulk copy each (the producer's issue rate)
 # Pace of the one-warp kernel's CTAs by their launch rank on the SM (3 per SM), measured in session 15 (the warp
 # schedulers favour the older CTA: 1.26-1.29 : 1.12 : 1 at 1x16K-4x64K, benchmarks/results/warp_finish_probe_s15.json):
 # `plan(balance=RANK_PACE)` weighs the splits by it (see `split_table`)
@@ -42,8 +44,8 @@ RANK_PACE = (32, 28, 25)
 # `plan`'s split weights where none are given (one tile per head): off (None) until measured faster on the H200;
 # GAAC_HF_CUDA_BALANCE=1 turns RANK_PACE on for every plan of the process (compressed KV and its twin alike)
 BALANCE = RANK_PACE if os.environ.get("GAAC_HF_CUDA_BALANCE") == "1" else None
-WS_TWIN_CTAS_PER_SM = 2
-WS_DENSE_SLOTS = True  # slots staged as stored, one bulk copy each (the producer's issue rate)
+ESCAPE_SLACK = 16  # buffer bytes past a slot: the prepass reads a lane's escape bytes as a 12-byte window and clamps
+# reads to the buffer, so a window that starts near a full escape area must not reach the buffer's end
 
 
 class _Params(ctypes.Structure):  # mirrors `struct Params` in the kernel source
@@ -286,10 +288,6 @@ def _scratch(channels: int, format_version: int) -> int:
     their doubled bases overlay base and plane 3): the kernel's SCRATCH_GROUPS."""
     per_group = 7 if format_version != 3 else 8
     return per_group * 2 * channels
-
-
-ESCAPE_SLACK = 16  # buffer bytes past a slot: the prepass reads a lane's escape bytes as a 12-byte window and clamps
-# reads to the buffer, so a window that starts near a full escape area must not reach the buffer's end
 
 
 def _stage_buffer(channels: int, slot_bytes: int, plain: bool, dense_slots: bool) -> int:

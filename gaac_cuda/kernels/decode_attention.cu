@@ -30,7 +30,8 @@
 // Compile-time configuration (NVRTC -D): GAAC_C (64|128 channels per tile), GAAC_TILES (tiles per head: 1|2),
 // GAAC_PLAIN (0|1), GAAC_STAGES (ring depth), GAAC_WARPS, GAAC_MIN_CTAS (register budget), GAAC_SWIZZLE (plain KV:
 // swizzled BF16 rows), VT_WORDS (V words per vector load), GAAC_DENSE_SLOT (compressed KV: slots staged as stored),
-// GAAC_WS (the warp-specialized kernel's consumer warps), and for the benchmarks GAAC_SKIP (leave-one-stage-out
+// GAAC_WS (the warp-specialized kernel's consumer warps), GAAC_BALANCE (splits weighted by Params::split_cum),
+// and for the benchmarks GAAC_SKIP (leave-one-stage-out
 // breakdown; bit 0: no tensor-core math, bit 1: no reconstruction; format 3 only: bit 2 no code bit 2 of 4-bit
 // groups, bit 3 no raw-group patch), GAAC_TRACE (globaltimer stamps,
 // benchmarks/cuda_stream_probe.py) and GAAC_FORMAT (1: format version 1; 3: format version 2 as stored, in fragment
