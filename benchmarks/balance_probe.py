@@ -6,7 +6,8 @@ on an SM the first-launched finishes 26-29% sooner, the last sets the kernel's t
 (`benchmarks/results/warp_finish_probe_s15.json`). `balance` shares each row's units out in proportion to per-rank
 weights, with the kv heads interleaved across warps so a row's splits span the ranks; the twin planned with the same
 weights splits alike (bits checked here, on the warp-specialized and the one-warp kernel). Also timed: one CTA of 12
-warps per SM (no CTA age at all). Per variant: graph-replayed µs, bits against the twin, and the finish times by
+warps per SM (no CTA age at all), and the default
+kernel with its split indices computed before the barrier set-up (GAAC_EARLY_INDEX). Per variant: graph-replayed µs, bits against the twin, and the finish times by
 launch rank (or warp group) from the kernel's globaltimer stamps. JSON and a table:
 
     python benchmarks/balance_probe.py --real-kv .bench/real_kv_2k.safetensors --out $OUT/balance.json
@@ -37,6 +38,7 @@ GAAC_VARIANTS = {  # label: plan options of the compressed kernel (one-warp, for
     "gaac_balanced_strong": {"balance": (36, 29, 23)},
     "gaac_balanced_mild": {"balance": (29, 27, 25)},
     "gaac_12_warps": {"warps": 12, "min_ctas": 1},
+    "gaac_early_index": {"defines": ("GAAC_EARLY_INDEX=1",)},  # same work, 264 fewer SASS instructions
 }
 
 

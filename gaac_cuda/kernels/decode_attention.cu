@@ -48,6 +48,9 @@
 #define GAAC_BALANCE 0  // nsplit) units per split (0), or a row's units in proportion to the per-split weights of
 #endif                  // Params::split_cum (1); the one-warp kernel then interleaves the kv heads warp by warp, so
                         // that a row's splits lie in CTAs of every launch rank on their SMs (split_table)
+#ifndef GAAC_EARLY_INDEX  // benchmark option: where the one-warp kernel computes its split's indices (bits unchanged)
+#define GAAC_EARLY_INDEX 0
+#endif
 #ifndef GAAC_F3DUP  // format 3 with the overlay: tiles with and without a raw group run their own inlined copy of the
 #define GAAC_F3DUP 1  // tile code (1: the other never touches the overlay; 74.8 against 77.5 us) or one copy (0)
 #endif
@@ -945,6 +948,9 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #else
   const int item = blockIdx.x * GAAC_WARPS + warp;
   if (item >= total) return;
+#if GAAC_EARLY_INDEX  // the split's indices before the barrier set-up (2,592 SASS instructions against 2,856)
+  const int b = item / (p.heads * p.nsplit), hk = (item / p.nsplit) % p.heads, split = item % p.nsplit;
+#endif
 #endif
 
   u8* ws = smem + warp * p.warp_bytes;
@@ -961,7 +967,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   __syncwarp();
   u32 phases = 0;  // parity of each stage's barrier
 
-#if !GAAC_BALANCE
+#if !GAAC_BALANCE && !GAAC_EARLY_INDEX
   const int b = item / (p.heads * p.nsplit), hk = (item / p.nsplit) % p.heads, split = item % p.nsplit;
 #endif
   if (GAAC_TRACE && lane == 0) {
