@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 import gaac_cuda  # noqa: E402
 from benchmarks.attention import bench_graph  # noqa: E402
-from benchmarks.format_v2_probe import compress_v2, probe_args, probe_shapes  # noqa: E402
+from benchmarks.format_v2_probe import compress_v2, probe_args, probe_shapes, save_probe  # noqa: E402
 from benchmarks.warp_finish_probe import grouped  # noqa: E402
 from gaac_cuda.decode_attention import RANK_PACE  # noqa: E402
 
@@ -139,9 +139,7 @@ def main():
         cells = [f"{r[lab]['us']:.1f}" + ("" if r[lab].get("bit_identical_to_twin", True) else " BITS DIFFER")
                  for lab in labels]
         print(f"| {r['shape']} | " + " | ".join(cells) + f" | {r['cudnn_us']:.1f} |")
-    res["command"] = " ".join(["python", "benchmarks/balance_probe.py", *sys.argv[1:]])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    save_probe(res, args, "balance_probe.py")
 
 
 if __name__ == "__main__":

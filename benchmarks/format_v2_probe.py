@@ -89,6 +89,13 @@ def probe_args(doc: str, shapes: str, out: str) -> argparse.Namespace:
     return p.parse_args()
 
 
+def save_probe(res: dict, args: argparse.Namespace, script: str, indent: int | None = 1) -> None:
+    """A probe's JSON with the command that made it, at `args.out`."""
+    res["command"] = " ".join(["python", f"benchmarks/{script}", *sys.argv[1:]])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=indent) + "\n")
+
+
 def probe_shapes(args: argparse.Namespace, dev: torch.device):
     """Per shape of `args.shapes`: ((q heads, kv heads, head_dim, batch, tokens), K, V, q, scale, kv_len) on `dev`, K
     and V real KV channels tiled to the shape."""
@@ -190,9 +197,7 @@ def main():
         cells = [f"{r[lab]['us']:.1f}{'' if r[lab]['bit_identical_to_twin'] else ' (BITS DIFFER)'}" for lab in labels]
         print(f"| {r['shape']} | " + " | ".join(cells) + f" | {r['twin_us']:.1f} / {r['twin_default_us']:.1f} | "
               f"{r['cudnn_us'] or float('nan'):.1f} |")
-    res["command"] = " ".join(["python", "benchmarks/format_v2_probe.py", *sys.argv[1:]])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    save_probe(res, args, "format_v2_probe.py")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 import gaac_cuda  # noqa: E402
 from benchmarks.attention import bench_graph  # noqa: E402
-from benchmarks.format_v2_probe import compress_v2, probe_args, probe_shapes  # noqa: E402
+from benchmarks.format_v2_probe import compress_v2, probe_args, probe_shapes, save_probe  # noqa: E402
 
 # label, capacity (None: calibrated, -1: no raw tiles), compact buffers, warps per CTA, stages, CTAs per SM
 # (what fits 228 KB of shared memory per SM, 1 KB of it reserved per CTA, at head_dim 128 and ~3 KB slots)
@@ -89,9 +89,7 @@ def main():
         cells = [f"{r[lab]['us']:.1f} / {r[lab]['loads_only_us']:.1f}"
                  + ("" if r[lab]["bit_identical_to_twin"] else " (BITS DIFFER)") for lab in labels]
         print(f"| {r['shape']} | " + " | ".join(cells) + f" | {r['cudnn_us']:.1f} |")
-    res["command"] = " ".join(["python", "benchmarks/ring_depth_probe.py", *sys.argv[1:]])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    save_probe(res, args, "ring_depth_probe.py")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import gaac_cuda  # noqa: E402
-from benchmarks.format_v2_probe import compress_v2, probe_args, probe_shapes  # noqa: E402
+from benchmarks.format_v2_probe import compress_v2, probe_args, probe_shapes, save_probe  # noqa: E402
 
 
 def grouped(done: torch.Tensor, key: torch.Tensor) -> dict:
@@ -75,9 +75,7 @@ def main():
                        "first": [round(x, 3) for x in first.tolist()], "done": [round(x, 3) for x in done.tolist()]}}
         res["rows"].append(row)
         print(json.dumps({k2: v2 for k2, v2 in row.items() if k2 != "raw"}), flush=True)
-    res["command"] = " ".join(["python", "benchmarks/warp_finish_probe.py", *sys.argv[1:]])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res) + "\n")
+    save_probe(res, args, "warp_finish_probe.py", indent=None)
 
 
 if __name__ == "__main__":
