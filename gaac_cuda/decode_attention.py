@@ -264,9 +264,20 @@ def _balanced(options: tuple, batch, kv_heads, nsplit, device, balance) -> tuple
     return options + ("-DGAAC_BALANCE=1",), split_table(batch, kv_heads, nsplit, tuple(balance), _sm_count(device))
 
 
-@functools.lru_cache(maxsize=64)
+_split_tables: dict = {}
+
+
 def _split_cum_tensor(cum: tuple, device: torch.device) -> torch.Tensor:
-    return torch.tensor(cum, dtype=torch.int32, device=device)
+    """A balanced plan's split table on `device`, made once (its first launch must not be inside a graph capture:
+    the table is copied to the device then, and a captured graph replays the pointer)."""
+    key = (cum, device)
+    table = _split_tables.get(key)
+    if table is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a balanced decode plan's first launch is inside a CUDA graph capture: launch it once "
+                               "before capturing (its split table is copied to the GPU then)")
+        table = _split_tables[key] = torch.tensor(cum, dtype=torch.int32, device=device)
+    return table
 
 
 def _default_nsplit(batch, kv_heads, max_tokens, device, tiles=1) -> int:
