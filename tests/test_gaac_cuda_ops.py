@@ -163,7 +163,11 @@ def test_plan_of_the_warp_specialized_kernel():
                     reason="needs nvcc (CUDA 12.8+) and triton's cuobjdump")
 @pytest.mark.parametrize("config", [(128, 1, 0), (128, 1, 1), (64, 1, 0), (64, 1, 1), (128, 1, 2), (64, 1, 2),
                                     (128, 1, 3), (64, 1, 3), (128, 1, 4), (64, 1, 4), (128, 1, 5), (64, 1, 5),
-                                    (128, 1, 6), (64, 1, 6), (128, 1, 7), (64, 1, 7)])
+                                    (128, 1, 6), (64, 1, 6), (128, 1, 7), (64, 1, 7),
+                                    (128, 1, 0, "GAAC_BALANCE=1"), (128, 1, 5, "GAAC_BALANCE=1"),
+                                    (64, 1, 5, "GAAC_BALANCE=1"), (128, 1, 6, "GAAC_BALANCE=1"),
+                                    (64, 1, 6, "GAAC_BALANCE=1"), (128, 1, 7, "GAAC_BALANCE=1"),
+                                    (128, 1, 6, "GAAC_EARLY_INDEX=1")])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     """The sm_90a build of every head_dim-64/128 variant, at the plan's default register cap (3 CTAs of 4 warps per
     SM), keeps its state in registers: no stack, no local memory."""
@@ -171,13 +175,13 @@ def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     # with slots staged as stored, 4/5 the warp-specialized kernel (8 consumer warps + 1 producer per CTA, one CTA per
     # SM; slots staged as stored), compressed/plain, 6 format 3 (version 2 in fragment order, staged as stored; raw
     # groups from the scratch overlay), 7 the same in the warp-specialized kernel
-    c, tiles, kind = config
+    c, tiles, kind, *extra = config  # extra: a benchmark or plan option (rank-balanced splits, early indices)
     ws = kind in (4, 5, 7)
     out = tmp_path / "k.cubin"
     defs = [f"-DGAAC_C={c}", f"-DGAAC_TILES={tiles}", f"-DGAAC_PLAIN={int(kind in (1, 2, 5))}",
             f"-DGAAC_SWIZZLE={int(kind == 2)}", f"-DVT_WORDS={c // 32}", f"-DGAAC_DENSE_SLOT={int(kind in (3, 4, 6, 7))}",
             f"-DGAAC_STAGES={16 if ws else 2}", "-DGAAC_WARPS=4", f"-DGAAC_MIN_CTAS={1 if ws else 3}",
-            f"-DGAAC_WS={8 if ws else 0}"] + (["-DGAAC_FORMAT=3"] if kind in (6, 7) else [])
+            f"-DGAAC_WS={8 if ws else 0}"] + (["-DGAAC_FORMAT=3"] if kind in (6, 7) else []) + [f"-D{e}" for e in extra]
     subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", *defs, "-x", "cu",
                     _SOURCE_FILE, "-o", str(out)], check=True, capture_output=True)
     usage = subprocess.run([CUOBJDUMP, "-res-usage", str(out)], check=True, capture_output=True, text=True).stdout
