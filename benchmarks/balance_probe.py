@@ -5,10 +5,11 @@ Session 15 found the one-warp kernel's tail in the warp schedulers' preference f
 on an SM the first-launched finishes 26-29% sooner, the last sets the kernel's time
 (`benchmarks/results/warp_finish_probe_s15.json`). `balance` shares each row's units out in proportion to per-rank
 weights, with the kv heads interleaved across warps so a row's splits span the ranks; the twin planned with the same
-weights splits alike (bits checked here, on the warp-specialized and the one-warp kernel). Also timed: one CTA of 12
-warps per SM (no CTA age at all), and the default
-kernel with its split indices computed before the barrier set-up (GAAC_EARLY_INDEX). Per variant: graph-replayed µs, bits against the twin, and the finish times by
-launch rank (or warp group) from the kernel's globaltimer stamps. JSON and a table:
+weights splits alike (bits checked here, on the warp-specialized and the one-warp kernel). Also timed: combine
+blocks of 4 and 8 warps instead of 16 (at 121 registers a 16-warp block fills an SM, so 4x64K's 512 blocks take 4
+waves; twin planned alike), one CTA of 12 warps per SM (no CTA age at all), and the default kernel with its split
+indices computed before the barrier set-up (GAAC_EARLY_INDEX). Per variant: graph-replayed µs, bits against the twin,
+and the finish times by launch rank (or warp group) from the kernel's globaltimer stamps. JSON and a table:
 
     python benchmarks/balance_probe.py --real-kv .bench/real_kv_2k.safetensors --out $OUT/balance.json
 """
@@ -33,13 +34,24 @@ from benchmarks.warp_finish_probe import grouped  # noqa: E402
 from gaac_cuda.decode_attention import RANK_PACE  # noqa: E402
 
 GAAC_VARIANTS = {  # label: plan options of the compressed kernel (one-warp, format 3)
-    "gaac": {},
+    "gaac": {"balance": ()},
     "gaac_balanced": {"balance": RANK_PACE},
     "gaac_balanced_strong": {"balance": (36, 29, 23)},
     "gaac_balanced_mild": {"balance": (29, 27, 25)},
-    "gaac_12_warps": {"warps": 12, "min_ctas": 1},
-    "gaac_early_index": {"defines": ("GAAC_EARLY_INDEX=1",)},  # same work, 264 fewer SASS instructions
+    "gaac_12_warps": {"warps": 12, "min_ctas": 1, "balance": ()},
+    "gaac_early_index": {"defines": ("GAAC_EARLY_INDEX=1",), "balance": ()},  # same work, 264 fewer SASS instructions
+    "gaac_combine_4": {"balance": (), "combine_warps": 4},  # combine blocks of 4 warps: 4 blocks per SM, not 1
+    "gaac_combine_8": {"balance": (), "combine_warps": 8},
+    "gaac_balanced_combine_4": {"balance": RANK_PACE, "combine_warps": 4},
 }
+TWIN_VARIANTS = {  # label: plan options of the plain twin
+    "twin": {"balance": ()},
+    "twin_balanced": {"balance": RANK_PACE},
+    "twin_one_warp_balanced": {"balance": RANK_PACE, "ws": 0},
+    "twin_combine_4": {"balance": (), "combine_warps": 4},
+}
+TRACED = ("gaac", "gaac_balanced", "gaac_12_warps", "gaac_combine_4")  # variants also run with globaltimer stamps
+SPLIT_KEYS = ("balance", "combine_warps")  # the plan options that change the bits: a twin planned alike matches
 
 
 def finish_by_rank(tr: torch.Tensor, pl, hkv: int) -> dict:
@@ -87,25 +99,32 @@ def main():
         def twin(pl, i=0):
             return gaac_cuda.plain_decode_attention(q, kvs[i][0], kvs[i][1], kv_len, None, scale, pl)
 
-        twins = {}  # balance -> twin bits (warp-specialized)
-        for label, ws, balance in (("twin", None, None), ("twin_balanced", None, RANK_PACE),
-                                   ("twin_one_warp_balanced", 0, RANK_PACE)):
-            pl = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, nsplit=nsplit, ws=ws, balance=balance)
+        twins = {}  # the bits of the default (warp-specialized) twin, per value of the SPLIT_KEYS options
+
+        def twin_bits(kw):
+            split_kw = {k2: kw[k2] for k2 in SPLIT_KEYS if k2 in kw}
+            key = tuple(sorted(split_kw.items()))
+            if key not in twins:
+                twins[key] = twin(gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, nsplit=nsplit, **split_kw))
+            return twins[key]
+
+        for label, kw in TWIN_VARIANTS.items():
+            pl = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, nsplit=nsplit, **kw)
             out = twin(pl)
-            twins.setdefault(balance, out)
             row[label] = {"us": bench_graph(lambda i, pl=pl: twin(pl, i), args.buffers),
-                          "same_bits_as_ws_twin": torch.equal(out.view(torch.int16), twins[balance].view(torch.int16))}
+                          "same_bits_as_ws_twin": torch.equal(out.view(torch.int16), twin_bits(kw).view(torch.int16))}
         for label, kw in GAAC_VARIANTS.items():
             pl = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, format_version=3,
                                 nsplit=nsplit, ws=0, **kw)
             out = gaac(pl)
-            want = twins.get(kw.get("balance")) if "balance" in kw else twins[None]
-            if want is None:  # weights no twin was planned with
-                want = twin(gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, nsplit=nsplit,
-                                           balance=kw["balance"]))
+            want = twin_bits(kw)
             us = bench_graph(lambda i, pl=pl: gaac(pl, i), args.buffers)
             entry = {"us": us, "tb_per_s": round(info["bytes"] / us / 1e6, 3),
                      "bit_identical_to_twin": torch.equal(out.view(torch.int16), want.view(torch.int16))}
+            if label not in TRACED:
+                row[label] = entry
+                print(row["shape"], label, json.dumps(entry), flush=True)
+                continue
             pt = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, format_version=3,
                                 nsplit=nsplit, ws=0, trace=True, **kw)
             tr = torch.full((gaac_cuda.trace_size(pt),), -(2 ** 62), dtype=torch.int64, device=dev)
@@ -132,7 +151,7 @@ def main():
               f"({time.time() - t0:.0f}s)", flush=True)
         bufs = kvs = packed = None  # free the pools before the next shape
         torch.cuda.empty_cache()
-    labels = list(GAAC_VARIANTS) + ["twin", "twin_balanced", "twin_one_warp_balanced"]
+    labels = list(GAAC_VARIANTS) + list(TWIN_VARIANTS)
     print("\n| shape | " + " | ".join(labels) + " | cuDNN |")
     print("|---" * (len(labels) + 2) + "|")
     for r in res["rows"]:

@@ -25,7 +25,7 @@ BLOCK = 16
 MAX_GROUP_HEADS = 8  # query heads per kv-head: the n dimension of the mma tile
 MIN_UNITS_PER_SPLIT = 4
 SPLITS_PER_SM = 12  # warps (= splits) resident per SM at head_dim 64/128 (3 CTAs of 4 warps); 256: 4 (1 CTA)
-COMBINE_THREADS = 512  # COMBINE_WARPS * 32 in the kernel source
+COMBINE_WARPS = 16  # warps per combine block (the kernel's GAAC_COMBINE_WARPS default; see `plan(combine_warps=)`)
 SWIZZLE = False  # plain KV: BF16 rows staged with an XOR swizzle against bank conflicts (see `plan`)
 DENSE_SLOTS = False  # compressed KV: slots staged as stored by one bulk copy (see `plan`)
 # The warp-specialized kernel (`plan(ws=n)`): CTAs of n consumer warps + 1 producer warp, the consumers holding
@@ -94,6 +94,7 @@ class DecodePlan:
     options: tuple
     ws: int = 0  # consumer warps of the warp-specialized kernel (`plan(ws=n)`); warp_bytes is then per CTA
     split_cum: tuple = ()  # `plan(balance=...)`: cumulative split weights per row, [batch * (nsplit + 1)]
+    combine_warps: int = COMBINE_WARPS
 
     @property
     def items(self) -> int:
@@ -132,7 +133,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
          min_ctas: int | None = None, skip: int = 0, trace: bool = False, format_version: int = 1,
          swizzle: bool = SWIZZLE, v_words: int | None = None, dense_slots: bool | None = None,
          ws: int | None = None, defines: tuple[str, ...] = (),
-         buf_bytes: int | None = None, balance: tuple[int, ...] | None = None) -> DecodePlan:
+         buf_bytes: int | None = None, balance: tuple[int, ...] | None = None,
+         combine_warps: int | None = None) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
@@ -164,9 +166,14 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     none): each row's units are shared out in proportion to `split_table`'s weights instead of ceil(units / nsplit)
     per split, and the one-warp kernel interleaves the kv heads warp by warp, so a row's splits lie in CTAs of every
     launch rank. The table depends on the shape, the SM count and the weights only: compressed KV and its twin
-    planned with the same `balance` split alike (the same bits), on either kernel."""
+    planned with the same `balance` split alike (the same bits), on either kernel.
+    `combine_warps` (benchmarks, measured next): warps per block of the combine kernel (default 16; warp w merges
+    splits w, w + combine_warps, ... then the warps merge in order, so the bits depend on it: plan compressed KV and its
+    twin alike). At 121 registers a 16-warp block fills an SM's register file, so 4x64K's 512 blocks run in 4 waves."""
     if balance is None and head_dim <= 128:  # one tile per head: the process-wide default (before the kernel choice)
         balance = BALANCE
+    if combine_warps is not None and not 1 <= combine_warps <= 16:
+        raise ValueError(f"combine_warps takes 1..16 warps per combine block (more would spill), not {combine_warps}")
     if not 1 <= rep <= MAX_GROUP_HEADS:
         raise ValueError(f"the CUDA decode kernel packs at most {MAX_GROUP_HEADS} query heads per kv-head, got {rep}")
     one_warp = bool(trace or (swizzle and plain) or warps != 4)
@@ -191,7 +198,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         return _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, slot_bytes=slot_bytes, plain=plain,
                         nsplit=nsplit, ws=ws, stages=2 * ws if stages is None else stages, min_ctas=min_ctas,
                         skip=skip, dense_slots=WS_DENSE_SLOTS if dense_slots is None else dense_slots,
-                        format_version=format_version, extra=extra, balance=balance)
+                        format_version=format_version, extra=extra, balance=balance, combine_warps=combine_warps)
     if stages is None:
         stages = 2
     if dense_slots is None:
@@ -228,8 +235,9 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     if nsplit is None:
         nsplit = _default_nsplit(batch, kv_heads, max_tokens, device, tiles)
     options, cum = _balanced(options, batch, kv_heads, nsplit, device, balance)
+    options, cw = _combine_option(options, combine_warps)
     return DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes, options,
-                      split_cum=cum)
+                      split_cum=cum, combine_warps=cw)
 
 
 def split_table(batch: int, kv_heads: int, nsplit: int, weights: tuple[int, ...], sms: int,
@@ -262,6 +270,13 @@ def _balanced(options: tuple, batch, kv_heads, nsplit, device, balance) -> tuple
     if not balance:
         return options, ()
     return options + ("-DGAAC_BALANCE=1",), split_table(batch, kv_heads, nsplit, tuple(balance), _sm_count(device))
+
+
+def _combine_option(options: tuple, combine_warps: int | None) -> tuple[tuple, int]:
+    """`plan(combine_warps=...)`: the kernel option (none at the default, so default builds keep their cache keys)."""
+    if combine_warps is None or combine_warps == COMBINE_WARPS:
+        return options, COMBINE_WARPS
+    return options + (f"-DGAAC_COMBINE_WARPS={combine_warps}",), combine_warps
 
 
 _split_tables: dict = {}
@@ -311,7 +326,7 @@ def _stage_buffer(channels: int, slot_bytes: int, plain: bool, dense_slots: bool
 
 
 def _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, *, slot_bytes, plain, nsplit, ws, stages, min_ctas,
-             skip, dense_slots, format_version=1, extra=(), balance=None) -> DecodePlan:
+             skip, dense_slots, format_version=1, extra=(), balance=None, combine_warps=None) -> DecodePlan:
     if head_dim not in (64, 128):
         raise ValueError(f"the warp-specialized kernel supports head_dim 64 and 128, not {head_dim}")
     if not 1 <= ws <= 15 or stages < ws or stages % ws:
@@ -336,8 +351,9 @@ def _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, *, slot_bytes, 
     if nsplit is None:  # the one-warp kernel's split count (compressed KV and its twin must split alike)
         nsplit = _default_nsplit(batch, kv_heads, max_tokens, device)
     options, cum = _balanced(options, batch, kv_heads, nsplit, device, balance)
+    options, cw = _combine_option(options, combine_warps)
     return DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, ws + 1, stages, buf, cta_bytes, options,
-                      ws=ws, split_cum=cum)
+                      ws=ws, split_cum=cum, combine_warps=cw)
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -390,7 +406,7 @@ def _run(p: DecodePlan, query, kv_len, mask, scale, fill, combine_too: bool = Tr
     with torch.cuda.device(dev):
         split_kernel.launch(p.grid, p.warps * 32, p.smem, prm)
         if combine_too:
-            combine.launch(b * hq * (d // 32), COMBINE_THREADS, 0, prm)  # a block per (row, query head, 32 channels)
+            combine.launch(b * hq * (d // 32), 32 * p.combine_warps, 0, prm)  # a block per (row, query head, 32 channels)
     del keep
     return out
 

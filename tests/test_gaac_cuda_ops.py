@@ -124,6 +124,19 @@ def test_balanced_split_table():
         split_table(1, 8, 4, (1.5, 1), 132)
 
 
+def test_combine_warps_option():
+    """plan(combine_warps=n): the combine kernel's block size, a kernel option only off the default (16), for both
+    kernels; out-of-range counts refused."""
+    base = plan(1, 8, 4, 128, 65536, "cpu", plain=True, nsplit=48)
+    assert base.combine_warps == 16 and not any("COMBINE" in o for o in base.options)
+    assert plan(1, 8, 4, 128, 65536, "cpu", plain=True, nsplit=48, combine_warps=16).options == base.options
+    for ws in (None, 0):
+        p4 = plan(1, 8, 4, 128, 65536, "cpu", plain=True, nsplit=48, combine_warps=4, ws=ws)
+        assert p4.combine_warps == 4 and "-DGAAC_COMBINE_WARPS=4" in p4.options
+    with pytest.raises(ValueError, match="combine_warps"):
+        plan(1, 8, 4, 128, 65536, "cpu", plain=True, nsplit=48, combine_warps=17)
+
+
 def test_plan_of_the_warp_specialized_kernel():
     """ws: CTAs of ws consumer warps (each one of the one-warp kernel's splits) + 1 producer warp, one ring per CTA
     (2 ws stages by default); the default for plain KV at head_dim 64/128 (WS_TWIN consumers), with the one-warp
@@ -167,7 +180,7 @@ def test_plan_of_the_warp_specialized_kernel():
                                     (128, 1, 0, "GAAC_BALANCE=1"), (128, 1, 5, "GAAC_BALANCE=1"),
                                     (64, 1, 5, "GAAC_BALANCE=1"), (128, 1, 6, "GAAC_BALANCE=1"),
                                     (64, 1, 6, "GAAC_BALANCE=1"), (128, 1, 7, "GAAC_BALANCE=1"),
-                                    (128, 1, 6, "GAAC_EARLY_INDEX=1")])
+                                    (128, 1, 6, "GAAC_EARLY_INDEX=1"), (128, 1, 6, "GAAC_COMBINE_WARPS=4")])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     """The sm_90a build of every head_dim-64/128 variant, at the plan's default register cap (3 CTAs of 4 warps per
     SM), keeps its state in registers: no stack, no local memory."""
@@ -365,6 +378,26 @@ def test_balanced_splits_equal_the_balanced_twin(case):
                 assert torch.equal(bits(got), bits(twin)), f"version {version}, nsplit {pc.nsplit}, twin ws {pp.ws}"
             err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
             assert err < 1e-2, (err, pc.nsplit)
+
+
+@gpu
+@pytest.mark.parametrize("case", [GPU_CASES[1], GPU_CASES[8], GPU_CASES[9]],
+                         ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
+def test_combine_warps_equal_the_twin_planned_alike(case):
+    """plan(combine_warps=n) changes how the combine groups the splits, for compressed KV and its twin alike: the same
+    bits on both twins' kernels, with and without the rank-balanced splits, and attention."""
+    b, h, nrep, _, d, _, _, _ = case
+    (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case, 2)
+    for cw, balance in ((4, None), (3, RANK_PACE), (1, None), (8, None)):
+        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, ws=0, format_version=3,
+                  combine_warps=cw, balance=balance)
+        got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
+        for ws in (None, 0):
+            pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, ws=ws, combine_warps=cw,
+                      balance=balance)
+            assert torch.equal(bits(got), bits(plain_decode_attention(q, k, v, kv_len, mask, scale, pp))), (cw, ws)
+        err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, (err, cw)
 
 
 @gpu

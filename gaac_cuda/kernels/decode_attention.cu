@@ -1474,7 +1474,10 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
 // COMBINE_UNROLL of them per round with all their loads in flight (one round up to 256 splits), merged into the warp's
 // running max / sum / denominator; then warp 0 merges the warps in a fixed order (the same bits for compressed KV and
 // its plain twin). One dependent round of global loads instead of a max pass and a sum pass.
-#define COMBINE_WARPS 16
+#ifndef GAAC_COMBINE_WARPS  // warps per combine block (the plan's combine_warps; the launch's block size)
+#define GAAC_COMBINE_WARPS 16
+#endif
+#define COMBINE_WARPS GAAC_COMBINE_WARPS
 #define COMBINE_UNROLL 16
 extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) gaac_combine(const Params p) {
   __shared__ float red[COMBINE_WARPS][2];
