@@ -52,7 +52,7 @@ def stub_op_kernels() -> None:
 
     @torch.library.register_kernel("gaac::append_token", "cpu")
     def _append(key, value, tail_k, tail_v, kv_len, base3, base4, slot_pool, raw_pool, table, slot_modes,
-                raw_modes, counts):
+                raw_modes, counts, format_version):
         kv_len.add_(1)
 
     def _plain_append(key, value, keys, values, kv_len):
