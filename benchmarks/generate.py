@@ -8,7 +8,11 @@ steps (greedy, one token each) of:
 * the twin: `PlainStaticCache` + "gaac" (plain BF16 KV, the same compiled op code), compiled the same way;
 * `StaticCache` + sdpa, compiled the same way (what transformers offers for compiled decoding);
 * `DynamicCache` + sdpa forced to flash (`sdpa_kernel(SDPBackend.FLASH_ATTENTION)`), eager;
-* `GAACCache` + "gaac", eager.
+* `GAACCache` + "gaac", eager;
+* `GAACStaticCache` and its twin under `gaac_hf.CapturedStep` (`captured`, `captured-twin`): the same step compiled
+  by inductor without CUDA-graph trees, recorded once as a CUDA graph and replayed with no Dynamo or Python per call
+  (the host part is then copying the inputs and launching the graph). They continue on the caches where the
+  compiled variants left them, and their logits are compared bit for bit too (`captured_lossless_vs_twin`).
 
 Filling the caches: the model's own KV of one 2,048-token random prompt (one eager prefill, the same KV the
 calibration saw) is repeated along the sequence to the context length and written into each cache through its
@@ -63,7 +67,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import gaac_hf  # noqa: E402,F401  (registers "gaac")
-from gaac_hf import GAACCache  # noqa: E402
+from gaac_hf import CapturedStep, GAACCache  # noqa: E402
 from gaac_hf.calibrate import calibrate  # noqa: E402
 from gaac_hf import ops  # noqa: E402
 from gaac_hf.format import BLOCK_TOKENS  # noqa: E402
@@ -436,6 +440,8 @@ VARIANTS = {  # short name: label
     "static": "compiled StaticCache + sdpa",
     "dynamic": "eager DynamicCache + flash sdpa",
     "eager-gaac": "eager GAACCache + gaac",
+    "captured": "captured GAACStaticCache (CapturedStep)",
+    "captured-twin": "captured twin (CapturedStep)",
 }
 
 
@@ -493,7 +499,8 @@ def main(argv=None):
     sample, calibration, t_cal, kv = own_kv_calibration(model, args.tiny, device, args.format_version)
     log(f"calibrated ({t_cal:.1f} s), sample KV taken")
     steps, warmup = args.steps, args.warmup
-    cap = max(args.contexts) + warmup + steps + BLOCK_TOKENS + 8  # + the diagnosis and profiled steps
+    # + the diagnosis and profiled steps, and the captured variants' steps after the compiled ones
+    cap = max(args.contexts) + 2 * (warmup + steps) + BLOCK_TOKENS + 16
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "transformers": __import__("transformers").__version__,
                "model": "Llama-3.1-8B architecture, random BF16 weights" if not args.tiny else "tiny Llama",
@@ -511,6 +518,7 @@ def main(argv=None):
                                "rest = step - attention - update (weights, norms, RoPE, ...)",
                "contexts": {}}
     compiled = {}
+    captured = {}  # CapturedStep per cache (gaac, twin): one compile serves every context
 
     # one compiled forward per variant; they share model.forward's code, so Dynamo keeps one entry per variant
     # and context (StaticCache) in the same cache
@@ -617,6 +625,31 @@ def main(argv=None):
         if "gaac" in logits and "twin" in logits:
             row["lossless_vs_twin"] = logit_diff(logits["gaac"], logits["twin"])
             log(f"  lossless vs twin: {row['lossless_vs_twin']}")
+
+        # the same caches under CapturedStep, from where they are (the compiled variants' steps, if they ran)
+        def captured_variant(key):
+            label = VARIANTS[key]
+            source = "gaac" if key == "captured" else "twin"
+            if source not in statics:
+                statics[source] = filled(source)
+            cache = statics[source]
+            if source not in captured:
+                captured[source] = CapturedStep(model, cache, compile=compile_kwargs(cudagraphs=False,
+                                                                                      backend=backend))
+            step = captured[source]
+            step.reset()  # the cache may have been refilled (new context): record again, after warm-up steps
+            start = int(cache.get_seq_length())
+            times, hosts, lg = Stepper(model, step, cache, start, device).run(steps, max(warmup, step.warmup + 1))
+            record(label, times, hosts)
+            row[label].update(start=start, graphs=len(step.graphs))
+            logits[key] = lg
+
+        for key in ("captured", "captured-twin"):
+            if key in run:
+                attempt(VARIANTS[key], lambda: captured_variant(key))
+        if "captured" in logits and "captured-twin" in logits:
+            row["captured_lossless_vs_twin"] = logit_diff(logits["captured"], logits["captured-twin"])
+            log(f"  captured lossless vs twin: {row['captured_lossless_vs_twin']}")
         if diag is not None:
             el = diag.pop("eager_logits")
             for key in ("gaac", "twin"):  # the compiled first step starts from the state the eager one did
@@ -672,6 +705,14 @@ def main(argv=None):
             row["speedup_vs_best_baseline"] = round(min(base) / g, 3)
         if g and "step_ms" in row.get(VARIANTS["twin"], {}):
             row["speedup_vs_twin"] = round(row[VARIANTS["twin"]]["step_ms"] / g, 3)
+        cg, ct = (row.get(VARIANTS[k], {}).get("step_ms") for k in ("captured", "captured-twin"))
+        if cg and base:
+            row["captured_speedup_vs_best_baseline"] = round(min(base) / cg, 3)
+        if cg and ct:
+            row["captured_speedup_vs_twin"] = round(ct / cg, 3)
+        for k in ("captured", "captured-twin"):
+            if "step_ms" in row.get(VARIANTS[k], {}):
+                row[VARIANTS[k]]["host_share"] = round(row[VARIANTS[k]]["host_ms"] / row[VARIANTS[k]]["step_ms"], 4)
         results["contexts"][str(context)] = row
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=1))  # after every context: a crash keeps the rest
@@ -686,7 +727,8 @@ def main(argv=None):
         print(f"| {label} | " + " | ".join(f"{r[label]['step_ms']:.3f}" if "step_ms" in r.get(label, {}) else
                                           ("error" if label in r else "-") for r in results["contexts"].values())
               + " |")
-    for key in ("speedup_vs_best_baseline", "speedup_vs_twin"):
+    for key in ("speedup_vs_best_baseline", "speedup_vs_twin", "captured_speedup_vs_best_baseline",
+                "captured_speedup_vs_twin"):
         print(f"| {key} | " + " | ".join(str(r.get(key, "-")) for r in results["contexts"].values()) + " |")
     for c, r in results["contexts"].items():
         if "split" in r:

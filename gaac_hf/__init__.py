@@ -7,6 +7,7 @@ from hf_common import __version__
 
 from .attention import gaac_attention_forward, gaac_decode_attention
 from .cache import GAACCache, GAACLayer
+from .captured_step import CapturedStep
 from .calibration import (
     CalibrationConfig, CalibrationMismatchError, CorruptArtifactError, GAACCalibration, shipped_calibration,
 )
@@ -19,6 +20,7 @@ from .static_cache import GAACCacheFullError, GAACPoolOverflowError, GAACStaticC
 __all__ = [
     "FORMAT_VERSION",
     "CalibrationConfig",
+    "CapturedStep",
     "CalibrationMismatchError",
     "CorruptArtifactError",
     "compile_config",

@@ -80,6 +80,11 @@ def _static(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _recording_cuda_graph() -> bool:
+    """Whether the current CUDA stream is recording a graph (no host synchronization may happen then)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _is_gaac_attention(config) -> bool:
     impl = getattr(text_config(config), "_attn_implementation", None)
     if impl is None:
@@ -575,6 +580,11 @@ class _StaticCacheBase(Cache):
         self._next_check = 0
         super().__init__(layers=layers, offloading=offloading, offload_only_non_sliding=True)
 
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The device buffers a decode step reads and writes (stacked over the layers; none before the first
+        update). A recorded CUDA graph is valid while their addresses stay (a raw pool that grows moves)."""
+        return tuple(v for v in vars(self._stack).values() if isinstance(v, torch.Tensor))
+
     @property
     def own_layers(self) -> list[int]:
         return [i for i, layer in enumerate(self.layers) if isinstance(layer, _StaticLayerBase)]
@@ -599,12 +609,14 @@ class _StaticCacheBase(Cache):
         q = _query_length(query_length)
         if q > self.max_cache_len:
             raise GAACCacheFullError(f"{q} tokens exceed max_cache_len={self.max_cache_len}")
-        if not torch.compiler.is_compiling():
-            self._between_steps(q)
+        if not torch.compiler.is_compiling() and not _recording_cuda_graph():
+            self.between_steps(q)
         return super().get_mask_sizes(query_length, layer_idx)
 
-    def _between_steps(self, query_length: int) -> None:
-        """`generate` asks for the mask sizes eagerly before every forward: check the pools there, amortized."""
+    def between_steps(self, query_length: int) -> None:
+        """Before a step of `query_length` tokens per row: every few calls (fewer as the cache fills), `check()`.
+        `generate` asks for the mask sizes eagerly before every forward, which calls this; a `CapturedStep` calls it
+        before each replay."""
         self._calls += 1
         if self._calls >= self._next_check:
             room = self.check(query_length)

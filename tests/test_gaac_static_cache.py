@@ -530,6 +530,8 @@ def test_generate_benchmark_runs_tiny(tmp_path, bench):
     res = bench.main(["--tiny", "--contexts", "40", "--steps", "3", "--warmup", "1", "--diag", "--out", str(out)])
     row = res["contexts"]["40"]
     assert row["lossless_vs_twin"] == {"tokens": True, "logit_bits": True}
+    assert row["captured_lossless_vs_twin"] == {"tokens": True, "logit_bits": True}
+    assert row[bench.VARIANTS["captured"]]["start"] > 40 and 0 < row[bench.VARIANTS["captured"]]["host_share"] <= 1
     for label in bench.VARIANTS.values():
         assert row[label]["step_ms"] > 0
     assert 0 < row["resident_kv"]["gaac_bytes"] < row["resident_kv"]["bf16_bytes"]
