@@ -8,7 +8,8 @@ weights, with the kv heads interleaved across warps so a row's splits span the r
 weights splits alike (bits checked here, on the warp-specialized and the one-warp kernel). Also timed: combine
 blocks of 4 and 8 warps instead of 16 (at 121 registers a 16-warp block fills an SM, so 4x64K's 512 blocks take 4
 waves; twin planned alike), one CTA of 12 warps per SM (no CTA age at all), and the default kernel with its split
-indices computed before the barrier set-up (GAAC_EARLY_INDEX). Per variant: graph-replayed µs, bits against the twin,
+indices computed before the barrier set-up (GAAC_EARLY_INDEX), and programmatic dependent launch of the split and
+combine kernels (`plan(pdl=True)`, session 16: the combine's CTAs launch as the split kernel's leave). Per variant: graph-replayed µs, bits against the twin,
 and the finish times by launch rank (or warp group) from the kernel's globaltimer stamps. JSON and a table:
 
     python benchmarks/balance_probe.py --real-kv .bench/real_kv_2k.safetensors --out $OUT/balance.json
@@ -43,12 +44,16 @@ GAAC_VARIANTS = {  # label: plan options of the compressed kernel (one-warp, for
     "gaac_combine_4": {"balance": (), "combine_warps": 4},  # combine blocks of 4 warps: 4 blocks per SM, not 1
     "gaac_combine_8": {"balance": (), "combine_warps": 8},
     "gaac_balanced_combine_4": {"balance": RANK_PACE, "combine_warps": 4},
+    "gaac_pdl": {"balance": (), "pdl": True},  # programmatic dependent launch (session 16): the same bits
+    "gaac_balanced_combine_4_pdl": {"balance": RANK_PACE, "combine_warps": 4, "pdl": True},
 }
 TWIN_VARIANTS = {  # label: plan options of the plain twin
     "twin": {"balance": ()},
     "twin_balanced": {"balance": RANK_PACE},
     "twin_one_warp_balanced": {"balance": RANK_PACE, "ws": 0},
     "twin_combine_4": {"balance": (), "combine_warps": 4},
+    "twin_pdl": {"balance": (), "pdl": True},
+    "twin_balanced_combine_4_pdl": {"balance": RANK_PACE, "combine_warps": 4, "pdl": True},
 }
 TRACED = ("gaac", "gaac_balanced", "gaac_12_warps", "gaac_combine_4")  # variants also run with globaltimer stamps
 SPLIT_KEYS = ("balance", "combine_warps")  # the plan options that change the bits: a twin planned alike matches

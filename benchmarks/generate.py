@@ -118,6 +118,15 @@ def cuda_balance():
     return BALANCE
 
 
+def cuda_pdl():
+    """Whether the CUDA kernel launches with programmatic dependent launch (`gaac_cuda.decode_attention.PDL`)."""
+    try:
+        from gaac_cuda.decode_attention import PDL
+    except ImportError:
+        return None
+    return PDL
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -505,7 +514,7 @@ def main(argv=None):
                "torch": torch.__version__, "transformers": __import__("transformers").__version__,
                "model": "Llama-3.1-8B architecture, random BF16 weights" if not args.tiny else "tiny Llama",
                "param_bytes": param_bytes, "compile": describe(compile_kw), "steps": steps, "warmup": warmup,
-               "eager_steps": args.eager_steps, "cuda_split_balance": cuda_balance(),
+               "eager_steps": args.eager_steps, "cuda_split_balance": cuda_balance(), "cuda_pdl": cuda_pdl(),
                "command": "python benchmarks/generate.py " + " ".join(
                    sys.argv[1:] if argv is None else argv),
                "calibration": {"escape_capacity": calibration.config.escape_capacity,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -44,6 +45,12 @@ RANK_PACE = (32, 28, 25)
 # `plan`'s split weights where none are given (one tile per head): off (None) until measured faster on the H200;
 # GAAC_HF_CUDA_BALANCE=1 turns RANK_PACE on for every plan of the process (compressed KV and its twin alike)
 BALANCE = RANK_PACE if os.environ.get("GAAC_HF_CUDA_BALANCE") == "1" else None
+# Programmatic dependent launch (`plan(pdl=True)`): the split and combine kernels are launched with
+# CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, and the split kernel lets its dependents launch as soon as its
+# CTAs start, so the combine's CTAs take SMs as the split kernel's CTAs leave and wait there (griddepcontrol.wait) for
+# its partials instead of starting after it; every kernel waits for the one before it before reading memory. The bits
+# do not change. Off (False) until measured on the H200; GAAC_HF_CUDA_PDL=1 turns it on for every plan of the process.
+PDL = os.environ.get("GAAC_HF_CUDA_PDL") == "1"
 ESCAPE_SLACK = 16  # buffer bytes past a slot: the prepass reads a lane's escape bytes as a 12-byte window and clamps
 # reads to the buffer, so a window that starts near a full escape area must not reach the buffer's end
 
@@ -95,6 +102,7 @@ class DecodePlan:
     ws: int = 0  # consumer warps of the warp-specialized kernel (`plan(ws=n)`); warp_bytes is then per CTA
     split_cum: tuple = ()  # `plan(balance=...)`: cumulative split weights per row, [batch * (nsplit + 1)]
     combine_warps: int = COMBINE_WARPS
+    pdl: bool = False  # programmatic dependent launch (`plan(pdl=True)`)
 
     @property
     def items(self) -> int:
@@ -134,7 +142,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
          swizzle: bool = SWIZZLE, v_words: int | None = None, dense_slots: bool | None = None,
          ws: int | None = None, defines: tuple[str, ...] = (),
          buf_bytes: int | None = None, balance: tuple[int, ...] | None = None,
-         combine_warps: int | None = None) -> DecodePlan:
+         combine_warps: int | None = None, pdl: bool | None = None) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
@@ -169,7 +177,9 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     planned with the same `balance` split alike (the same bits), on either kernel.
     `combine_warps` (benchmarks, measured next): warps per block of the combine kernel (default 16; warp w merges
     splits w, w + combine_warps, ... then the warps merge in order, so the bits depend on it: plan compressed KV and its
-    twin alike). At 121 registers a 16-warp block fills an SM's register file, so 4x64K's 512 blocks run in 4 waves."""
+    twin alike). At 121 registers a 16-warp block fills an SM's register file, so 4x64K's 512 blocks run in 4 waves.
+    `pdl` (None: `PDL`): programmatic dependent launch of both kernels (see `PDL`; the same bits)."""
+    pdl = PDL if pdl is None else bool(pdl)
     if balance is None and head_dim <= 128:  # one tile per head: the process-wide default (before the kernel choice)
         balance = BALANCE
     if combine_warps is not None and not 1 <= combine_warps <= 16:
@@ -195,10 +205,12 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     if ws and buf_bytes is not None:
         raise ValueError("buf_bytes is a one-warp kernel option (ws=0)")
     if ws:
-        return _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, slot_bytes=slot_bytes, plain=plain,
-                        nsplit=nsplit, ws=ws, stages=2 * ws if stages is None else stages, min_ctas=min_ctas,
-                        skip=skip, dense_slots=WS_DENSE_SLOTS if dense_slots is None else dense_slots,
-                        format_version=format_version, extra=extra, balance=balance, combine_warps=combine_warps)
+        return _with_pdl(_plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, slot_bytes=slot_bytes,
+                                  plain=plain, nsplit=nsplit, ws=ws, stages=2 * ws if stages is None else stages,
+                                  min_ctas=min_ctas, skip=skip,
+                                  dense_slots=WS_DENSE_SLOTS if dense_slots is None else dense_slots,
+                                  format_version=format_version, extra=extra, balance=balance,
+                                  combine_warps=combine_warps), pdl)
     if stages is None:
         stages = 2
     if dense_slots is None:
@@ -236,8 +248,14 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         nsplit = _default_nsplit(batch, kv_heads, max_tokens, device, tiles)
     options, cum = _balanced(options, batch, kv_heads, nsplit, device, balance)
     options, cw = _combine_option(options, combine_warps)
-    return DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes, options,
-                      split_cum=cum, combine_warps=cw)
+    return _with_pdl(DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes,
+                                options, split_cum=cum, combine_warps=cw), pdl)
+
+
+def _with_pdl(p: DecodePlan, pdl: bool) -> DecodePlan:
+    """`plan(pdl=True)`: the kernels built with their griddepcontrol instructions, launched with the attribute (no
+    option at all without it, so default builds keep their cache keys and code)."""
+    return dataclasses.replace(p, pdl=True, options=p.options + ("-DGAAC_PDL=1",)) if pdl else p
 
 
 def split_table(batch: int, kv_heads: int, nsplit: int, weights: tuple[int, ...], sms: int,
@@ -404,9 +422,9 @@ def _run(p: DecodePlan, query, kv_len, mask, scale, fill, combine_too: bool = Tr
     keep = fill(prm)  # tensors the launch reads must outlive it
     split_kernel, combine = p.kernels(dev)
     with torch.cuda.device(dev):
-        split_kernel.launch(p.grid, p.warps * 32, p.smem, prm)
-        if combine_too:
-            combine.launch(b * hq * (d // 32), 32 * p.combine_warps, 0, prm)  # a block per (row, query head, 32 channels)
+        split_kernel.launch(p.grid, p.warps * 32, p.smem, prm, pdl=p.pdl)
+        if combine_too:  # a block per (row, query head, 32 channels)
+            combine.launch(b * hq * (d // 32), 32 * p.combine_warps, 0, prm, pdl=p.pdl)
     del keep
     return out
 

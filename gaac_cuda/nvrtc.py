@@ -25,6 +25,33 @@ CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 0
 CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3
 CU_FUNC_ATTRIBUTE_NUM_REGS = 4
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute (cuda.h): an id, padding to 8 bytes, a 64-byte value union (8-byte aligned)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint64 * 8)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h)."""
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+def programmatic_launch_config(grid: int, threads: int, smem: int, stream: int) -> _LaunchConfig:
+    """A 1-D launch's CUlaunchConfig with programmatic stream serialization allowed (the kernel may start before the
+    one before it on the stream completes; it waits for it with griddepcontrol.wait). The attribute array is kept
+    alive on the config (`_attrs`)."""
+    attr = (_LaunchAttribute * 1)()
+    attr[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr[0].value[0] = 1  # programmaticStreamSerializationAllowed (an int at the union's start; little endian)
+    cfg = _LaunchConfig(grid, 1, 1, threads, 1, 1, smem, ctypes.c_void_p(stream),
+                        ctypes.cast(attr, ctypes.POINTER(_LaunchAttribute)), 1)
+    cfg._attrs = attr
+    return cfg
 
 
 class NVRTCError(RuntimeError):
@@ -174,13 +201,19 @@ class Kernel:
                                                                             ctypes.c_size_t(smem)), "occupancy")
         return n.value
 
-    def launch(self, grid: int, threads: int, smem: int, params: ctypes.Structure) -> None:
-        """Launch on torch's current stream of the kernel's device (captured by CUDA graphs like any launch)."""
+    def launch(self, grid: int, threads: int, smem: int, params: ctypes.Structure, pdl: bool = False) -> None:
+        """Launch on torch's current stream of the kernel's device (captured by CUDA graphs like any launch);
+        `pdl`: as a programmatic dependent launch (`programmatic_launch_config`)."""
         self._allow_smem(smem)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
-        _check_cu(_load("cuda").cuLaunchKernel(self._fn, grid, 1, 1, threads, 1, 1, smem, ctypes.c_void_p(stream),
-                                               args, None), f"cuLaunchKernel({self.name})")
+        cu = _load("cuda")
+        if pdl:
+            cfg = programmatic_launch_config(grid, threads, smem, stream)
+            _check_cu(cu.cuLaunchKernelEx(ctypes.byref(cfg), self._fn, args, None), f"cuLaunchKernelEx({self.name})")
+            return
+        _check_cu(cu.cuLaunchKernel(self._fn, grid, 1, 1, threads, 1, 1, smem, ctypes.c_void_p(stream), args, None),
+                  f"cuLaunchKernel({self.name})")
 
 
 def get_kernel(source: str, options: list[str], name: str, device: torch.device) -> Kernel:

@@ -137,6 +137,23 @@ def test_combine_warps_option():
         plan(1, 8, 4, 128, 65536, "cpu", plain=True, nsplit=48, combine_warps=17)
 
 
+def test_pdl_option():
+    """plan(pdl=True): the griddepcontrol build (a kernel option only when on) for both kernels and both storages,
+    the launch flag on the plan; the split count and bits-relevant options unchanged."""
+    from gaac_cuda.nvrtc import CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, programmatic_launch_config
+
+    for kw in ({"plain": True, "nsplit": 48}, {"plain": True, "nsplit": 48, "ws": 0},
+               {"slot_bytes": 3000, "format_version": 3, "ws": 0, "nsplit": 48}):
+        base = plan(1, 8, 4, 128, 65536, "cpu", **kw)
+        on = plan(1, 8, 4, 128, 65536, "cpu", pdl=True, **kw)
+        assert not base.pdl and not any("PDL" in o for o in base.options)
+        assert on.pdl and on.options == base.options + ("-DGAAC_PDL=1",) and on.nsplit == base.nsplit
+        assert on.grid == base.grid and on.smem == base.smem
+    cfg = programmatic_launch_config(396, 128, 74240, 0)
+    assert (cfg.gridDimX, cfg.blockDimX, cfg.sharedMemBytes, cfg.numAttrs) == (396, 128, 74240, 1)
+    assert cfg.attrs[0].id == CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION and cfg.attrs[0].value[0] == 1
+
+
 def test_plan_of_the_warp_specialized_kernel():
     """ws: CTAs of ws consumer warps (each one of the one-warp kernel's splits) + 1 producer warp, one ring per CTA
     (2 ws stages by default); the default for plain KV at head_dim 64/128 (WS_TWIN consumers), with the one-warp
@@ -180,7 +197,9 @@ def test_plan_of_the_warp_specialized_kernel():
                                     (128, 1, 0, "GAAC_BALANCE=1"), (128, 1, 5, "GAAC_BALANCE=1"),
                                     (64, 1, 5, "GAAC_BALANCE=1"), (128, 1, 6, "GAAC_BALANCE=1"),
                                     (64, 1, 6, "GAAC_BALANCE=1"), (128, 1, 7, "GAAC_BALANCE=1"),
-                                    (128, 1, 6, "GAAC_EARLY_INDEX=1"), (128, 1, 6, "GAAC_COMBINE_WARPS=4")])
+                                    (128, 1, 6, "GAAC_EARLY_INDEX=1"), (128, 1, 6, "GAAC_COMBINE_WARPS=4"),
+                                    (128, 1, 6, "GAAC_PDL=1"), (64, 1, 6, "GAAC_PDL=1"), (128, 1, 5, "GAAC_PDL=1"),
+                                    (128, 1, 0, "GAAC_PDL=1")])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     """The sm_90a build of every head_dim-64/128 variant, at the plan's default register cap (3 CTAs of 4 warps per
     SM), keeps its state in registers: no stack, no local memory."""
@@ -398,6 +417,42 @@ def test_combine_warps_equal_the_twin_planned_alike(case):
             assert torch.equal(bits(got), bits(plain_decode_attention(q, k, v, kv_len, mask, scale, pp))), (cw, ws)
         err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, (err, cw)
+
+
+@gpu
+@pytest.mark.parametrize("case", [GPU_CASES[1], GPU_CASES[8], GPU_CASES[9]],
+                         ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
+def test_pdl_launch_keeps_the_bits(case):
+    """plan(pdl=True) (programmatic dependent launch of the split and combine kernels): the bits of the plain launch,
+    for compressed KV (format 3, with and without balanced splits) and the twin (both kernels), called directly and
+    as three back-to-back calls in one CUDA graph (each split kernel then starts under the previous combine, which
+    reads partials in the memory the next call reuses)."""
+    b, h, nrep, _, d, _, _, _ = case
+    (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case, 2)
+    for balance in ((), RANK_PACE):
+        outs = {}
+        for pdl in (False, True):
+            pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, ws=0, format_version=3,
+                      balance=balance, pdl=pdl)
+            outs[("gaac", pdl)] = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
+            for ws in (None, 0):
+                pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, ws=ws, balance=balance,
+                          pdl=pdl)
+                outs[(f"twin{ws}", pdl)] = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
+            if pdl:
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    got = [decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
+                           for _ in range(3)]
+                graph.replay()
+                torch.cuda.synchronize()
+                assert all(torch.equal(bits(g), bits(outs[("gaac", False)])) for g in got), balance
+        want = bits(outs[("gaac", False)])
+        assert all(torch.equal(bits(o), want) for o in outs.values()), (balance, [k2 for k2, o in outs.items()
+                                                                                 if not torch.equal(bits(o), want)])
+        err = ((outs[("gaac", True)].cpu().double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, err
 
 
 @gpu

@@ -44,6 +44,9 @@
 #ifndef GAAC_TRACE  // benchmark probe: per-warp globaltimer stamps into Params::trace
 #define GAAC_TRACE 0
 #endif
+#ifndef GAAC_PDL  // programmatic dependent launch (plan(pdl=True)): each kernel waits for the one before it on the
+#define GAAC_PDL 0  // stream before touching global memory (griddepcontrol.wait), and the split kernels let their
+#endif              // dependents (the combine) launch as their CTAs start, so the combine's CTAs wait on the SMs
 #ifndef GAAC_BALANCE  // split sizes (the same for compressed KV and its twin, so the bits match): ceil(units /
 #define GAAC_BALANCE 0  // nsplit) units per split (0), or a row's units in proportion to the per-split weights of
 #endif                  // Params::split_cum (1); the one-warp kernel then interleaves the kv heads warp by warp, so
@@ -136,6 +139,15 @@ __device__ __forceinline__ unsigned long long gtimer() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
   return t;
+}
+
+// GAAC_PDL: wait until the grids this one depends on have completed and their writes are visible (a no-op for a
+// launch without the programmatic attribute); and let the dependent grid be scheduled.
+__device__ __forceinline__ void grid_dependency_wait() {
+  if (GAAC_PDL) asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+__device__ __forceinline__ void launch_dependents() {
+  if (GAAC_PDL) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
@@ -937,6 +949,8 @@ __device__ __forceinline__ void split_range(const Params& p, int b, int split, i
 
 extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaac_decode_split(const Params p) {
   extern __shared__ __align__(128) u8 smem[];
+  launch_dependents();
+  grid_dependency_wait();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int total = p.batch * p.heads * p.nsplit;
@@ -1292,6 +1306,8 @@ __device__ __forceinline__ void ws_unit(const Params& p, const u8* kbuf, const u
 // of the barrier).
 extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) gaac_decode_ws(const Params p) {
   extern __shared__ __align__(128) u8 smem[];
+  launch_dependents();
+  grid_dependency_wait();
   constexpr int S = GAAC_STAGES, NC = GAAC_WS;
   constexpr int SCRATCH = GAAC_PLAIN ? 0 : SCRATCH_GROUPS * G;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1482,6 +1498,7 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
 extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) gaac_combine(const Params p) {
   __shared__ float red[COMBINE_WARPS][2];
   __shared__ float part[COMBINE_WARPS][32];
+  grid_dependency_wait();  // the split kernel's partials
   constexpr int CHUNKS = D / 32;
   const int chunk = blockIdx.x % CHUNKS, hq = (blockIdx.x / CHUNKS) % (p.heads * p.rep);
   const int b = blockIdx.x / (CHUNKS * p.heads * p.rep);
