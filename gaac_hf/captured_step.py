@@ -38,6 +38,17 @@ def cache_buffers(cache) -> tuple[torch.Tensor, ...]:
     return tuple(t for layer in cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor))
 
 
+def record_cuda_graph(fn, pool):
+    """Record `fn()` into a `torch.cuda.CUDAGraph` (in memory `pool`, shared with the step's other graphs; None: a new
+    one). Returns `(replay, output, pool)`: `replay()` runs the recorded kernels, which overwrite `output` in place.
+    Recording runs none of them."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph.replay, out, graph.pool()
+
+
 class CapturedStep:
     """`CapturedStep(model, cache)`: one decode step of `model` over the prefilled static `cache`, recorded as a CUDA
     graph at its `warmup + 1`-th call and replayed after (see the module docstring).
@@ -47,10 +58,11 @@ class CapturedStep:
     forward. `warmup`: calls run directly before a recording, for new inputs and after the buffers moved (they
     compile the step and let the libraries set up their workspaces; each is a real decode step). `max_graphs`: input
     shapes recorded before a new one is an error (a mask that grows with the context would record a graph per step:
-    pad it to `max_cache_len`)."""
+    pad it to `max_cache_len`). `capture`: None records on CUDA only; False never. `recorder`: how a step is
+    recorded (`record_cuda_graph`'s contract; another one lets the tests follow the bookkeeping on the CPU)."""
 
     def __init__(self, model, cache, *, compile: bool | dict = True, warmup: int = 2, max_graphs: int = 4,
-                 capture: bool | None = None):
+                 capture: bool | None = None, recorder=record_cuda_graph):
         if warmup < 1:
             raise ValueError(f"warmup must be at least 1 (the first call compiles the step), not {warmup}")
         self.model, self.cache = model, cache
@@ -60,7 +72,8 @@ class CapturedStep:
         self.forward = torch.compile(model.forward, **compile) if compile else model.forward
         self.warmup, self.max_graphs = warmup, max_graphs
         self.capture = capture
-        self.graphs: dict = {}  # input key -> (graph, static inputs, output)
+        self.recorder = recorder
+        self.graphs: dict = {}  # input key -> (replay, static inputs, output)
         self._warm: dict = {}  # input key -> direct steps run for it since the buffers last moved
         self._side = None
         self.pool = None
@@ -103,7 +116,7 @@ class CapturedStep:
     def _capturing(self, device: torch.device) -> bool:
         if self.capture is None:
             return device.type == "cuda"
-        if self.capture and device.type != "cuda":
+        if self.capture and device.type != "cuda" and self.recorder is record_cuda_graph:
             raise ValueError(f"CUDA graphs need CUDA tensors; the step's inputs are on {device}")
         return self.capture
 
@@ -113,12 +126,8 @@ class CapturedStep:
                                "captured step needs inputs of a fixed shape (pad a growing attention mask to the "
                                "cache's max_cache_len)")
         static = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):  # records the kernels; runs none of them
-            out = self._call(static)
-        self.pool = graph.pool()
-        self.graphs[key] = (graph, static, out)
+        replay, out, self.pool = self.recorder(lambda: self._call(static), self.pool)  # runs no kernel
+        self.graphs[key] = (replay, static, out)
         return self.graphs[key]
 
     def reset(self) -> None:
@@ -131,6 +140,8 @@ class CapturedStep:
     # --- a step ---------------------------------------------------------------------------------------------------
     def _direct(self, kwargs: dict, device: torch.device):
         """A step run as it is, not recorded: on a side stream (as `torch.cuda.graph`'s docs ask of warm-up runs)."""
+        if device.type != "cuda":
+            return self._call(kwargs)
         if self._side is None:
             self._side = torch.cuda.Stream(device)
         self._side.wait_stream(torch.cuda.current_stream(device))
@@ -159,9 +170,9 @@ class CapturedStep:
             if self._warm[key] <= self.warmup:
                 return self._direct(kwargs, device)
             entry = self._record(key, kwargs)
-        graph, static, out = entry
+        replay, static, out = entry
         for name, v in kwargs.items():
             if isinstance(v, torch.Tensor):
                 static[name].copy_(v)
-        graph.replay()
+        replay()
         return out

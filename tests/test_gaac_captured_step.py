@@ -9,6 +9,7 @@ and its twin, across block finalizations and a raw pool that grows (which record
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -86,6 +87,55 @@ def test_cpu_step_compiled_equals_eager(cpu_model):
         _prefill(model, cache, 30)
         got.append(_steps(model, CapturedStep(model, cache, compile=compile), cache, 30, 6)[0])
     assert torch.equal(got[0].view(torch.int32), got[1].view(torch.int32))
+
+
+class FakeRecorder:
+    """`record_cuda_graph`'s contract on the CPU: recording keeps the function and runs nothing; a replay runs it and
+    copies its logits into the output object handed out at recording (overwritten in place, as a graph's)."""
+
+    def __init__(self):
+        self.recorded = self.replays = 0
+
+    def __call__(self, fn, pool):
+        self.recorded += 1
+        out = types.SimpleNamespace(logits=None)
+
+        def replay():
+            self.replays += 1
+            logits = fn().logits
+            if out.logits is None:
+                out.logits = logits.clone()
+            else:
+                out.logits.copy_(logits)
+
+        return replay, out, pool
+
+
+def test_recording_bookkeeping_with_a_fake_recorder(cpu_model):
+    """What the wrapper does around the graphs, followed on the CPU with a recorder that keeps the step function:
+    `warmup` direct steps, one recording, then replays that read the inputs copied into the recorded (static) ones,
+    bit-identical to eager steps across block finalizations; a raw pool that grows (1 tile, escape capacity 16: about
+    half the tiles raw) moves the buffers, so the step is recorded again after `warmup` more direct steps; a new input
+    signature records another graph, up to `max_graphs`."""
+    model, calibration = cpu_model
+    calibration = GAACCalibration(dataclasses.replace(calibration.config, escape_capacity=16), calibration.base3,
+                                  calibration.base4)
+    ref_cache = GAACStaticCache(model.config, 128, calibration, raw_tiles=1)
+    _prefill(model, ref_cache, 17)
+    ref = _steps(model, model.forward, ref_cache, 17, 60)[0]
+    cache = GAACStaticCache(model.config, 128, calibration, raw_tiles=1)
+    _prefill(model, cache, 17)
+    fake = FakeRecorder()
+    step = CapturedStep(model, cache, compile=False, capture=True, recorder=fake, warmup=2, max_graphs=1)
+    before = tuple(t.data_ptr() for t in cache_buffers(cache))
+    got = _steps(model, step, cache, 17, 60)[0]
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+    assert tuple(t.data_ptr() for t in cache_buffers(cache)) != before and fake.recorded >= 2  # grew, recorded again
+    assert fake.replays == 60 - 2 * fake.recorded and len(step.graphs) == 1
+    with torch.no_grad(), pytest.raises(RuntimeError, match="max_graphs=1"):
+        for i in range(3):  # another signature (an extra constant): direct steps, then a second graph is refused
+            step(input_ids=torch.ones(1, 1, dtype=torch.long), position_ids=torch.full((1, 1), 77 + i),
+                 return_dict=True)
 
 
 def test_bad_input_is_refused(cpu_model):
