@@ -26,11 +26,16 @@ def _guard_filter():
     return fn
 
 
-def compile_options(*, cudagraphs: bool = True, skip_module_guards: bool = True, backend: str = "inductor") -> dict:
-    """The `options` dict of `torch.compile` for a decode step: CUDA graphs (inductor only) and, with
-    `skip_module_guards`, no guards on the model's modules and parameters."""
+GRAPHS = ("trees", "replay")
+
+
+def compile_options(*, cudagraphs: bool = True, skip_module_guards: bool = True, backend: str = "inductor",
+                    graphs: str = "trees") -> dict:
+    """The `options` dict of `torch.compile` for a decode step: CUDA graphs (inductor's graph trees; none for
+    `graphs="replay"`, whose backend records them itself) and, with `skip_module_guards`, no guards on the model's
+    modules and parameters."""
     options = {}
-    if cudagraphs and backend == "inductor":
+    if cudagraphs and backend == "inductor" and graphs == "trees":
         options["triton.cudagraphs"] = True
     if skip_module_guards:
         options["guard_filter_fn"] = _guard_filter()
@@ -38,10 +43,20 @@ def compile_options(*, cudagraphs: bool = True, skip_module_guards: bool = True,
 
 
 def compile_kwargs(*, fullgraph: bool = True, backend: str = "inductor", cudagraphs: bool = True,
-                   skip_module_guards: bool = True) -> dict:
+                   skip_module_guards: bool = True, graphs: str = "trees") -> dict:
     """Keyword arguments of `torch.compile(model.forward, **compile_kwargs())`: the same compiled step as
-    `mode="reduce-overhead", fullgraph=True`, with the model's module guards skipped unless told otherwise."""
-    options = compile_options(cudagraphs=cudagraphs, skip_module_guards=skip_module_guards, backend=backend)
+    `mode="reduce-overhead", fullgraph=True`, with the model's module guards skipped unless told otherwise.
+    `graphs="replay"` (inductor, CUDA graphs on): the CUDA graph recorded and replayed by
+    `gaac_hf.graph_replay.graph_replay_backend` instead of inductor's graph trees (less host work per call; outputs
+    are overwritten by the next call)."""
+    if graphs not in GRAPHS:
+        raise ValueError(f"graphs is one of {GRAPHS}, not {graphs!r}")
+    if graphs == "replay" and cudagraphs and backend == "inductor":
+        from .graph_replay import graph_replay_backend
+
+        backend = graph_replay_backend
+    options = compile_options(cudagraphs=cudagraphs, skip_module_guards=skip_module_guards, backend=backend,
+                              graphs=graphs)
     kw = {"fullgraph": fullgraph, "backend": backend}
     if options:
         kw["options"] = options
@@ -49,13 +64,13 @@ def compile_kwargs(*, fullgraph: bool = True, backend: str = "inductor", cudagra
 
 
 def compile_config(*, fullgraph: bool = True, backend: str = "inductor", cudagraphs: bool = True,
-                   skip_module_guards: bool = True, **changes):
+                   skip_module_guards: bool = True, graphs: str = "trees", **changes):
     """A transformers `CompileConfig` with the same settings, for `model.generate(..., compile_config=...)`
     (`generate` compiles the decode step itself when the cache is compileable)."""
     from transformers import CompileConfig
 
     kw = compile_kwargs(fullgraph=fullgraph, backend=backend, cudagraphs=cudagraphs,
-                        skip_module_guards=skip_module_guards)
+                        skip_module_guards=skip_module_guards, graphs=graphs)
     return CompileConfig(fullgraph=kw["fullgraph"], backend=kw["backend"], mode=None, options=kw.get("options"),
                          **changes)
 
@@ -63,6 +78,8 @@ def compile_config(*, fullgraph: bool = True, backend: str = "inductor", cudagra
 def describe(kwargs: dict) -> dict:
     """`compile_kwargs` as JSON-friendly values (a guard filter by its name), for benchmark records."""
     out = dict(kwargs)
+    if callable(out.get("backend")):
+        out["backend"] = getattr(out["backend"], "__name__", str(out["backend"]))
     if "options" in out:
         out["options"] = {k: getattr(v, "__name__", v) for k, v in out["options"].items()}
     return out

@@ -47,3 +47,42 @@ def same_generation(a, b) -> bool:
     """Identical tokens and identical bits of every step's scores."""
     return torch.equal(a.sequences, b.sequences) and len(a.scores) == len(b.scores) and all(
         torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a.scores, b.scores))
+
+
+class KeepingRecorder:
+    """`gaac_hf.graph_replay.record_cuda_graph`'s contract on the CPU, for tests of the replay bookkeeping: recording
+    keeps the function and runs nothing; a replay runs it and copies its outputs into the output object handed out at
+    recording, overwritten in place as a graph's would be: a list of tensors (`outputs="list"`: a compiled graph's) or
+    a model output's logits (`"model"`)."""
+
+    def __init__(self, outputs: str = "model"):
+        if outputs not in ("model", "list"):
+            raise ValueError(f"outputs is 'model' or 'list', not {outputs!r}")
+        self.outputs = outputs
+        self.recorded = self.replays = 0
+
+    def __deepcopy__(self, memo):  # generate deep-copies its compile config (and a backend partial holding this)
+        return self
+
+    def __call__(self, fn, pool):
+        import types
+
+        self.recorded += 1
+        out = types.SimpleNamespace(logits=None) if self.outputs == "model" else []
+
+        def replay():
+            self.replays += 1
+            res = fn()
+            if self.outputs == "model":
+                if out.logits is None:
+                    out.logits = res.logits.clone()
+                else:
+                    out.logits.copy_(res.logits)
+            elif not out:
+                out.extend(t.clone() if isinstance(t, torch.Tensor) else t for t in res)
+            else:
+                for o, t in zip(out, res):
+                    if isinstance(t, torch.Tensor):
+                        o.copy_(t)
+
+        return replay, out, pool

@@ -84,3 +84,52 @@ def test_a_new_input_shape_still_recompiles(llama):
         for batch in (1, 1, 2):
             step(input_ids=torch.ones(batch, 5, dtype=torch.long))
     assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_replay_graphs_settings():
+    """graphs="replay": the CUDA graph recorded by gaac_hf's backend instead of inductor's graph trees (so no
+    `triton.cudagraphs` option); the module-guard filter stays; an unknown value is refused."""
+    from gaac_hf.graph_replay import graph_replay_backend
+
+    kw = gaac_hf.compile_kwargs(graphs="replay")
+    assert kw["backend"] is graph_replay_backend and kw["options"] == {
+        "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    assert compile_settings.describe(kw)["backend"] == "graph_replay_backend"
+    assert gaac_hf.compile_kwargs(graphs="replay", cudagraphs=False)["backend"] == "inductor"
+    assert gaac_hf.compile_config(graphs="replay").backend is graph_replay_backend
+    with pytest.raises(ValueError, match="graphs"):
+        gaac_hf.compile_kwargs(graphs="forest")
+
+
+def test_generate_through_the_replay_backend(llama):
+    """generate with the replay backend (aot_eager inside, a recorder that keeps the graph's function on the CPU):
+    the step runs directly twice, is recorded once and replayed for every later token, with parameters and the
+    cache's buffers read in place and the token and positions copied in; tokens and logit bits equal the same
+    compiled step without replay, and GAAC equals its twin."""
+    import functools
+
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from gaac_hf.graph_replay import graph_replay_backend
+    from gaac_hf.testing import KeepingRecorder
+
+    model, calibration = llama
+    ids = torch.randint(3, 200, (1, 21), generator=torch.Generator().manual_seed(2))
+    outs, recorders = [], []
+    for make, replay in ((lambda: GAACStaticCache(model.config, 64, calibration), True),
+                         (lambda: PlainStaticCache(model.config, 64), True),
+                         (lambda: GAACStaticCache(model.config, 64, calibration), False)):
+        torch._dynamo.reset()
+        recorder = KeepingRecorder(outputs="list")
+        backend = functools.partial(graph_replay_backend, recorder=recorder, compiler=lookup_backend("aot_eager")) \
+            if replay else "aot_eager"
+        cc = gaac_hf.compile_config(backend=backend)
+        cc._compile_all_devices = True  # generate compiles on CUDA by itself; on the CPU it has to be asked
+        outs.append(model.generate(ids, max_new_tokens=14, min_new_tokens=14, do_sample=False, output_scores=True,
+                                   return_dict_in_generate=True, compile_config=cc, **{cache_kwarg(model): make()}))
+        recorders.append(recorder)
+    for r in recorders[:2]:  # 13 compiled decode steps (the first token comes from the eager prefill)
+        assert r.recorded == 1 and r.replays == 13 - 2
+    for other in outs[1:]:
+        assert torch.equal(outs[0].sequences, other.sequences)
+        assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(outs[0].scores, other.scores))
