@@ -473,6 +473,9 @@ def main(argv=None):
     p.add_argument("--skip-module-guards", action="store_true",
                    help="compile with gaac_hf.compile_kwargs(): the same CUDA-graph step without Dynamo's guards on "
                         "the model's modules and parameters (torch.compiler.skip_guard_on_all_nn_modules_unsafe)")
+    p.add_argument("--graphs", default="trees", choices=("trees", "replay"),
+                   help="with --skip-module-guards: the compiled variants' CUDA graphs from inductor's graph trees "
+                        "(mode reduce-overhead) or recorded and replayed by gaac_hf.graph_replay.graph_replay_backend")
     p.add_argument("--format-version", type=int, default=2, choices=(1, 2),
                    help="calibration format (2: even windows; the GAAC caches then store format version 2 where the "
                         "CUDA kernel reads it, on Hopper)")
@@ -489,7 +492,7 @@ def main(argv=None):
     run = {k for k, label in VARIANTS.items() if k in args.variants and k not in skip and label not in skip}
     backend = args.backend or ("aot_eager" if args.tiny else "inductor")
     if args.skip_module_guards:
-        compile_kw = compile_kwargs(backend=backend)
+        compile_kw = compile_kwargs(backend=backend, graphs=args.graphs)
     else:
         compile_kw = dict(fullgraph=True, backend=backend)
         if backend == "inductor":
@@ -648,7 +651,8 @@ def main(argv=None):
             step = captured[source]
             step.reset()  # the cache may have been refilled (new context): record again, after warm-up steps
             start = int(cache.get_seq_length())
-            times, hosts, lg = Stepper(model, step, cache, start, device).run(steps, max(warmup, step.warmup + 1))
+            warm = max(warmup, step.replayer.warmup + 1)  # direct steps, the recording, then replays
+            times, hosts, lg = Stepper(model, step, cache, start, device).run(steps, warm)
             record(label, times, hosts)
             row[label].update(start=start, graphs=len(step.graphs))
             logits[key] = lg

@@ -134,7 +134,7 @@ class GraphReplayer:
         self._moved(args)
         key = self.signature(args)
         entry = self.graphs.get(key)
-        if entry is None:  # a new signature, or moved buffers: direct calls first (a compiler runs: not while recording)
+        if entry is None:  # new signature or moved buffers: direct calls first (a compiler may run: not recording)
             self._warm[key] = self._warm.get(key, 0) + 1
             if self._warm[key] <= self.warmup or self.mutates_copied_input:
                 return self.direct(*args)

@@ -52,7 +52,7 @@ def test_a_moved_static_input_or_fixed_tensor_records_again():
 
 
 def test_a_call_that_writes_a_copied_input_is_never_replayed():
-    """A replay would write the recorded copy, not the caller's tensor: such a step stays direct, and its writes land."""
+    """A replay would write the recorded copy, not the caller's tensor: such a step stays direct; its writes land."""
     def fn(x):
         x.add_(1)
         return [x * 2]

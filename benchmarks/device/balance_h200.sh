@@ -3,7 +3,8 @@
 # the rank-balanced splits and the combine block size, then benchmarks/balance_probe.py; `... generate` runs the
 # compiled step at 64K/128K with the balance on (GAAC_HF_CUDA_BALANCE=1: compressed KV and its twin alike), and the
 # same caches under gaac_hf.CapturedStep (session 16: one CUDA graph replayed with no Dynamo/Python per call);
-# BALANCE=0 / PDL=1 in the environment switch the process defaults (after the probe says which is faster).
+# BALANCE=0 / PDL=1 in the environment switch the process defaults (after the probe says which is faster);
+# `... replay` runs the compiled variants through gaac_hf.graph_replay's backend (generate's path, less host work).
 #   device run, carry [".bench"]; results under $OUT
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
@@ -23,3 +24,10 @@ if [ "$MODE" = generate ]; then
     --variants gaac twin captured captured-twin --skip-module-guards \
     --out "$OUT/generate_balanced.json" 2>&1 | tee "$OUT/generate_balanced.log" | grep -E "ms/step|lossless|speedup|\| " | tail -12
 fi
+if [ "$MODE" = replay ]; then  # the compiled variants through gaac_hf's graph-replay backend instead of graph trees
+  GAAC_HF_CUDA_BALANCE=${BALANCE:-1} GAAC_HF_CUDA_PDL=${PDL:-0} timeout ${GEN_TIMEOUT:-540} python3 benchmarks/generate.py \
+    --contexts ${CONTEXTS:-65536 131072} --steps 10 --warmup 3 --eager-steps 3 --reps 10 \
+    --variants ${VARIANTS:-gaac twin} --skip-module-guards --graphs replay \
+    --out "$OUT/generate_replay.json" 2>&1 | tee "$OUT/generate_replay.log" | grep -E "ms/step|lossless|speedup|\| " | tail -12
+fi
+
