@@ -11,6 +11,10 @@ spell `mode="reduce-overhead"` as its option (`triton.cudagraphs`, which is all 
 
     step = torch.compile(model.forward, **gaac_hf.compile_kwargs())
     out = model.generate(**inputs, past_key_values=cache, compile_config=gaac_hf.compile_config())
+
+torch.compile pops `guard_filter_fn` from the `options` dict it is given: call `compile_kwargs()` once per compile
+(a dict reused for a second `torch.compile` compiles that one with every module guard). `generate` deep-copies its
+compile config, so a `compile_config()` can be reused.
 """
 
 from __future__ import annotations

@@ -133,3 +133,35 @@ def test_generate_through_the_replay_backend(llama):
     for other in outs[1:]:
         assert torch.equal(outs[0].sequences, other.sequences)
         assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(outs[0].scores, other.scores))
+
+
+def test_each_compile_needs_its_own_kwargs(monkeypatch):
+    """torch.compile pops guard_filter_fn from the options it is given (so a reused dict loses it): compile_kwargs()
+    gives a new dict per call, CapturedStep leaves a caller's dict intact, and every compiled variant of
+    benchmarks/generate.py gets the filter (sessions 4-15 reused one dict: only the first variant had it)."""
+    import importlib.util
+    import pathlib
+
+    kw = gaac_hf.compile_kwargs(backend="aot_eager")
+    torch.compile(lambda x: x + 1, **kw)
+    assert "guard_filter_fn" not in kw["options"]  # torch's behaviour, the reason for the rest
+    assert "guard_filter_fn" in gaac_hf.compile_kwargs(backend="aot_eager")["options"]
+    model = AutoModelForCausalLM.from_config(tiny_llama_config(), dtype=torch.bfloat16).eval()
+    mine = gaac_hf.compile_kwargs(backend="aot_eager")
+    gaac_hf.CapturedStep(model, PlainStaticCache(model.config, 32), compile=mine)
+    assert "guard_filter_fn" in mine["options"]
+    seen = []
+    real = torch.compile
+
+    def spy(fn=None, **kwargs):
+        seen.append(dict(kwargs.get("options") or {}))
+        return real(fn, **kwargs)
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "generate.py"
+    spec = importlib.util.spec_from_file_location("generate_bench_spy", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench.torch, "compile", spy)
+    bench.main(["--tiny", "--contexts", "40", "--steps", "2", "--warmup", "1", "--variants", "gaac", "twin", "static",
+                "--skip-module-guards", "--out", str(pathlib.Path(__import__("tempfile").mkdtemp()) / "g.json")])
+    assert len(seen) >= 3 and all("guard_filter_fn" in o for o in seen), seen
