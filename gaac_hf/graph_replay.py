@@ -46,7 +46,7 @@ class GraphReplayer:
         self.warmup, self.max_graphs, self.recorder = warmup, max_graphs, recorder
         self.graphs: dict = {}  # signature -> (replay, recorded inputs, output)
         self._warm: dict = {}  # signature -> direct calls since the last reset
-        self._pointers: list[int] | None = None
+        self._pointers: list[int | None] | None = None  # static inputs' addresses by input index
         self._fixed_pointers: tuple | None = None
         self._side = None
         self._copied: list[int] | None = None  # indices of the inputs outside `static`
@@ -82,17 +82,18 @@ class GraphReplayer:
     def _moved(self, args: Sequence) -> bool:
         """Whether a static input or a `fixed()` tensor is not where the graphs read it (first call: True)."""
         fixed = tuple(t.data_ptr() for t in self.fixed()) if self.fixed is not None else ()
-        if self._pointers is None or fixed != self._fixed_pointers:
+        if self._pointers is None or len(self._pointers) != len(args) or fixed != self._fixed_pointers:
             moved = True
         else:
             same = _pointers_equal()
-            if same is not None:
+            if same is not None:  # (tensors, pointers by input index, None elsewhere, indices to compare)
                 moved = not same(list(args), self._pointers, self._static_list)
             else:
-                moved = [args[i].data_ptr() for i in self.static] != self._pointers
+                moved = any(args[i].data_ptr() != self._pointers[i] for i in self.static)
         if moved:
             self.reset()
-            self._pointers = [args[i].data_ptr() for i in self.static]
+            static = set(self.static)
+            self._pointers = [a.data_ptr() if i in static else None for i, a in enumerate(args)]
             self._fixed_pointers = fixed
         return moved
 

@@ -77,3 +77,25 @@ def test_signatures_and_their_limit():
         rep.signature([torch.ones(1), [1]])
     with pytest.raises(ValueError, match="warmup"):
         GraphReplayer(lambda: None, warmup=0)
+
+
+def test_the_address_check_through_torchs_helper(monkeypatch):
+    """On CUDA builds the static addresses are compared by torch's C++ helper (what CUDA-graph trees use: pointers
+    listed by input index, None elsewhere); here a Python stand-in with those semantics takes its place."""
+    from gaac_hf import graph_replay
+
+    calls = []
+
+    def helper(tensors, pointers, indices):
+        assert len(pointers) == len(tensors) and all(pointers[i] is not None for i in indices)
+        calls.append(tuple(indices))
+        return all(tensors[i].data_ptr() == pointers[i] for i in indices)
+
+    monkeypatch.setattr(graph_replay, "_pointers_equal", lambda: helper)
+    rep, rec = _replayer(lambda x, w, y: [x + w + y], static=[1], warmup=1)
+    w = torch.ones(2)
+    for _ in range(3):
+        rep(torch.zeros(2), w, torch.zeros(2))
+    assert rec.recorded == 1 and rec.replays == 2 and calls == [(1,), (1,)]
+    rep(torch.zeros(2), w.clone(), torch.zeros(2))  # moved: dropped, direct again
+    assert rep.graphs == {}
