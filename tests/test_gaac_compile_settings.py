@@ -165,3 +165,31 @@ def test_each_compile_needs_its_own_kwargs(monkeypatch):
     bench.main(["--tiny", "--contexts", "40", "--steps", "2", "--warmup", "1", "--variants", "gaac", "twin", "static",
                 "--skip-module-guards", "--out", str(pathlib.Path(__import__("tempfile").mkdtemp()) / "g.json")])
     assert len(seen) >= 3 and all("guard_filter_fn" in o for o in seen), seen
+
+
+def test_a_left_padded_batch_through_the_replay_backend(llama):
+    """A left-padded batch of 2 under the replay backend: one recording (the step's inputs keep their shapes), and
+    the tokens and logit bits of the same compiled step without replay."""
+    import functools
+
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from gaac_hf.graph_replay import graph_replay_backend
+    from gaac_hf.testing import KeepingRecorder
+
+    model, calibration = llama
+    ids = torch.randint(3, 200, (2, 21), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    outs, recorder = [], KeepingRecorder(outputs="list")
+    for backend in (functools.partial(graph_replay_backend, recorder=recorder, compiler=lookup_backend("aot_eager")),
+                    "aot_eager"):
+        torch._dynamo.reset()
+        cc = gaac_hf.compile_config(backend=backend)
+        cc._compile_all_devices = True
+        outs.append(model.generate(ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                   output_scores=True, return_dict_in_generate=True, compile_config=cc,
+                                   **{cache_kwarg(model): GAACStaticCache(model.config, 64, calibration)}))
+    assert recorder.recorded == 1 and recorder.replays == 11 - 2
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(outs[0].scores, outs[1].scores))
