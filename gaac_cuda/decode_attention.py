@@ -10,8 +10,8 @@ the bitstream only through the offsets it is handed.
 from __future__ import annotations
 
 import ctypes
-import functools
 import dataclasses
+import functools
 import math
 import os
 from dataclasses import dataclass
