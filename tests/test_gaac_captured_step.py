@@ -210,3 +210,22 @@ def test_gpu_raw_pool_growth_records_again(cuda_model):
     twin_step = CapturedStep(model, twin)
     ref = torch.cat([_steps(model, twin_step, twin, 17, 8)[0], _steps(model, twin_step, twin, 25, 200)[0]])
     assert torch.equal(torch.cat([got, more]).view(torch.int32), ref.view(torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_generate_with_replayed_graphs_equals_the_twin(cuda_model):
+    """generate with compile_config(graphs="replay") (the replay backend records the compiled step as a CUDA graph):
+    40 tokens across block finalizations, GAAC's tokens and logit bits equal the twin's under the same settings."""
+    import gaac_hf
+
+    model, calibration = cuda_model
+    ids = torch.randint(0, 512, (1, 301), generator=torch.Generator().manual_seed(5)).cuda()
+    outs = []
+    for make in (lambda: GAACStaticCache(model.config, 400, calibration), lambda: PlainStaticCache(model.config, 400)):
+        torch._dynamo.reset()
+        outs.append(model.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False, output_scores=True,
+                                   return_dict_in_generate=True, compile_config=gaac_hf.compile_config(graphs="replay"),
+                                   **{cache_kwarg(model): make()}))
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(outs[0].scores, outs[1].scores))
