@@ -82,11 +82,15 @@ class GraphReplayer:
     def _moved(self, args: Sequence) -> bool:
         """Whether a static input or a `fixed()` tensor is not where the graphs read it (first call: True)."""
         fixed = tuple(t.data_ptr() for t in self.fixed()) if self.fixed is not None else ()
-        if self._pointers is None or len(self._pointers) != len(args) or fixed != self._fixed_pointers:
+        if self._pointers is None or fixed != self._fixed_pointers:
+            moved = True
+        elif not self.static:
+            moved = False
+        elif len(self._pointers) != len(args):
             moved = True
         else:
             same = _pointers_equal()
-            if same is not None:  # (tensors, pointers by input index, None elsewhere, indices to compare)
+            if same is not None:  # (tensors, pointers by input index with None elsewhere, indices to compare)
                 moved = not same(list(args), self._pointers, self._static_list)
             else:
                 moved = any(args[i].data_ptr() != self._pointers[i] for i in self.static)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import gaac_hf  # noqa: F401  (registers "gaac")
-from gaac_hf import CapturedStep, compile_kwargs
+from gaac_hf import CapturedStep, compile_config, compile_kwargs
 from gaac_hf.calibration import GAACCalibration
 from gaac_hf.captured_step import cache_buffers
 from gaac_hf.model_layers import cache_kwarg
@@ -217,15 +217,13 @@ def test_gpu_raw_pool_growth_records_again(cuda_model):
 def test_gpu_generate_with_replayed_graphs_equals_the_twin(cuda_model):
     """generate with compile_config(graphs="replay") (the replay backend records the compiled step as a CUDA graph):
     40 tokens across block finalizations, GAAC's tokens and logit bits equal the twin's under the same settings."""
-    import gaac_hf
-
     model, calibration = cuda_model
     ids = torch.randint(0, 512, (1, 301), generator=torch.Generator().manual_seed(5)).cuda()
     outs = []
     for make in (lambda: GAACStaticCache(model.config, 400, calibration), lambda: PlainStaticCache(model.config, 400)):
         torch._dynamo.reset()
         outs.append(model.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False, output_scores=True,
-                                   return_dict_in_generate=True, compile_config=gaac_hf.compile_config(graphs="replay"),
+                                   return_dict_in_generate=True, compile_config=compile_config(graphs="replay"),
                                    **{cache_kwarg(model): make()}))
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(outs[0].scores, outs[1].scores))
