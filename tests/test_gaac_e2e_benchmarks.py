@@ -114,3 +114,21 @@ def test_smollm2_e2e_is_lossless_and_smaller(tmp_path):
 def test_smollm2_e2e_names_a_missing_text(tmp_path):
     with pytest.raises(FileNotFoundError, match="no/such/text"):
         smollm2_e2e.main(["--tiny", "--text", "/no/such/text.gz", "--out", str(tmp_path / "x.json")])
+
+
+def test_compiled_host_probe_runs_small(tmp_path):
+    """benchmarks/compiled_host.py (the host cost outside a compiled step's graph) at 2 layers, in its own process
+    (it replaces the gaac:: ops' CPU kernels with stubs for the whole process): it ran, counted the graph inputs
+    (the compressed cache's stacks are more tensors than the twin's) and split each step into inside / outside."""
+    import subprocess
+
+    out = tmp_path / "host.json"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "compiled_host.py"
+    subprocess.run([sys.executable, str(script), "--layers", "2", "--steps", "4", "--rounds", "1", "--variants", "gaac",
+                    "twin", "--out", str(out)], check=True, capture_output=True, timeout=600)
+    rows = json.loads(out.read_text())["variants"]
+    gaac, twin = rows["compiled GAACStaticCache"], rows["compiled twin (plain BF16, same ops)"]
+    assert gaac["graph_inputs"] > twin["graph_inputs"] > gaac["graph_inputs"] - 16
+    for row in (gaac, twin):
+        assert row["static_inputs"] == row["graph_inputs"] - 2  # all but the token and its position
+        assert 0 < row["outside_graph_ms"] < row["step_ms"] and row["guards_executed"] > 0
