@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
 import inspect
 import json
 import statistics
@@ -109,22 +110,14 @@ def own_kv_calibration(model, tiny: bool, device, format_version: int = 2):
     return sample, calibration, seconds, kv
 
 
-def cuda_balance():
-    """The CUDA kernel's process-wide split weights (`gaac_cuda.decode_attention.BALANCE`), None without the kernel."""
+def cuda_default(name: str):
+    """A process-wide default of the CUDA kernel's plans (`gaac_cuda.decode_attention.BALANCE`, `PDL`), None without
+    the kernel."""
     try:
-        from gaac_cuda.decode_attention import BALANCE
+        module = importlib.import_module("gaac_cuda.decode_attention")  # (the package's name is also a function's)
     except ImportError:
         return None
-    return BALANCE
-
-
-def cuda_pdl():
-    """Whether the CUDA kernel launches with programmatic dependent launch (`gaac_cuda.decode_attention.PDL`)."""
-    try:
-        from gaac_cuda.decode_attention import PDL
-    except ImportError:
-        return None
-    return PDL
+    return getattr(module, name)
 
 
 def sync(device):
@@ -524,7 +517,8 @@ def main(argv=None):
                "torch": torch.__version__, "transformers": __import__("transformers").__version__,
                "model": "Llama-3.1-8B architecture, random BF16 weights" if not args.tiny else "tiny Llama",
                "param_bytes": param_bytes, "compile": describe(compile_kw), "steps": steps, "warmup": warmup,
-               "eager_steps": args.eager_steps, "cuda_split_balance": cuda_balance(), "cuda_pdl": cuda_pdl(),
+               "eager_steps": args.eager_steps, "cuda_split_balance": cuda_default("BALANCE"),
+               "cuda_pdl": cuda_default("PDL"),
                "command": "python benchmarks/generate.py " + " ".join(
                    sys.argv[1:] if argv is None else argv),
                "calibration": {"escape_capacity": calibration.config.escape_capacity,

@@ -58,8 +58,8 @@ class CapturedStep:
         self.cache_name = cache_kwarg(model)
         if compile is True:
             compile = compile_kwargs(cudagraphs=False)
-        elif compile:  # torch.compile pops guard_filter_fn from the options it is given: keep the caller's intact
-            compile = {**compile, **({"options": dict(compile["options"])} if compile.get("options") else {})}
+        elif compile and compile.get("options"):  # torch.compile pops guard_filter_fn from its options: copy them
+            compile = {**compile, "options": dict(compile["options"])}
         self.forward = torch.compile(model.forward, **compile) if compile else model.forward
         self.capture = capture
         self.replayer = GraphReplayer(self._step, fixed=lambda: cache_buffers(cache), warmup=warmup,

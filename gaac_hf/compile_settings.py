@@ -33,13 +33,12 @@ def _guard_filter():
 GRAPHS = ("trees", "replay")
 
 
-def compile_options(*, cudagraphs: bool = True, skip_module_guards: bool = True, backend: str = "inductor",
-                    graphs: str = "trees") -> dict:
-    """The `options` dict of `torch.compile` for a decode step: CUDA graphs (inductor's graph trees; none for
-    `graphs="replay"`, whose backend records them itself) and, with `skip_module_guards`, no guards on the model's
-    modules and parameters."""
+def compile_options(*, cudagraphs: bool = True, skip_module_guards: bool = True, backend="inductor") -> dict:
+    """The `options` dict of `torch.compile` for a decode step: CUDA graphs (inductor's graph trees; another backend,
+    such as the replay backend, records its own) and, with `skip_module_guards`, no guards on the model's modules and
+    parameters."""
     options = {}
-    if cudagraphs and backend == "inductor" and graphs == "trees":
+    if cudagraphs and backend == "inductor":
         options["triton.cudagraphs"] = True
     if skip_module_guards:
         options["guard_filter_fn"] = _guard_filter()
@@ -51,16 +50,14 @@ def compile_kwargs(*, fullgraph: bool = True, backend: str = "inductor", cudagra
     """Keyword arguments of `torch.compile(model.forward, **compile_kwargs())`: the same compiled step as
     `mode="reduce-overhead", fullgraph=True`, with the model's module guards skipped unless told otherwise.
     `graphs="replay"` (inductor, CUDA graphs on): the CUDA graph recorded and replayed by
-    `gaac_hf.graph_replay.graph_replay_backend` instead of inductor's graph trees (less host work per call; outputs
-    are overwritten by the next call)."""
+    `gaac_hf.graph_replay.graph_replay_backend` instead of inductor's graph trees (less host work per call)."""
     if graphs not in GRAPHS:
         raise ValueError(f"graphs is one of {GRAPHS}, not {graphs!r}")
     if graphs == "replay" and cudagraphs and backend == "inductor":
         from .graph_replay import graph_replay_backend
 
         backend = graph_replay_backend
-    options = compile_options(cudagraphs=cudagraphs, skip_module_guards=skip_module_guards, backend=backend,
-                              graphs=graphs)
+    options = compile_options(cudagraphs=cudagraphs, skip_module_guards=skip_module_guards, backend=backend)
     kw = {"fullgraph": fullgraph, "backend": backend}
     if options:
         kw["options"] = options

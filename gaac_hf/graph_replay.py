@@ -39,8 +39,7 @@ class GraphReplayer:
                  max_graphs: int = 4, recorder: Callable = record_cuda_graph, clone_outputs: bool = False):
         if warmup < 1:
             raise ValueError(f"warmup must be at least 1 (the first call may compile), not {warmup}")
-        self.fn, self.static, self.fixed = fn, tuple(sorted(set(static))), fixed
-        self._static_list = list(self.static)
+        self.fn, self.static, self.fixed = fn, sorted(set(static)), fixed
         self.clone_outputs = clone_outputs
         self.mutates_copied_input = False  # found in a direct call: then every call runs directly
         self.warmup, self.max_graphs, self.recorder = warmup, max_graphs, recorder
@@ -91,7 +90,7 @@ class GraphReplayer:
         else:
             same = _pointers_equal()
             if same is not None:  # (tensors, pointers by input index with None elsewhere, indices to compare)
-                moved = not same(list(args), self._pointers, self._static_list)
+                moved = not same(list(args), self._pointers, self.static)
             else:
                 moved = any(args[i].data_ptr() != self._pointers[i] for i in self.static)
         if moved:
@@ -141,7 +140,7 @@ class GraphReplayer:
         entry = self.graphs.get(key)
         if entry is None:  # new signature or moved buffers: direct calls first (a compiler may run: not recording)
             self._warm[key] = self._warm.get(key, 0) + 1
-            if self._warm[key] <= self.warmup or self.mutates_copied_input:
+            if self._warm[key] <= self.warmup:
                 return self.direct(*args)
             entry = self._record(key, args)
         replay, recorded, out = entry
