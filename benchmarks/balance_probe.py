@@ -34,6 +34,7 @@ from benchmarks.format_v2_probe import compress_v2, probe_args, probe_shapes, sa
 from benchmarks.warp_finish_probe import grouped  # noqa: E402
 from gaac_cuda.decode_attention import RANK_PACE  # noqa: E402
 
+OLD = {"warps": 4, "pdl": False}  # session 16's defaults (4-warp CTAs, 3 per SM; no PDL), which these variants vary
 GAAC_VARIANTS = {  # label: plan options of the compressed kernel (one-warp, format 3)
     "gaac": {"balance": ()},
     "gaac_balanced": {"balance": RANK_PACE},
@@ -47,6 +48,7 @@ GAAC_VARIANTS = {  # label: plan options of the compressed kernel (one-warp, for
     "gaac_pdl": {"balance": (), "pdl": True},  # programmatic dependent launch (session 16): the same bits
     "gaac_balanced_combine_4_pdl": {"balance": RANK_PACE, "combine_warps": 4, "pdl": True},
 }
+GAAC_VARIANTS = {k: {**OLD, **kw} for k, kw in GAAC_VARIANTS.items()}
 TWIN_VARIANTS = {  # label: plan options of the plain twin
     "twin": {"balance": ()},
     "twin_balanced": {"balance": RANK_PACE},
@@ -55,8 +57,10 @@ TWIN_VARIANTS = {  # label: plan options of the plain twin
     "twin_pdl": {"balance": (), "pdl": True},
     "twin_balanced_combine_4_pdl": {"balance": RANK_PACE, "combine_warps": 4, "pdl": True},
 }
+TWIN_VARIANTS = {k: {"pdl": False, **kw} for k, kw in TWIN_VARIANTS.items()}
+TWIN_VARIANTS["twin_one_warp_balanced"]["warps"] = 4
 TRACED = ("gaac", "gaac_balanced", "gaac_12_warps", "gaac_combine_4")  # variants also run with globaltimer stamps
-SPLIT_KEYS = ("balance", "combine_warps")  # the plan options that change the bits: a twin planned alike matches
+SPLIT_KEYS = ("balance", "combine_warps", "nsplit")  # the plan options that change the bits: a twin planned alike matches
 
 
 def finish_by_rank(tr: torch.Tensor, pl, hkv: int) -> dict:
@@ -85,8 +89,10 @@ def finish_by_rank(tr: torch.Tensor, pl, hkv: int) -> dict:
     return out
 
 
-def main():
-    args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/balance_probe.json")
+def run_probe(args, gaac_variants: dict, twin_variants: dict, traced: tuple, script: str) -> None:
+    """Time and bit-check `gaac_variants` (plan options of the compressed kernel; an "nsplit" key overrides the
+    shape's split count, and the twin it is checked against is planned alike) and `twin_variants` on each shape of
+    `args.shapes`, with cuDNN beside them; the variants in `traced` also run with globaltimer stamps."""
     dev = torch.device("cuda")
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rank_pace": RANK_PACE, "rows": []}
     for (hq, hkv, d, b, s), k, v, q, scale, kv_len in probe_shapes(args, dev):
@@ -104,29 +110,34 @@ def main():
         def twin(pl, i=0):
             return gaac_cuda.plain_decode_attention(q, kvs[i][0], kvs[i][1], kv_len, None, scale, pl)
 
+        def splits(kw):  # the variant's options, with the shape's split count unless it brings its own (a value, or
+            # a function of the shape's count)
+            n = kw.get("nsplit", nsplit)
+            return {**kw, "nsplit": n(nsplit) if callable(n) else n}
+
         twins = {}  # the bits of the default (warp-specialized) twin, per value of the SPLIT_KEYS options
 
         def twin_bits(kw):
-            split_kw = {k2: kw[k2] for k2 in SPLIT_KEYS if k2 in kw}
+            split_kw = {k2: v2 for k2, v2 in splits(kw).items() if k2 in SPLIT_KEYS}
             key = tuple(sorted(split_kw.items()))
             if key not in twins:
-                twins[key] = twin(gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, nsplit=nsplit, **split_kw))
+                twins[key] = twin(gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, **splits(split_kw)))
             return twins[key]
 
         def gaac_variant(label, kw):
             pl = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, format_version=3,
-                                nsplit=nsplit, ws=0, **kw)
+                                ws=0, **splits(kw))
             out = gaac(pl)
             want = twin_bits(kw)
             us = bench_graph(lambda i, pl=pl: gaac(pl, i), args.buffers)
             entry = {"us": us, "tb_per_s": round(info["bytes"] / us / 1e6, 3),
                      "bit_identical_to_twin": torch.equal(out.view(torch.int16), want.view(torch.int16))}
-            if label not in TRACED:
+            if label not in traced:
                 row[label] = entry
                 print(row["shape"], label, json.dumps(entry), flush=True)
                 return
             pt = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, format_version=3,
-                                nsplit=nsplit, ws=0, trace=True, **kw)
+                                ws=0, trace=True, **splits(kw))
             tr = torch.full((gaac_cuda.trace_size(pt),), -(2 ** 62), dtype=torch.int64, device=dev)
             gaac(pt, trace=tr)
             torch.cuda.synchronize()
@@ -144,16 +155,17 @@ def main():
             row[label] = {"error": f"{type(e).__name__}: {e}"[:500]}
             print(row["shape"], label, "FAILED", row[label]["error"], flush=True)
 
-        for label, kw in TWIN_VARIANTS.items():
+        for label, kw in twin_variants.items():
             try:
-                pl = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, nsplit=nsplit, **kw)
+                pl = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, **splits(kw))
                 out = twin(pl)
+                kw = splits(kw)
                 row[label] = {"us": bench_graph(lambda i, pl=pl: twin(pl, i), args.buffers),
                               "same_bits_as_ws_twin": torch.equal(out.view(torch.int16),
                                                                   twin_bits(kw).view(torch.int16))}
             except Exception as e:  # noqa: BLE001
                 failed(label, e)
-        for label, kw in GAAC_VARIANTS.items():
+        for label, kw in gaac_variants.items():
             try:
                 gaac_variant(label, kw)
             except Exception as e:  # noqa: BLE001
@@ -170,14 +182,19 @@ def main():
               f"({time.time() - t0:.0f}s)", flush=True)
         bufs = kvs = packed = None  # free the pools before the next shape
         torch.cuda.empty_cache()
-    labels = list(GAAC_VARIANTS) + list(TWIN_VARIANTS)
+    labels = list(gaac_variants) + list(twin_variants)
     print("\n| shape | " + " | ".join(labels) + " | cuDNN |")
     print("|---" * (len(labels) + 2) + "|")
     for r in res["rows"]:
         cells = [("error" if "us" not in r.get(lab, {}) else f"{r[lab]['us']:.1f}")
                  + ("" if r.get(lab, {}).get("bit_identical_to_twin", True) else " BITS DIFFER") for lab in labels]
         print(f"| {r['shape']} | " + " | ".join(cells) + f" | {r['cudnn_us']:.1f} |")
-    save_probe(res, args, "balance_probe.py")
+    save_probe(res, args, script)
+
+
+def main():
+    args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/balance_probe.json")
+    run_probe(args, GAAC_VARIANTS, TWIN_VARIANTS, TRACED, "balance_probe.py")
 
 
 if __name__ == "__main__":

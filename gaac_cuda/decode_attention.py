@@ -49,8 +49,15 @@ BALANCE = RANK_PACE if os.environ.get("GAAC_HF_CUDA_BALANCE") == "1" else None
 # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, and the split kernel lets its dependents launch as soon as its
 # CTAs start, so the combine's CTAs take SMs as the split kernel's CTAs leave and wait there (griddepcontrol.wait) for
 # its partials instead of starting after it; every kernel waits for the one before it before reading memory. The bits
-# do not change. Off (False) until measured on the H200; GAAC_HF_CUDA_PDL=1 turns it on for every plan of the process.
-PDL = os.environ.get("GAAC_HF_CUDA_PDL") == "1"
+# do not change. On by default since session 17 (H200, benchmarks/results/balance_probe_s17.json: 1.0-1.3 us less per
+# call at every probed shape, compressed KV and twin alike); GAAC_HF_CUDA_PDL=0 turns it off for the process.
+PDL = os.environ.get("GAAC_HF_CUDA_PDL", "1") != "0"
+# CTA size of the one-warp kernel at one tile per head where `plan` is given none: SPLIT_WARPS warps in one CTA per SM
+# (the same splits as 3 CTAs of 4 warps, and the same bits), where shared memory holds such a CTA; else 4 warps, 3 CTAs
+# per SM. The warp schedulers favour an SM's older CTAs (see RANK_PACE): one CTA per SM has no older CTA, and its warps
+# finish together. Measured in session 17 on the H200 (benchmarks/results/balance_probe_s17.json, format 3):
+# 1x64K 68.7 -> 63.7 us, 4x64K 258.7 -> 233.8, 1x16K 27.4 -> 27.1, 9/3/64 1x64K 25.3 -> 24.4.
+SPLIT_WARPS = 12
 ESCAPE_SLACK = 16  # buffer bytes past a slot: the prepass reads a lane's escape bytes as a 12-byte window and clamps
 # reads to the buffer, so a window that starts near a full escape area must not reach the buffer's end
 
@@ -137,7 +144,7 @@ class DecodePlan:
 
 
 def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, device, *, slot_bytes: int = 0,
-         plain: bool = False, nsplit: int | None = None, warps: int = 4, stages: int | None = None,
+         plain: bool = False, nsplit: int | None = None, warps: int | None = None, stages: int | None = None,
          min_ctas: int | None = None, skip: int = 0, trace: bool = False, format_version: int = 1,
          swizzle: bool = SWIZZLE, v_words: int | None = None, dense_slots: bool | None = None,
          ws: int | None = None, defines: tuple[str, ...] = (),
@@ -186,7 +193,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         raise ValueError(f"combine_warps takes 1..16 warps per combine block (more would spill), not {combine_warps}")
     if not 1 <= rep <= MAX_GROUP_HEADS:
         raise ValueError(f"the CUDA decode kernel packs at most {MAX_GROUP_HEADS} query heads per kv-head, got {rep}")
-    one_warp = bool(trace or (swizzle and plain) or warps != 4)
+    one_warp = bool(trace or (swizzle and plain) or (warps is not None and warps != 4))
     if ws is None:
         ws = WS_TWIN if plain and not one_warp and head_dim in (64, 128) else 0
         if ws and min_ctas is None:
@@ -213,6 +220,9 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
                                   combine_warps=combine_warps), pdl)
     if stages is None:
         stages = 2
+    asked_warps = warps
+    if warps is None:
+        warps = 4
     if dense_slots is None:
         dense_slots = DENSE_SLOTS
     dense_slots = bool(dense_slots and not plain)  # a compressed-KV option, like swizzle for plain KV
@@ -233,8 +243,10 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         v_words = channels // 32
     if v_words not in (channels // 32, 2):
         raise ValueError(f"v_words is {channels // 32} or 2 at head_dim {head_dim}, not {v_words}")
-    if min_ctas is None:  # register cap: 3 CTAs of 4 warps per SM (what shared memory allows at head_dim 128)
-        min_ctas = 1 if tiles == 2 else 12 // warps
+    if asked_warps is None and tiles == 1 and SPLIT_WARPS * warp_bytes <= _smem_optin(device):
+        warps = SPLIT_WARPS
+    if min_ctas is None:  # register cap: 12 warps per SM (3 CTAs of 4 warps: what shared memory allows at head_dim 128)
+        min_ctas = 1 if tiles == 2 else max(1, 12 // warps)
     options = (f"-DGAAC_C={channels}", f"-DGAAC_TILES={tiles}",
                f"-DGAAC_PLAIN={int(plain)}", f"-DGAAC_STAGES={stages}", f"-DGAAC_WARPS={warps}",
                f"-DGAAC_MIN_CTAS={min_ctas}", f"-DGAAC_FORMAT={format_version}",
@@ -250,6 +262,14 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     options, cw = _combine_option(options, combine_warps)
     return _with_pdl(DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes,
                                 options, split_cum=cum, combine_warps=cw), pdl)
+
+
+def _smem_optin(device) -> int:
+    """Shared memory one CTA may take on `device` (232,448 bytes on Hopper, also assumed for plans made on the CPU)."""
+    if torch.device(device).type != "cuda":
+        return 232448
+    props = torch.cuda.get_device_properties(torch.device(device))
+    return int(getattr(props, "shared_memory_per_block_optin", 232448))
 
 
 def _with_pdl(p: DecodePlan, pdl: bool) -> DecodePlan:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gaac_cuda import available, decode_attention, plain_decode_attention, plan
-from gaac_cuda.decode_attention import _SOURCE_FILE, RANK_PACE, WS_TWIN, WS_TWIN_CTAS_PER_SM, split_table
+from gaac_cuda.decode_attention import _SOURCE_FILE, PDL, RANK_PACE, SPLIT_WARPS, WS_TWIN, WS_TWIN_CTAS_PER_SM, split_table
 from gaac_hf.format import TileLayout
 from gaac_triton_cases import compress_kv, realistic_kv
 
@@ -144,7 +144,8 @@ def test_pdl_option():
 
     for kw in ({"plain": True, "nsplit": 48}, {"plain": True, "nsplit": 48, "ws": 0},
                {"slot_bytes": 3000, "format_version": 3, "ws": 0, "nsplit": 48}):
-        base = plan(1, 8, 4, 128, 65536, "cpu", **kw)
+        base = plan(1, 8, 4, 128, 65536, "cpu", pdl=False, **kw)
+        assert plan(1, 8, 4, 128, 65536, "cpu", **kw).pdl == PDL
         on = plan(1, 8, 4, 128, 65536, "cpu", pdl=True, **kw)
         assert not base.pdl and not any("PDL" in o for o in base.options)
         assert on.pdl and on.options == base.options + ("-DGAAC_PDL=1",) and on.nsplit == base.nsplit
@@ -199,10 +200,12 @@ def test_plan_of_the_warp_specialized_kernel():
                                     (64, 1, 6, "GAAC_BALANCE=1"), (128, 1, 7, "GAAC_BALANCE=1"),
                                     (128, 1, 6, "GAAC_EARLY_INDEX=1"), (128, 1, 6, "GAAC_COMBINE_WARPS=4"),
                                     (128, 1, 6, "GAAC_PDL=1"), (64, 1, 6, "GAAC_PDL=1"), (128, 1, 5, "GAAC_PDL=1"),
-                                    (128, 1, 0, "GAAC_PDL=1")])
+                                    (128, 1, 0, "GAAC_PDL=1"), (128, 1, 6, "GAAC_WARPS=12"), (64, 1, 6, "GAAC_WARPS=12"),
+                                    (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1"), (128, 1, 0, "GAAC_WARPS=12"),
+                                    (128, 1, 1, "GAAC_WARPS=12")])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
-    """The sm_90a build of every head_dim-64/128 variant, at the plan's default register cap (3 CTAs of 4 warps per
-    SM), keeps its state in registers: no stack, no local memory."""
+    """The sm_90a build of every head_dim-64/128 variant, at the plan's register cap (12 warps per SM: 3 CTAs of 4
+    warps, or one of 12), keeps its state in registers: no stack, no local memory."""
     # kind 0 compressed, 1 plain (K and V of a stage on their own barriers), 2 plain with swizzled rows, 3 compressed
     # with slots staged as stored, 4/5 the warp-specialized kernel (8 consumer warps + 1 producer per CTA, one CTA per
     # SM; slots staged as stored), compressed/plain, 6 format 3 (version 2 in fragment order, staged as stored; raw
@@ -212,8 +215,11 @@ def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     out = tmp_path / "k.cubin"
     defs = [f"-DGAAC_C={c}", f"-DGAAC_TILES={tiles}", f"-DGAAC_PLAIN={int(kind in (1, 2, 5))}",
             f"-DGAAC_SWIZZLE={int(kind == 2)}", f"-DVT_WORDS={c // 32}", f"-DGAAC_DENSE_SLOT={int(kind in (3, 4, 6, 7))}",
-            f"-DGAAC_STAGES={16 if ws else 2}", "-DGAAC_WARPS=4", f"-DGAAC_MIN_CTAS={1 if ws else 3}",
-            f"-DGAAC_WS={8 if ws else 0}"] + (["-DGAAC_FORMAT=3"] if kind in (6, 7) else []) + [f"-D{e}" for e in extra]
+            f"-DGAAC_STAGES={16 if ws else 2}", f"-DGAAC_WS={8 if ws else 0}"]
+    defs += (["-DGAAC_FORMAT=3"] if kind in (6, 7) else []) + [f"-D{e}" for e in extra if not e.startswith("GAAC_WARPS")]
+    # the CTA: 4 warps, 3 per SM, or the plan's default SPLIT_WARPS warps in one CTA per SM (the same register cap)
+    warps = 12 if "GAAC_WARPS=12" in extra else 4
+    defs += [f"-DGAAC_WARPS={warps}", f"-DGAAC_MIN_CTAS={1 if ws or warps == 12 else 3}"]
     subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", *defs, "-x", "cu",
                     _SOURCE_FILE, "-o", str(out)], check=True, capture_output=True)
     usage = subprocess.run([CUOBJDUMP, "-res-usage", str(out)], check=True, capture_output=True, text=True).stdout
@@ -221,7 +227,7 @@ def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     fn = usage.split("gaac_decode_ws" if ws else "gaac_decode_split")[1]
     regs = int(re.search(r"REG:(\d+)", fn).group(1))
     assert int(re.search(r"STACK:(\d+)", fn).group(1)) == 0 and int(re.search(r"LOCAL:(\d+)", fn).group(1)) == 0, split
-    assert regs <= (224 if ws else 168), split  # 3 CTAs of 4 warps, or 9 warps per SM
+    assert regs <= (224 if ws else 168), split  # 12 warps per SM, or 9
 
 
 def reference_attention(q, k, v, kv_len, mask, scale):

@@ -1,0 +1,67 @@
+"""CTA shapes of the one-warp kernel and programmatic dependent launch, after session 17's first probe.
+
+`benchmarks/balance_probe.py` (session 17, `benchmarks/results/balance_probe_s17.json`) found that one CTA of 12 warps
+per SM beats three CTAs of 4 (1x64K 68.7 -> 63.7 us, 4x64K 258.7 -> 233.8: its warps finish together, where the
+three CTAs finished by launch rank) and that programmatic dependent launch saves about a microsecond per call; both
+became `gaac_cuda.plan`'s defaults. This probe times the new default (12 warps + PDL) against session 16's (4 warps,
+no PDL) and each change alone, a deeper ring in fewer warps (8 warps of 3 stages at two thirds of the splits), the
+combine block size under the new defaults, and the same CTA shape for the plain twin: the one-warp kernel in one
+12-warp CTA against the warp-specialized twin (6 consumers, 2 CTAs per SM), and a warp-specialized CTA of 12
+consumers per SM (at a split count that is a multiple of 12). Bits of every compressed variant against the twin
+planned alike. JSON and a table:
+
+    python benchmarks/warps_probe.py --real-kv .bench/real_kv_2k.safetensors --out $OUT/warps_probe.json
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.balance_probe import run_probe  # noqa: E402
+from benchmarks.format_v2_probe import probe_args  # noqa: E402
+
+
+def twelfths(n: int) -> int:
+    """The largest multiple of 12 splits not above the shape's count (whole 12-consumer CTAs)."""
+    return max(12, n - n % 12)
+
+
+def two_thirds(n: int) -> int:
+    """Splits for 8 warps per SM where the default fills 12."""
+    return max(1, n * 2 // 3)
+
+
+GAAC_VARIANTS = {  # label: plan options of the compressed kernel (one-warp, format 3; no weighted splits)
+    "gaac": {"balance": ()},  # the defaults: 12 warps in one CTA per SM, PDL
+    "gaac_s16": {"balance": (), "warps": 4, "pdl": False},  # session 16's defaults
+    "gaac_12_warps_no_pdl": {"balance": (), "warps": 12, "pdl": False},
+    "gaac_4_warps_pdl": {"balance": (), "warps": 4, "pdl": True},
+    "gaac_combine_4": {"balance": (), "combine_warps": 4},
+    "gaac_combine_8": {"balance": (), "combine_warps": 8},
+    "gaac_8_warps_3_stages": {"balance": (), "warps": 8, "stages": 3, "min_ctas": 1, "nsplit": two_thirds},
+    "gaac_twelfths": {"balance": (), "nsplit": twelfths},  # to compare with twin_ws12
+}
+TWIN_VARIANTS = {  # label: plan options of the plain twin
+    "twin": {"balance": ()},  # the default: warp-specialized, 6 consumers + 1 producer, 2 CTAs per SM; PDL
+    "twin_s16": {"balance": (), "pdl": False},
+    "twin_12_warps": {"balance": (), "ws": 0, "warps": 12},
+    "twin_12_warps_swizzle": {"balance": (), "ws": 0, "warps": 12, "swizzle": True},
+    "twin_combine_4": {"balance": (), "combine_warps": 4},
+    "twin_12_warps_combine_4": {"balance": (), "ws": 0, "warps": 12, "combine_warps": 4},
+    "twin_ws12": {"balance": (), "ws": 12, "stages": 24, "min_ctas": 1, "nsplit": twelfths},
+    "twin_12_warps_twelfths": {"balance": (), "ws": 0, "warps": 12, "nsplit": twelfths},
+}
+TRACED = ("gaac", "gaac_8_warps_3_stages")
+
+
+def main():
+    args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json")
+    run_probe(args, GAAC_VARIANTS, TWIN_VARIANTS, TRACED, "warps_probe.py")
+
+
+if __name__ == "__main__":
+    main()
