@@ -111,8 +111,8 @@ def own_kv_calibration(model, tiny: bool, device, format_version: int = 2):
 
 
 def cuda_default(name: str):
-    """A process-wide default of the CUDA kernel's plans (`gaac_cuda.decode_attention.BALANCE`, `PDL`), None without
-    the kernel."""
+    """A process-wide default of the CUDA kernel's plans (`gaac_cuda.decode_attention.BALANCE`, `PDL`, `SPLIT_WARPS`,
+    ...), None without the kernel."""
     try:
         module = importlib.import_module("gaac_cuda.decode_attention")  # (the package's name is also a function's)
     except ImportError:
@@ -518,7 +518,8 @@ def main(argv=None):
                "model": "Llama-3.1-8B architecture, random BF16 weights" if not args.tiny else "tiny Llama",
                "param_bytes": param_bytes, "compile": describe(compile_kw), "steps": steps, "warmup": warmup,
                "eager_steps": args.eager_steps, "cuda_split_balance": cuda_default("BALANCE"),
-               "cuda_pdl": cuda_default("PDL"),
+               "cuda_pdl": cuda_default("PDL"), "cuda_split_warps": cuda_default("SPLIT_WARPS"),
+               "cuda_twin_ws": cuda_default("TWIN_WS"), "cuda_twin_swizzle": cuda_default("TWIN_SWIZZLE"),
                "command": "python benchmarks/generate.py " + " ".join(
                    sys.argv[1:] if argv is None else argv),
                "calibration": {"escape_capacity": calibration.config.escape_capacity,

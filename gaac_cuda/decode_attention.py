@@ -31,12 +31,16 @@ SWIZZLE = False  # plain KV: BF16 rows staged with an XOR swizzle against bank c
 DENSE_SLOTS = False  # compressed KV: slots staged as stored by one bulk copy (see `plan`)
 # The warp-specialized kernel (`plan(ws=n)`): CTAs of n consumer warps + 1 producer warp, the consumers holding
 # the one-warp kernel's splits (same unit ranges, same arithmetic: the same bits at the same split count). The
-# default for plain KV at head_dim 64/128 without one-warp options (the twin: WS_TWIN consumers, 2 stages each,
-# WS_TWIN_CTAS_PER_SM CTAs per SM, as many consumer warps per SM as the one-warp kernel has warps); compressed KV
-# keeps the one-warp kernel (session 10 on the H200, benchmarks/results/attention_cuda.md: this twin 0.90 / 0.94 /
-# 0.91x cuDNN at 1x64K / 1x128K / 4x64K against 0.85 / 0.88 / 0.86x; compressed KV on it 2-7% slower there)
+# twin's default from session 10 to 16 (WS_TWIN consumers, 2 stages each, WS_TWIN_CTAS_PER_SM CTAs per SM; session 10
+# on the H200, benchmarks/results/attention_cuda.md: 0.90 / 0.94 / 0.91x cuDNN at 1x64K / 1x128K / 4x64K against the
+# one-warp kernel's 0.85 / 0.88 / 0.86x in 4-warp CTAs). TWIN_WS: the twin's default consumer count (0: the one-warp
+# kernel). Since session 17 the twin is the one-warp kernel in SPLIT_WARPS-warp CTAs with its BF16 rows swizzled
+# (TWIN_SWIZZLE), measured faster on the H200 (benchmarks/results/warps_probe_s17.json: 1x64K 73.3 -> 71.3 us, 4x64K
+# 264.4 -> 257.2, 9/3/64 1x64K 21.9 -> 20.6; 1x16K 28.4 -> 28.6).
 WS_TWIN = 6
 WS_TWIN_CTAS_PER_SM = 2
+TWIN_WS = 0
+TWIN_SWIZZLE = True
 WS_DENSE_SLOTS = True  # slots staged as stored, one bulk copy each (the producer's issue rate)
 # Pace of the one-warp kernel's CTAs by their launch rank on the SM (3 per SM), measured in session 15 (the warp
 # schedulers favour the older CTA: 1.26-1.29 : 1.12 : 1 at 1x16K-4x64K, benchmarks/results/warp_finish_probe_s15.json):
@@ -146,7 +150,7 @@ class DecodePlan:
 def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, device, *, slot_bytes: int = 0,
          plain: bool = False, nsplit: int | None = None, warps: int | None = None, stages: int | None = None,
          min_ctas: int | None = None, skip: int = 0, trace: bool = False, format_version: int = 1,
-         swizzle: bool = SWIZZLE, v_words: int | None = None, dense_slots: bool | None = None,
+         swizzle: bool | None = None, v_words: int | None = None, dense_slots: bool | None = None,
          ws: int | None = None, defines: tuple[str, ...] = (),
          buf_bytes: int | None = None, balance: tuple[int, ...] | None = None,
          combine_warps: int | None = None, pdl: bool | None = None) -> DecodePlan:
@@ -171,7 +175,10 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     `swizzle` or `warps`, the one-warp kernel's options): the warp-specialized kernel, CTAs of `ws` consumer warps,
     each holding one of the one-warp kernel's splits (the same bits at the same split count), and one producer warp
     that streams the CTA's units through a ring of `stages` stages (a multiple of ws; default 2 ws) shared by the
-    CTA. Default: WS_TWIN for plain KV at head_dim 64/128 without one-warp options, else 0 (the one-warp kernel).
+    CTA. Default: TWIN_WS for plain KV at head_dim 64/128 without one-warp options (0 since session 17), else 0 (the
+    one-warp kernel). `warps` (one-warp kernel): warps per CTA; default SPLIT_WARPS in one CTA per SM at one tile per
+    head where shared memory holds it, else 4 (3 CTAs per SM at one tile per head, 1 at head_dim 256). `swizzle`
+    default: TWIN_SWIZZLE for plain KV on the one-warp kernel at head_dim <= 128, else off.
     `defines` (benchmarks):
     more `NAME=VALUE` compile-time options of the kernel source, e.g. ("GAAC_F3DUP=0",); they key the kernel cache
     like every option.
@@ -195,12 +202,14 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         raise ValueError(f"the CUDA decode kernel packs at most {MAX_GROUP_HEADS} query heads per kv-head, got {rep}")
     one_warp = bool(trace or (swizzle and plain) or (warps is not None and warps != 4))
     if ws is None:
-        ws = WS_TWIN if plain and not one_warp and head_dim in (64, 128) else 0
+        ws = TWIN_WS if plain and not one_warp and head_dim in (64, 128) else 0
         if ws and min_ctas is None:
             min_ctas = WS_TWIN_CTAS_PER_SM
     elif ws and one_warp:
         raise ValueError("ws (the warp-specialized kernel) takes head_dim 64/128 and none of the one-warp kernel's "
                          "options (trace, swizzle, warps)")
+    if swizzle is None:  # the twin's default on the one-warp kernel at one tile per head
+        swizzle = SWIZZLE or (TWIN_SWIZZLE and plain and not ws and head_dim <= 128)
     if format_version not in (1, 3):
         raise ValueError(f"slot format {format_version}: the kernel reads format 1 (version 1) and 3 (version 2 in "
                          "fragment order)")

@@ -72,7 +72,7 @@ def test_plan_rejects_shapes_the_kernel_does_not_cover():
         1, 8, 4, 128, 1024, "cpu", nsplit=4, ws=0, slot_bytes=2928, dense_slots=True).options
     # the swizzled staging is a plain-KV option: it keys the twin's kernel, not the compressed one
     assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, swizzle=True, ws=0).options != \
-        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, ws=0).options
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, ws=0, swizzle=False).options
     assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, swizzle=True, ws=0).options == plan(
         1, 8, 4, 128, 1024, "cpu", nsplit=4, ws=0).options
     # the one-warp kernel over plain KV keeps K and V of a stage on their own barriers: a 128-byte header (64 else)
@@ -110,7 +110,7 @@ def test_balanced_split_table():
             assert all(a[1] == b[0] and a[0] <= a[1] for a, b in zip(ranges, ranges[1:]))
     compressed = plan(2, 8, 4, 128, 65536, "cpu", slot_bytes=3000, format_version=3, ws=0, nsplit=198,
                       balance=RANK_PACE)
-    twin = plan(2, 8, 4, 128, 65536, "cpu", plain=True, nsplit=198, balance=RANK_PACE)
+    twin = plan(2, 8, 4, 128, 65536, "cpu", plain=True, nsplit=198, balance=RANK_PACE, ws=WS_TWIN)
     twin_one_warp = plan(2, 8, 4, 128, 65536, "cpu", plain=True, nsplit=198, balance=RANK_PACE, ws=0)
     assert twin.ws and compressed.split_cum == twin.split_cum == twin_one_warp.split_cum == cum
     assert all("-DGAAC_BALANCE=1" in p.options for p in (compressed, twin, twin_one_warp))
@@ -157,8 +157,8 @@ def test_pdl_option():
 
 def test_plan_of_the_warp_specialized_kernel():
     """ws: CTAs of ws consumer warps (each one of the one-warp kernel's splits) + 1 producer warp, one ring per CTA
-    (2 ws stages by default); the default for plain KV at head_dim 64/128 (WS_TWIN consumers), with the one-warp
-    kernel's split count, so a compressed plan and its twin split alike."""
+    (2 ws stages by default), with the one-warp kernel's split count, so a compressed plan and its twin split alike;
+    the twin's default until session 17, the one-warp kernel's 12-warp CTAs since."""
     p = plan(2, 8, 4, 128, 65536, "cpu", nsplit=16 * 8, slot_bytes=2928, ws=8)
     assert "-DGAAC_WS=8" in p.options and "-DGAAC_STAGES=16" in p.options and p.warps == 9
     assert (p.items, p.grid, p.splits_per_cta) == (2 * 8 * 128, 2 * 8 * 16, 8)
@@ -171,14 +171,24 @@ def test_plan_of_the_warp_specialized_kernel():
     assert odd.grid == 8 * 3 and odd.items == 8 * 13
     with pytest.raises(ValueError, match="head_dim 64 and 128"):
         plan(1, 8, 4, 256, 1024, "cpu", nsplit=8, ws=8)
-    # the default: the twin on the warp-specialized kernel, compressed KV (and head_dim 256, or any one-warp option)
-    # on the one-warp kernel; asking for ws with a one-warp option is an error
+    # the default since session 17: the twin and compressed KV on the one-warp kernel in one 12-warp CTA per SM, the
+    # twin's rows swizzled (head_dim 256: 4 warps, no swizzle); asking for ws with a one-warp option is an error
     t = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, plain=True)
-    assert t.ws == WS_TWIN and f"-DGAAC_STAGES={2 * WS_TWIN}" in t.options
-    assert f"-DGAAC_MIN_CTAS={WS_TWIN_CTAS_PER_SM}" in t.options and t.grid == 8 * -(-198 // WS_TWIN)
+    assert t.ws == 0 and t.warps == SPLIT_WARPS and "-DGAAC_SWIZZLE=1" in t.options and "-DGAAC_MIN_CTAS=1" in t.options
+    assert t.grid == -(-8 * 198 // SPLIT_WARPS) and t.smem == SPLIT_WARPS * t.warp_bytes <= 227 * 1024
+    c = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, slot_bytes=2928, format_version=3)
+    assert c.ws == 0 and c.warps == SPLIT_WARPS and "-DGAAC_SWIZZLE=0" in c.options and c.grid == t.grid
     assert plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, slot_bytes=2928).ws == 0
-    assert plan(1, 8, 4, 256, 65536, "cpu", nsplit=3, plain=True).ws == 0
+    wide = plan(1, 8, 4, 256, 65536, "cpu", nsplit=3, plain=True)
+    assert wide.ws == 0 and wide.warps == 4 and "-DGAAC_SWIZZLE=0" in wide.options
     assert plan(1, 8, 4, 128, 65536, "cpu", nsplit=3, plain=True, swizzle=True).ws == 0
+    # the session-10 twin on request: WS_TWIN consumers, 2 stages each, WS_TWIN_CTAS_PER_SM CTAs per SM, no swizzle
+    w = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, plain=True, ws=WS_TWIN, min_ctas=WS_TWIN_CTAS_PER_SM)
+    assert w.ws == WS_TWIN and f"-DGAAC_STAGES={2 * WS_TWIN}" in w.options and "-DGAAC_SWIZZLE" not in str(w.options)
+    assert f"-DGAAC_MIN_CTAS={WS_TWIN_CTAS_PER_SM}" in w.options and w.grid == 8 * -(-198 // WS_TWIN)
+    # a CTA of 12 warps that shared memory cannot hold falls back to 4-warp CTAs
+    big = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, slot_bytes=8000, format_version=1)
+    assert big.warps == 4 and "-DGAAC_MIN_CTAS=3" in big.options
     with pytest.raises(ValueError, match="one-warp kernel's options"):
         plan(1, 8, 4, 128, 65536, "cpu", nsplit=8, ws=8, trace=True)
     for stages in (7, 12):  # parity waits: one consumer per stage, so stages is a multiple of ws
@@ -202,7 +212,8 @@ def test_plan_of_the_warp_specialized_kernel():
                                     (128, 1, 6, "GAAC_PDL=1"), (64, 1, 6, "GAAC_PDL=1"), (128, 1, 5, "GAAC_PDL=1"),
                                     (128, 1, 0, "GAAC_PDL=1"), (128, 1, 6, "GAAC_WARPS=12"), (64, 1, 6, "GAAC_WARPS=12"),
                                     (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1"), (128, 1, 0, "GAAC_WARPS=12"),
-                                    (128, 1, 1, "GAAC_WARPS=12")])
+                                    (128, 1, 1, "GAAC_WARPS=12"), (128, 1, 2, "GAAC_WARPS=12"),
+                                    (64, 1, 2, "GAAC_WARPS=12", "GAAC_PDL=1")])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     """The sm_90a build of every head_dim-64/128 variant, at the plan's register cap (12 warps per SM: 3 CTAs of 4
     warps, or one of 12), keeps its state in registers: no stack, no local memory."""
