@@ -346,6 +346,53 @@ def host_profile(stepper: "Stepper", device, steps: int = 3) -> dict:
     return out
 
 
+# --- device side of a step: GPU time by kernel kind ---------------------------------------------------------------
+KERNEL_KINDS = (  # (kind, substrings of kernel names, lower case); the first kind that matches takes the kernel
+    ("attention", ("gaac_decode", "gaac_combine", "_split_kernel", "_combine_kernel", "fmha", "flash", "cudnn",
+                   "attention")),
+    ("cache_update", ("_append_kernel", "_encode_kernel", "index_put", "index_copy", "scatter")),
+    ("matmul", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk", "mm_")),
+    ("fused_pointwise", ("triton_",)),
+    ("memcpy_memset", ("memcpy", "memset")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KERNEL_KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def gpu_profile(stepper: "Stepper", device, steps: int = 3) -> dict:
+    """Where a step's GPU time goes (torch.profiler, CUDA activity, over `steps` steps): milliseconds per step by
+    kernel kind (`KERNEL_KINDS`; the kernels replayed from a CUDA graph included) and the ten longest kernels with
+    their launches per step. Empty without CUDA."""
+    if device.type != "cuda":
+        return {}
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        stepper.run(steps, 0)
+        sync(device)
+    return summarize_kernels([(e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
+                              if e.device_type == DeviceType.CUDA], steps)
+
+
+def summarize_kernels(kernels: list, steps: int) -> dict:
+    """`gpu_profile`'s summary of (name, total µs, count) triples over `steps` steps."""
+    kinds, total = {}, 0.0
+    for name, us, _ in kernels:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + us
+        total += us
+    top = sorted(kernels, key=lambda k: k[1], reverse=True)[:10]
+    return {"steps": steps, "total_ms": round(total / steps / 1e3, 4),
+            "by_kind_ms": {k: round(v / steps / 1e3, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "top": [[name[:90], round(us / steps / 1e3, 4), round(n / steps, 2)] for name, us, n in top]}
+
+
 # --- lossless diagnosis --------------------------------------------------------------------------------------------
 def dense_kv(layer, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens `[start, end)` (end <= length) of a static layer as BF16 K, V `[B, H, end - start, D]` (GAAC: the
@@ -472,6 +519,8 @@ def main(argv=None):
     p.add_argument("--format-version", type=int, default=2, choices=(1, 2),
                    help="calibration format (2: even windows; the GAAC caches then store format version 2 where the "
                         "CUDA kernel reads it, on Hopper)")
+    p.add_argument("--inductor", default="", help="inductor options (JSON) for every compiled variant, e.g. "
+                   "'{\"max_autotune\": true, \"coordinate_descent_tuning\": true}' for the step's matrix-vector products")
     p.add_argument("--out", default="benchmarks/results/generate_h200.json")
     args = p.parse_args(argv)
     from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
@@ -490,10 +539,18 @@ def main(argv=None):
         `options` it is given, so a dict reused for a second compile would compile it with every module guard
         (sessions 4-15 did that: only the first compiled variant, GAAC, had its module guards skipped)."""
         if args.skip_module_guards:
-            return compile_kwargs(backend=backend, graphs=args.graphs)
+            return with_inductor(compile_kwargs(backend=backend, graphs=args.graphs))
         kw = dict(fullgraph=True, backend=backend)
-        if backend == "inductor":
+        if backend == "inductor" and args.inductor:  # torch.compile takes a mode or options, not both
+            kw["options"] = {"triton.cudagraphs": True}
+        elif backend == "inductor":
             kw["mode"] = "reduce-overhead"
+        return with_inductor(kw)
+
+    def with_inductor(kw: dict) -> dict:
+        """`--inductor`'s options added to a compile's (every compiled variant alike, baselines included)."""
+        if args.inductor and backend == "inductor":
+            kw["options"] = {**kw.get("options", {}), **json.loads(args.inductor)}
         return kw
 
     compile_kw = make_compile_kw()  # (for the record)
@@ -630,6 +687,8 @@ def main(argv=None):
             log(f"  {label} split: {split}")
             row["host_profile" if key == "gaac" else "twin_host_profile"] = host_profile(step, device)
             log(f"  {label} host: {row['host_profile' if key == 'gaac' else 'twin_host_profile']}")
+            row[label]["gpu_kernels"] = gpu_profile(step, device)
+            log(f"  {label} GPU: {row[label]['gpu_kernels']}")
             if key == "gaac":
                 cache.check()
 
@@ -648,8 +707,8 @@ def main(argv=None):
                 statics[source] = filled(source)
             cache = statics[source]
             if source not in captured:
-                captured[source] = CapturedStep(model, cache, compile=compile_kwargs(cudagraphs=False,
-                                                                                      backend=backend))
+                captured[source] = CapturedStep(model, cache, compile=with_inductor(
+                    compile_kwargs(cudagraphs=False, backend=backend)))
             step = captured[source]
             step.reset()  # the cache may have been refilled (new context): record again, after warm-up steps
             start = int(cache.get_seq_length())
@@ -658,6 +717,8 @@ def main(argv=None):
             record(label, times, hosts)
             row[label].update(start=start, graphs=len(step.graphs))
             logits[key] = lg
+            row[label]["gpu_kernels"] = gpu_profile(Stepper(model, step, cache, start + warm + steps, device), device)
+            log(f"  {label} GPU: {row[label]['gpu_kernels']}")
 
         for key in ("captured", "captured-twin"):
             if key in run:

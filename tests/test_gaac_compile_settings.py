@@ -193,3 +193,61 @@ def test_a_left_padded_batch_through_the_replay_backend(llama):
     assert recorder.recorded == 1 and recorder.replays == 11 - 2
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(outs[0].scores, outs[1].scores))
+
+
+def _generate_bench(name: str):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "generate.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_generate_benchmark_passes_inductor_options_to_every_compile(monkeypatch, tmp_path):
+    """`generate.py --inductor JSON`: the options reach every compiled variant (GAAC, its twin, compiled
+    StaticCache and the CapturedStep ones) beside the guard filter, and without --skip-module-guards they replace
+    `mode="reduce-overhead"` by the CUDA-graph option (torch.compile takes a mode or options, not both). The spy
+    records what inductor would get and compiles with aot_eager (inductor's C++ build is too slow for the CPU)."""
+    bench = _generate_bench("generate_bench_inductor")
+    seen, real = [], torch.compile
+
+    def spy(fn=None, **kwargs):
+        seen.append(kwargs)
+        return real(fn, backend="aot_eager", fullgraph=kwargs.get("fullgraph", False))
+
+    monkeypatch.setattr(bench.torch, "compile", spy)
+    monkeypatch.setattr(gaac_hf.captured_step.torch, "compile", spy)
+    extra = '{"coordinate_descent_tuning": true}'
+    common = ["--tiny", "--contexts", "40", "--steps", "2", "--warmup", "1", "--backend", "inductor",
+              "--inductor", extra]
+    bench.main(common + ["--variants", "gaac", "twin", "static", "captured", "--skip-module-guards",
+                         "--out", str(tmp_path / "a.json")])
+    assert len(seen) >= 4 and all(kw["options"]["coordinate_descent_tuning"] is True for kw in seen), seen
+    assert all("guard_filter_fn" in kw["options"] for kw in seen)
+    seen.clear()
+    bench.main(common + ["--variants", "static", "--out", str(tmp_path / "b.json")])
+    assert seen and all("mode" not in kw and kw["options"] == {"triton.cudagraphs": True,
+                                                                "coordinate_descent_tuning": True} for kw in seen)
+
+
+def test_gpu_kernel_kinds_of_the_generate_benchmark():
+    """generate.py's GPU profile: kernels sorted into kinds by name (our attention and append kernels, cuBLAS /
+    cuTLASS matrix products, inductor's Triton kernels, copies), per-step milliseconds, the longest first."""
+    bench = _generate_bench("generate_bench_kinds")
+    kinds = {n: bench.kernel_kind(n) for n in (
+        "gaac_decode_split", "gaac_combine", "_split_kernel", "_append_kernel", "_encode_kernel",
+        "sm90_xmma_gemm_bf16bf16_bf16f32", "nvjet_hsh_64x8_64x16_2x1_v_bz_splitK_TNT", "gemv2T_kernel_val",
+        "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "Memcpy DtoD (Device -> Device)", "void at::native::x")}
+    assert kinds == {"gaac_decode_split": "attention", "gaac_combine": "attention", "_split_kernel": "attention",
+                     "_append_kernel": "cache_update", "_encode_kernel": "cache_update",
+                     "sm90_xmma_gemm_bf16bf16_bf16f32": "matmul", "nvjet_hsh_64x8_64x16_2x1_v_bz_splitK_TNT": "matmul",
+                     "gemv2T_kernel_val": "matmul", "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0":
+                     "fused_pointwise", "Memcpy DtoD (Device -> Device)": "memcpy_memset",
+                     "void at::native::x": "other"}
+    out = bench.summarize_kernels([("gaac_decode_split", 600.0, 96), ("gemv2T_kernel_val", 3000.0, 672),
+                                   ("triton_poi_fused_1", 300.0, 96)], steps=3)
+    assert out["total_ms"] == 1.3 and out["by_kind_ms"] == {"matmul": 1.0, "attention": 0.2, "fused_pointwise": 0.1}
+    assert out["top"][0] == ["gemv2T_kernel_val", 1.0, 224.0]
