@@ -233,7 +233,7 @@ def test_generate_benchmark_passes_inductor_options_to_every_compile(monkeypatch
                                                                 "coordinate_descent_tuning": True} for kw in seen)
 
 
-def test_gpu_kernel_kinds_of_the_generate_benchmark():
+def test_kernel_kinds_of_the_generate_benchmark_profile():
     """generate.py's GPU profile: kernels sorted into kinds by name (our attention and append kernels, cuBLAS /
     cuTLASS matrix products, inductor's Triton kernels, copies), per-step milliseconds, the longest first."""
     bench = _generate_bench("generate_bench_kinds")

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# H200 calls written in session 17 for the next session, each under the device's 10-minute limit; carry [".bench"]
+# (`python benchmarks/capture_real_kv.py` makes it on the CPU):
+#   `bash benchmarks/device/next_h200.sh tests`: the GPU tests that session 17 cut for time, at the kernel's new
+#     defaults (one 12-warp CTA per SM, PDL, the twin on the one-warp kernel with swizzled rows): static cache,
+#     generate, CapturedStep and replay; then the format-3 leave-one-stage-out breakdown at 1x64K
+#     (benchmarks/format_v2_probe.py: format 1, format 3 and its skips, the warp-specialized variant);
+#   `... step`: the compiled and captured decode step at 64K / 128K with each step's GPU time by kernel kind
+#     (generate.py's gpu_profile: what the ~6 ms of "rest" is), then the captured variants at 64K with inductor's
+#     autotuned matrix products (--inductor), then the replay backend if time is left.
+# Results under $OUT.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+MODE=${1:-tests}
+if [ "$MODE" = tests ]; then
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q tests/test_gaac_gpu_static_cache.py tests/test_gaac_gpu_generate.py \
+    tests/test_gaac_captured_step.py tests/test_gaac_compile_settings.py -k "gpu" 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -5
+  timeout ${PROBE_TIMEOUT:-120} python3 benchmarks/format_v2_probe.py --real-kv .bench/real_kv_2k.safetensors \
+    --shapes 1 --out "$OUT/breakdown.json" 2>&1 | tee "$OUT/breakdown.log" | tail -4
+fi
+if [ "$MODE" = step ]; then
+  timeout ${GEN_TIMEOUT:-280} python3 benchmarks/generate.py --contexts ${CONTEXTS:-65536 131072} --steps 10 \
+    --warmup 3 --eager-steps 3 --reps 10 --variants gaac twin captured captured-twin --skip-module-guards \
+    --out "$OUT/generate_profiled.json" 2>&1 | tee "$OUT/generate_profiled.log" | grep -E "GPU|ms/step|lossless|\| " | tail -16
+  timeout ${TUNED_TIMEOUT:-200} python3 benchmarks/generate.py --contexts 65536 --steps 10 --warmup 3 --reps 10 \
+    --variants captured captured-twin --skip-module-guards \
+    --inductor '{"max_autotune": true, "coordinate_descent_tuning": true}' \
+    --out "$OUT/generate_autotuned.json" 2>&1 | tee "$OUT/generate_autotuned.log" | grep -E "GPU|ms/step|lossless|\| " | tail -8
+  timeout ${REPLAY_TIMEOUT:-100} python3 benchmarks/generate.py --contexts 65536 --steps 10 --warmup 3 --reps 10 \
+    --variants gaac twin --skip-module-guards --graphs replay \
+    --out "$OUT/generate_replay.json" 2>&1 | tee "$OUT/generate_replay.log" | grep -E "ms/step|lossless|\| " | tail -6
+fi
