@@ -8,6 +8,8 @@
 #   `... step`: the compiled and captured decode step at 64K / 128K with each step's GPU time by kernel kind
 #     (generate.py's gpu_profile: what the ~6 ms of "rest" is), then the captured variants at 64K with inductor's
 #     autotuned matrix products (--inductor), then the replay backend if time is left.
+#   `... ncu`: benchmarks/device/ncu_h200.sh (Nsight Compute, full set and per-SASS-line stalls, of the default GAAC
+#     kernel and its twin at 1x64K; profile_cuda_kernel.py now launches format version 2 at the plan's defaults).
 # Results under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
@@ -32,4 +34,7 @@ if [ "$MODE" = step ]; then
   timeout ${REPLAY_TIMEOUT:-100} python3 benchmarks/generate.py --contexts 65536 --steps 10 --warmup 3 --reps 10 \
     --variants gaac twin --skip-module-guards --graphs replay \
     --out "$OUT/generate_replay.json" 2>&1 | tee "$OUT/generate_replay.log" | grep -E "ms/step|lossless|\| " | tail -6
+fi
+if [ "$MODE" = ncu ]; then
+  bash benchmarks/device/ncu_h200.sh
 fi
