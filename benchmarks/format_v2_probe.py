@@ -79,13 +79,16 @@ VARIANTS = (  # label, format, ws consumers (0: the one-warp kernel), stages and
 # format_v3_probe_s13_dyn_home.json; the kernel is in git history, commit 1d8ca1f).
 
 
-def probe_args(doc: str, shapes: str, out: str) -> argparse.Namespace:
-    """The command line of a probe over SHAPES on real-statistics KV."""
+def probe_args(doc: str, shapes: str, out: str, sets: tuple = ()) -> argparse.Namespace:
+    """The command line of a probe over SHAPES on real-statistics KV (`sets`: named variant sets, the first the
+    default, chosen with --set)."""
     p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--real-kv", default=".bench/real_kv_2k.safetensors")
     p.add_argument("--buffers", type=int, default=3)
     p.add_argument("--shapes", default=shapes, help="indices into format_v2_probe.SHAPES")
     p.add_argument("--out", default=out)
+    if sets:
+        p.add_argument("--set", default=sets[0], choices=sets, help="the variant set")
     return p.parse_args()
 
 

@@ -58,9 +58,30 @@ TWIN_VARIANTS = {  # label: plan options of the plain twin
 TRACED = ("gaac", "gaac_8_warps_3_stages")
 
 
+def halves(n: int) -> int:
+    return max(1, n // 2)
+
+
+# The next set (`--set next`, written in session 17, not yet run): fewer, longer splits where the per-split fixed
+# cost (query and bases loaded, partials written and merged) is a large part (1x16K: ~5 units per split; 9/3/64),
+# in 6-warp CTAs so the halved splits still fill every SM once; the new defaults beside them.
+NEXT_GAAC = {
+    "gaac": {"balance": ()},
+    "gaac_half_splits_6_warps": {"balance": (), "warps": 6, "min_ctas": 2, "nsplit": halves},
+    "gaac_half_splits_12_warps": {"balance": (), "nsplit": halves},  # half the SMs: the bound for comparison
+}
+NEXT_TWIN = {
+    "twin": {"balance": ()},
+    "twin_half_splits_6_warps": {"balance": (), "ws": 0, "warps": 6, "min_ctas": 2, "nsplit": halves},
+}
+
+
 def main():
-    args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json")
-    run_probe(args, GAAC_VARIANTS, TWIN_VARIANTS, TRACED, "warps_probe.py")
+    args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json", sets=("s17", "next"))
+    if args.set == "next":
+        run_probe(args, NEXT_GAAC, NEXT_TWIN, ("gaac_half_splits_6_warps",), "warps_probe.py")
+    else:
+        run_probe(args, GAAC_VARIANTS, TWIN_VARIANTS, TRACED, "warps_probe.py")
 
 
 if __name__ == "__main__":

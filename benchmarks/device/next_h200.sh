@@ -9,7 +9,8 @@
 #     (generate.py's gpu_profile: what the ~6 ms of "rest" is), then the captured variants at 64K with inductor's
 #     autotuned matrix products (--inductor), then the replay backend if time is left.
 #   `... ncu`: benchmarks/device/ncu_h200.sh (Nsight Compute, full set and per-SASS-line stalls, of the default GAAC
-#     kernel and its twin at 1x64K; profile_cuda_kernel.py now launches format version 2 at the plan's defaults).
+#     kernel and its twin at 1x64K; profile_cuda_kernel.py now launches format version 2 at the plan's defaults),
+#     then `benchmarks/warps_probe.py --set next` (halved splits in 6-warp CTAs, for 1x16K and 9/3/64).
 # Results under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
@@ -36,5 +37,7 @@ if [ "$MODE" = step ]; then
     --out "$OUT/generate_replay.json" 2>&1 | tee "$OUT/generate_replay.log" | grep -E "ms/step|lossless|\| " | tail -6
 fi
 if [ "$MODE" = ncu ]; then
-  bash benchmarks/device/ncu_h200.sh
+  timeout 400 bash benchmarks/device/ncu_h200.sh
+  timeout ${PROBE_TIMEOUT:-120} python3 benchmarks/warps_probe.py --set next --real-kv .bench/real_kv_2k.safetensors \
+    --shapes 1,0,2,3 --out "$OUT/warps_probe_next.json" 2>&1 | tee "$OUT/warps_probe_next.log" | tail -7
 fi
