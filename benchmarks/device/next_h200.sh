@@ -39,5 +39,5 @@ fi
 if [ "$MODE" = ncu ]; then
   timeout 400 bash benchmarks/device/ncu_h200.sh
   timeout ${PROBE_TIMEOUT:-120} python3 benchmarks/warps_probe.py --set next --real-kv .bench/real_kv_2k.safetensors \
-    --shapes 1,0,2,3 --out "$OUT/warps_probe_next.json" 2>&1 | tee "$OUT/warps_probe_next.log" | tail -7
+    --shapes 1,0,2,3 --out "$OUT/warps_probe_next.json" 2>&1 | tail -7  # (8 files come back: no log)
 fi
