@@ -367,8 +367,9 @@ def kernel_kind(name: str) -> str:
 
 def gpu_profile(stepper: "Stepper", device, steps: int = 3) -> dict:
     """Where a step's GPU time goes (torch.profiler, CUDA activity, over `steps` steps): milliseconds per step by
-    kernel kind (`KERNEL_KINDS`; the kernels replayed from a CUDA graph included) and the ten longest kernels with
-    their launches per step. Empty without CUDA."""
+    kernel kind (`KERNEL_KINDS`; the kernels replayed from a CUDA graph included), the kernels (graph nodes) per step
+    (a graph's CPU launch cost grows with them: 0.9-2.6 ms per step in sessions 15-17) and the ten longest kernels
+    with their launches per step. Empty without CUDA."""
     if device.type != "cuda":
         return {}
     from torch.autograd import DeviceType
@@ -389,6 +390,7 @@ def summarize_kernels(kernels: list, steps: int) -> dict:
         total += us
     top = sorted(kernels, key=lambda k: k[1], reverse=True)[:10]
     return {"steps": steps, "total_ms": round(total / steps / 1e3, 4),
+            "kernels_per_step": round(sum(n for _, _, n in kernels) / steps, 1),
             "by_kind_ms": {k: round(v / steps / 1e3, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
             "top": [[name[:90], round(us / steps / 1e3, 4), round(n / steps, 2)] for name, us, n in top]}
 

@@ -249,5 +249,5 @@ def test_kernel_kinds_of_the_generate_benchmark_profile():
                      "void at::native::x": "other"}
     out = bench.summarize_kernels([("gaac_decode_split", 600.0, 96), ("gemv2T_kernel_val", 3000.0, 672),
                                    ("triton_poi_fused_1", 300.0, 96)], steps=3)
-    assert out["total_ms"] == 1.3 and out["by_kind_ms"] == {"matmul": 1.0, "attention": 0.2, "fused_pointwise": 0.1}
+    assert out["total_ms"] == 1.3 and out["kernels_per_step"] == 288.0 and out["by_kind_ms"] == {"matmul": 1.0, "attention": 0.2, "fused_pointwise": 0.1}
     assert out["top"][0] == ["gemv2T_kernel_val", 1.0, 224.0]
