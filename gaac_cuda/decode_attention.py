@@ -25,7 +25,7 @@ LOG2E = 1.4426950408889634
 BLOCK = 16
 MAX_GROUP_HEADS = 8  # query heads per kv-head: the n dimension of the mma tile
 MIN_UNITS_PER_SPLIT = 4
-SPLITS_PER_SM = 12  # warps (= splits) resident per SM at head_dim 64/128 (3 CTAs of 4 warps); 256: 4 (1 CTA)
+SPLITS_PER_SM = 12  # warps (= splits) resident per SM at head_dim 64/128 (one CTA of SPLIT_WARPS, or 3 of 4); 256: 4
 COMBINE_WARPS = 16  # warps per combine block (the kernel's GAAC_COMBINE_WARPS default; see `plan(combine_warps=)`)
 SWIZZLE = False  # plain KV: BF16 rows staged with an XOR swizzle against bank conflicts (see `plan`)
 DENSE_SLOTS = False  # compressed KV: slots staged as stored by one bulk copy (see `plan`)
