@@ -46,7 +46,8 @@ WS_DENSE_SLOTS = True  # slots staged as stored, one bulk copy each (the produce
 # schedulers favour the older CTA: 1.26-1.29 : 1.12 : 1 at 1x16K-4x64K, benchmarks/results/warp_finish_probe_s15.json):
 # `plan(balance=RANK_PACE)` weighs the splits by it (see `split_table`)
 RANK_PACE = (32, 28, 25)
-# `plan`'s split weights where none are given (one tile per head): off (None) until measured faster on the H200;
+# `plan`'s split weights where none are given (one tile per head): off (None): not faster on the H200 (session 17,
+# benchmarks/results/balance_probe_s17.json: 1x64K 69.4 against 68.7 us; one 12-warp CTA per SM removed the ranks);
 # GAAC_HF_CUDA_BALANCE=1 turns RANK_PACE on for every plan of the process (compressed KV and its twin alike)
 BALANCE = RANK_PACE if os.environ.get("GAAC_HF_CUDA_BALANCE") == "1" else None
 # Programmatic dependent launch (`plan(pdl=True)`): the split and combine kernels are launched with
