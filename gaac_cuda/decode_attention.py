@@ -63,6 +63,7 @@ PDL = os.environ.get("GAAC_HF_CUDA_PDL", "1") != "0"
 # finish together. Measured in session 17 on the H200 (benchmarks/results/balance_probe_s17.json, format 3):
 # 1x64K 68.7 -> 63.7 us, 4x64K 258.7 -> 233.8, 1x16K 27.4 -> 27.1, 9/3/64 1x64K 25.3 -> 24.4.
 SPLIT_WARPS = 12
+STATIC_SMEM = 1024  # the split kernel's static shared memory (cuobjdump -res-usage: SHARED:1024), beside the dynamic
 ESCAPE_SLACK = 16  # buffer bytes past a slot: the prepass reads a lane's escape bytes as a 12-byte window and clamps
 # reads to the buffer, so a window that starts near a full escape area must not reach the buffer's end
 
@@ -253,7 +254,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         v_words = channels // 32
     if v_words not in (channels // 32, 2):
         raise ValueError(f"v_words is {channels // 32} or 2 at head_dim {head_dim}, not {v_words}")
-    if asked_warps is None and tiles == 1 and SPLIT_WARPS * warp_bytes <= _smem_optin(device):
+    if asked_warps is None and tiles == 1 and SPLIT_WARPS * warp_bytes + STATIC_SMEM <= _smem_optin(device):
         warps = SPLIT_WARPS
     if min_ctas is None:  # register cap: 12 warps per SM (3 CTAs of 4 warps: what shared memory allows at head_dim 128)
         min_ctas = 1 if tiles == 2 else max(1, 12 // warps)

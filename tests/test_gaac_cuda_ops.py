@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gaac_cuda import available, decode_attention, plain_decode_attention, plan
-from gaac_cuda.decode_attention import _SOURCE_FILE, PDL, RANK_PACE, SPLIT_WARPS, WS_TWIN, WS_TWIN_CTAS_PER_SM, split_table
+from gaac_cuda.decode_attention import _SOURCE_FILE, PDL, RANK_PACE, SPLIT_WARPS, STATIC_SMEM, WS_TWIN, WS_TWIN_CTAS_PER_SM, split_table
 from gaac_hf.format import TileLayout
 from gaac_triton_cases import compress_kv, realistic_kv
 
@@ -186,9 +186,11 @@ def test_plan_of_the_warp_specialized_kernel():
     w = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, plain=True, ws=WS_TWIN, min_ctas=WS_TWIN_CTAS_PER_SM)
     assert w.ws == WS_TWIN and f"-DGAAC_STAGES={2 * WS_TWIN}" in w.options and "-DGAAC_SWIZZLE" not in str(w.options)
     assert f"-DGAAC_MIN_CTAS={WS_TWIN_CTAS_PER_SM}" in w.options and w.grid == 8 * -(-198 // WS_TWIN)
-    # a CTA of 12 warps that shared memory cannot hold falls back to 4-warp CTAs
+    # a CTA of 12 warps that shared memory cannot hold (beside the kernel's static shared memory) falls back to
+    # 4-warp CTAs
     big = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, slot_bytes=8000, format_version=1)
     assert big.warps == 4 and "-DGAAC_MIN_CTAS=3" in big.options
+    assert c.smem + STATIC_SMEM <= 232448
     with pytest.raises(ValueError, match="one-warp kernel's options"):
         plan(1, 8, 4, 128, 65536, "cpu", nsplit=8, ws=8, trace=True)
     for stages in (7, 12):  # parity waits: one consumer per stage, so stages is a multiple of ws
