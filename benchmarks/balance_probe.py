@@ -52,13 +52,12 @@ GAAC_VARIANTS = {k: {**OLD, **kw} for k, kw in GAAC_VARIANTS.items()}
 TWIN_VARIANTS = {  # label: plan options of the plain twin
     "twin": {"balance": ()},
     "twin_balanced": {"balance": RANK_PACE},
-    "twin_one_warp_balanced": {"balance": RANK_PACE, "ws": 0},
+    "twin_one_warp_balanced": {"balance": RANK_PACE, "ws": 0, "warps": 4},
     "twin_combine_4": {"balance": (), "combine_warps": 4},
     "twin_pdl": {"balance": (), "pdl": True},
     "twin_balanced_combine_4_pdl": {"balance": RANK_PACE, "combine_warps": 4, "pdl": True},
 }
 TWIN_VARIANTS = {k: {"pdl": False, **kw} for k, kw in TWIN_VARIANTS.items()}
-TWIN_VARIANTS["twin_one_warp_balanced"]["warps"] = 4
 TRACED = ("gaac", "gaac_balanced", "gaac_12_warps", "gaac_combine_4")  # variants also run with globaltimer stamps
 SPLIT_KEYS = ("balance", "combine_warps", "nsplit")  # the plan options that change the bits: a twin planned alike matches
 
@@ -121,7 +120,7 @@ def run_probe(args, gaac_variants: dict, twin_variants: dict, traced: tuple, scr
             split_kw = {k2: v2 for k2, v2 in splits(kw).items() if k2 in SPLIT_KEYS}
             key = tuple(sorted(split_kw.items()))
             if key not in twins:
-                twins[key] = twin(gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, **splits(split_kw)))
+                twins[key] = twin(gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, **split_kw))
             return twins[key]
 
         def gaac_variant(label, kw):
@@ -159,7 +158,6 @@ def run_probe(args, gaac_variants: dict, twin_variants: dict, traced: tuple, scr
             try:
                 pl = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, **splits(kw))
                 out = twin(pl)
-                kw = splits(kw)
                 row[label] = {"us": bench_graph(lambda i, pl=pl: twin(pl, i), args.buffers),
                               "same_bits_as_ws_twin": torch.equal(out.view(torch.int16),
                                                                   twin_bits(kw).view(torch.int16))}

@@ -72,7 +72,7 @@ from gaac_hf import CapturedStep, GAACCache  # noqa: E402
 from gaac_hf.calibrate import calibrate  # noqa: E402
 from gaac_hf import ops  # noqa: E402
 from gaac_hf.format import BLOCK_TOKENS  # noqa: E402
-from gaac_hf.compile_settings import compile_kwargs, describe  # noqa: E402
+from gaac_hf.compile_settings import compile_kwargs, compile_options, describe  # noqa: E402
 from gaac_hf.model_layers import cache_kwarg, text_config  # noqa: E402
 from gaac_hf.static_cache import GAACStaticCache, GAACStaticLayer, PlainStaticCache  # noqa: E402
 from hf_common.testing import same_bits  # noqa: E402
@@ -389,7 +389,8 @@ def summarize_kernels(kernels: list, steps: int) -> dict:
     """`gpu_profile`'s summary of (name, total µs, count) triples over `steps` steps."""
     kinds, total = {}, 0.0
     for name, us, _ in kernels:
-        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + us
+        kind = kernel_kind(name)
+        kinds[kind] = kinds.get(kind, 0.0) + us
         total += us
     top = sorted(kernels, key=lambda k: k[1], reverse=True)[:10]
     return {"steps": steps, "total_ms": round(total / steps / 1e3, 4),
@@ -547,7 +548,7 @@ def main(argv=None):
             return with_inductor(compile_kwargs(backend=backend, graphs=args.graphs))
         kw = dict(fullgraph=True, backend=backend)
         if backend == "inductor" and args.inductor:  # torch.compile takes a mode or options, not both
-            kw["options"] = {"triton.cudagraphs": True}
+            kw["options"] = compile_options(skip_module_guards=False)
         elif backend == "inductor":
             kw["mode"] = "reduce-overhead"
         return with_inductor(kw)

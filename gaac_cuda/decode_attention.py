@@ -231,9 +231,6 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
                                   combine_warps=combine_warps), pdl)
     if stages is None:
         stages = 2
-    asked_warps = warps
-    if warps is None:
-        warps = 4
     if dense_slots is None:
         dense_slots = DENSE_SLOTS
     dense_slots = bool(dense_slots and not plain)  # a compressed-KV option, like swizzle for plain KV
@@ -254,8 +251,9 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         v_words = channels // 32
     if v_words not in (channels // 32, 2):
         raise ValueError(f"v_words is {channels // 32} or 2 at head_dim {head_dim}, not {v_words}")
-    if asked_warps is None and tiles == 1 and SPLIT_WARPS * warp_bytes + STATIC_SMEM <= _smem_optin(device):
-        warps = SPLIT_WARPS
+    if warps is None:
+        fits = tiles == 1 and SPLIT_WARPS * warp_bytes + STATIC_SMEM <= _smem_optin(device)
+        warps = SPLIT_WARPS if fits else 4
     if min_ctas is None:  # register cap: 12 warps per SM (3 CTAs of 4 warps: what shared memory allows at head_dim 128)
         min_ctas = 1 if tiles == 2 else max(1, 12 // warps)
     options = (f"-DGAAC_C={channels}", f"-DGAAC_TILES={tiles}",
