@@ -201,10 +201,13 @@ def test_gpu_raw_pool_growth_records_again(cuda_model):
     step = CapturedStep(model, cache)
     got = _steps(model, step, cache, 17, 8)[0]
     recorded = tuple(t.data_ptr() for t in cache_buffers(cache))
+    capacity = {i: s["raw_capacity"] for i, s in cache.stats()["layers"].items()}
     assert len(step.graphs) == 1
     more = _steps(model, step, cache, 25, 200)[0]
     assert tuple(t.data_ptr() for t in cache_buffers(cache)) != recorded  # it grew while replaying
-    assert len(step.graphs) == 1 and cache.stats()["layers"][0]["raw_taken"] > 8
+    after = cache.stats()["layers"]  # (stats() checks the pools: nothing was lost)
+    assert len(step.graphs) == 1 and any(s["raw_capacity"] > capacity[i] for i, s in after.items())
+    assert all(s["raw_taken"] <= s["raw_capacity"] for s in after.values())
     twin = PlainStaticCache(model.config, 400)
     _prefill(model, twin, 17)
     twin_step = CapturedStep(model, twin)

@@ -8,6 +8,8 @@
 #   `... step`: the compiled and captured decode step at 64K / 128K with each step's GPU time by kernel kind
 #     (generate.py's gpu_profile: what the ~6 ms of "rest" is), then the captured variants at 64K with inductor's
 #     autotuned matrix products (--inductor), then the replay backend if time is left.
+#   `... probe` (session 18): the raw-pool growth test after its fix, benchmarks/slot_order_probe.py (full and
+#     loads-only kernel on the caches' slot order and on a head-major pool, the twin's loads), the halved-splits set.
 #   `... ncu`: benchmarks/device/ncu_h200.sh (Nsight Compute, full set and per-SASS-line stalls, of the default GAAC
 #     kernel and its twin at 1x64K; profile_cuda_kernel.py now launches format version 2 at the plan's defaults),
 #     then `benchmarks/warps_probe.py --set next` (halved splits in 6-warp CTAs, for 1x16K and 9/3/64).
@@ -35,6 +37,14 @@ if [ "$MODE" = step ]; then
   timeout ${REPLAY_TIMEOUT:-100} python3 benchmarks/generate.py --contexts 65536 --steps 10 --warmup 3 --reps 10 \
     --variants gaac twin --skip-module-guards --graphs replay \
     --out "$OUT/generate_replay.json" 2>&1 | tee "$OUT/generate_replay.log" | grep -E "ms/step|lossless|\| " | tail -6
+fi
+if [ "$MODE" = probe ]; then  # session 18: the test fixed after its first GPU run, then where the slots lie
+  timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q tests/test_gaac_captured_step.py -k "raw_pool_growth" 2>&1 \
+    | tail -3 | tee "$OUT/gpu_test_growth.log"
+  timeout ${PROBE_TIMEOUT:-200} python3 benchmarks/slot_order_probe.py --real-kv .bench/real_kv_2k.safetensors \
+    --shapes 1,2,0 --out "$OUT/slot_order_probe.json" 2>&1 | tee "$OUT/slot_order_probe.log" | tail -6
+  timeout ${NEXT_TIMEOUT:-150} python3 benchmarks/warps_probe.py --set next --real-kv .bench/real_kv_2k.safetensors \
+    --shapes 0,3 --out "$OUT/warps_probe_next.json" 2>&1 | tee "$OUT/warps_probe_next.log" | tail -5
 fi
 if [ "$MODE" = ncu ]; then
   timeout 400 bash benchmarks/device/ncu_h200.sh
