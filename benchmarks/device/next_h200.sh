@@ -10,6 +10,8 @@
 #     autotuned matrix products (--inductor), then the replay backend if time is left.
 #   `... probe` (session 18): the raw-pool growth test after its fix, benchmarks/slot_order_probe.py (full and
 #     loads-only kernel on the caches' slot order and on a head-major pool, the twin's loads), the halved-splits set.
+#   `... copy` (session 18, not yet run): benchmarks/copy_path_probe.py (slots by per-lane cp.async, an L2
+#     evict_first hint, L2 prefetches ahead of the ring; each with its loads-only build) after their GPU bit checks.
 #   `... ncu`: benchmarks/device/ncu_h200.sh (Nsight Compute, full set and per-SASS-line stalls, of the default GAAC
 #     kernel and its twin at 1x64K; profile_cuda_kernel.py now launches format version 2 at the plan's defaults),
 #     then `benchmarks/warps_probe.py --set next` (halved splits in 6-warp CTAs, for 1x16K and 9/3/64).
@@ -45,6 +47,12 @@ if [ "$MODE" = probe ]; then  # session 18: the test fixed after its first GPU r
     --shapes 1,2,0 --out "$OUT/slot_order_probe.json" 2>&1 | tee "$OUT/slot_order_probe.log" | tail -6
   timeout ${NEXT_TIMEOUT:-150} python3 benchmarks/warps_probe.py --set next --real-kv .bench/real_kv_2k.safetensors \
     --shapes 0,3 --out "$OUT/warps_probe_next.json" 2>&1 | tee "$OUT/warps_probe_next.log" | tail -5
+fi
+if [ "$MODE" = copy ]; then  # session 18 (not yet run): how the slots are copied, then the GPU bit checks of it
+  timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q tests/test_gaac_cuda_ops.py -k "fragment_order_prototype" 2>&1 \
+    | tail -3 | tee "$OUT/gpu_test_copy.log"
+  timeout ${PROBE_TIMEOUT:-360} python3 benchmarks/copy_path_probe.py --real-kv .bench/real_kv_2k.safetensors \
+    --shapes 1,2,0 --out "$OUT/copy_path_probe.json" 2>&1 | tee "$OUT/copy_path_probe.log" | tail -6
 fi
 if [ "$MODE" = ncu ]; then
   timeout 400 bash benchmarks/device/ncu_h200.sh
