@@ -23,14 +23,13 @@ import time
 from pathlib import Path
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import gaac_cuda  # noqa: E402
 from benchmarks.attention import bench_graph  # noqa: E402
-from benchmarks.format_v2_probe import compress_v2, probe_args, probe_shapes, save_probe  # noqa: E402
+from benchmarks.format_v2_probe import compress_v2, cudnn_us, probe_args, probe_shapes, save_probe  # noqa: E402
 from benchmarks.warp_finish_probe import grouped  # noqa: E402
 from gaac_cuda.decode_attention import RANK_PACE  # noqa: E402
 
@@ -168,13 +167,7 @@ def run_probe(args, gaac_variants: dict, twin_variants: dict, traced: tuple, scr
                 gaac_variant(label, kw)
             except Exception as e:  # noqa: BLE001
                 failed(label, e)
-        q4 = q.unsqueeze(2)
-
-        def cudnn(i):
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                torch.nn.functional.scaled_dot_product_attention(q4, kvs[i][0], kvs[i][1], scale=scale,
-                                                                 enable_gqa=True)
-        row["cudnn_us"] = bench_graph(cudnn, args.buffers)
+        row["cudnn_us"] = cudnn_us(q, kvs, scale, args.buffers)
         res["rows"].append(row)
         print(row["shape"], {k2: v2 for k2, v2 in row.items() if k2.startswith("twin") or k2 == "cudnn_us"},
               f"({time.time() - t0:.0f}s)", flush=True)

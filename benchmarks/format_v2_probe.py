@@ -99,6 +99,17 @@ def save_probe(res: dict, args: argparse.Namespace, script: str, indent: int | N
     Path(args.out).write_text(json.dumps(res, indent=indent) + "\n")
 
 
+def cudnn_us(q: torch.Tensor, kvs: list, scale: float, buffers: int) -> float:
+    """cuDNN SDPA's graph-replayed time on the BF16 KV pairs `kvs` (rotating), query `q` `[B, Hq, D]`: the baseline
+    of every probe."""
+    q4 = q.unsqueeze(2)
+
+    def cudnn(i):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(q4, kvs[i][0], kvs[i][1], scale=scale, enable_gqa=True)
+    return bench_graph(cudnn, buffers)
+
+
 def probe_shapes(args: argparse.Namespace, dev: torch.device):
     """Per shape of `args.shapes`: ((q heads, kv heads, head_dim, batch, tokens), K, V, q, scale, kv_len) on `dev`, K
     and V real KV channels tiled to the shape."""
@@ -172,14 +183,8 @@ def main():
         row["twin_default_us"] = bench_graph(
             lambda i: gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, pd), args.buffers)
         kvs = [(k, v)] + [(k.clone(), v.clone()) for _ in range(args.buffers - 1)]
-        q4 = q.unsqueeze(2)
-
-        def cudnn(i):
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                torch.nn.functional.scaled_dot_product_attention(q4, kvs[i][0], kvs[i][1], scale=scale,
-                                                                 enable_gqa=True)
         try:
-            row["cudnn_us"] = bench_graph(cudnn, args.buffers)
+            row["cudnn_us"] = cudnn_us(q, kvs, scale, args.buffers)
         except RuntimeError as err:  # noqa: PERF203
             row["cudnn_us"] = None
             row["cudnn_error"] = str(err)[:200]

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 import gaac_cuda  # noqa: E402
 from benchmarks.attention import bench_graph  # noqa: E402
-from benchmarks.format_v2_probe import compress_v2, probe_args, probe_shapes, save_probe  # noqa: E402
+from benchmarks.format_v2_probe import compress_v2, cudnn_us, probe_args, probe_shapes, save_probe  # noqa: E402
 
 # label, capacity (None: calibrated, -1: no raw tiles), compact buffers, warps per CTA, stages, CTAs per SM
 # (what fits 228 KB of shared memory per SM, 1 KB of it reserved per CTA, at head_dim 128 and ~3 KB slots)
@@ -71,13 +71,7 @@ def main():
             row[label] = entry
             print(label, json.dumps(entry), flush=True)
         kvs = [(k, v)] + [(k.clone(), v.clone()) for _ in range(args.buffers - 1)]
-
-        def cudnn(i):
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), kvs[i][0], kvs[i][1], scale=scale,
-                                                                 enable_gqa=True)
-        row["cudnn_us"] = bench_graph(cudnn, args.buffers)
+        row["cudnn_us"] = cudnn_us(q, kvs, scale, args.buffers)
         res["rows"].append(row)
         print(row["shape"], f"cuDNN {row['cudnn_us']:.1f} us ({time.time() - t0:.0f}s)", flush=True)
         del encoded, bufs, kvs

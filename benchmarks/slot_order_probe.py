@@ -20,14 +20,14 @@ import time
 from pathlib import Path
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import gaac_cuda  # noqa: E402
 from benchmarks.attention import bench_graph  # noqa: E402
-from benchmarks.format_v2_probe import compress_v2, head_major, probe_args, probe_shapes, save_probe  # noqa: E402
+from benchmarks.format_v2_probe import (  # noqa: E402
+    compress_v2, cudnn_us, head_major, probe_args, probe_shapes, save_probe)
 
 
 def main():
@@ -63,17 +63,11 @@ def main():
             entry["loads_tb_per_s"] = round(info["bytes"] / entry["loads_only_us"] / 1e6, 3)
             row[name] = entry
             del bufs
-        q4 = q.unsqueeze(2)
-
-        def cudnn(i):
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                torch.nn.functional.scaled_dot_product_attention(q4, kvs[i][0], kvs[i][1], scale=scale,
-                                                                 enable_gqa=True)
-        row["cudnn_us"] = bench_graph(cudnn, args.buffers)
+        row["cudnn_us"] = cudnn_us(q, kvs, scale, args.buffers)
         row["twin_loads_tb_per_s"] = round(row["bf16_bytes"] / row["twin_loads_only_us"] / 1e6, 3)
         res["rows"].append(row)
         print(json.dumps(row), f"({time.time() - t0:.0f}s)", flush=True)
-        del pools, packed, kvs
+        pools = packed = kvs = None  # free the pools before the next shape
         torch.cuda.empty_cache()
     print("\n| shape | cache order (loads only) | head-major (loads only) | twin (loads only) | cuDNN |")
     print("|---|---|---|---|---|")
