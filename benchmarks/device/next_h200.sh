@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
-# H200 calls written in session 17 for the next session, each under the device's 10-minute limit; carry [".bench"]
-# (`python benchmarks/capture_real_kv.py` makes it on the CPU):
-#   `bash benchmarks/device/next_h200.sh tests`: the GPU tests that session 17 cut for time, at the kernel's new
-#     defaults (one 12-warp CTA per SM, PDL, the twin on the one-warp kernel with swizzled rows): static cache,
-#     generate, CapturedStep and replay; then the format-3 leave-one-stage-out breakdown at 1x64K
-#     (benchmarks/format_v2_probe.py: format 1, format 3 and its skips, the warp-specialized variant);
+# H200 calls for the next session, each under the device's 10-minute limit; carry [".bench"]
+# (`python benchmarks/capture_real_kv.py` makes it on the CPU). Run in session 18: `tests`, `probe`, `step` (replay
+# part cut); not yet run: `copy` (first), `ncu` (its warps_probe part ran in `probe`).
+#   `bash benchmarks/device/next_h200.sh tests`: the GPU tests of the static cache, generate, CapturedStep and replay
+#     at the kernel's defaults (one 12-warp CTA per SM, PDL, the twin on the one-warp kernel with swizzled rows), then
+#     the format-3 leave-one-stage-out breakdown at 1x64K (benchmarks/format_v2_probe.py).
 #   `... step`: the compiled and captured decode step at 64K / 128K with each step's GPU time by kernel kind
-#     (generate.py's gpu_profile: what the ~6 ms of "rest" is), then the captured variants at 64K with inductor's
-#     autotuned matrix products (--inductor), then the replay backend if time is left.
-#   `... probe` (session 18): the raw-pool growth test after its fix, benchmarks/slot_order_probe.py (full and
-#     loads-only kernel on the caches' slot order and on a head-major pool, the twin's loads), the halved-splits set.
-#   `... copy` (session 18, not yet run): benchmarks/copy_path_probe.py (slots by per-lane cp.async, an L2
-#     evict_first hint, L2 prefetches ahead of the ring; each with its loads-only build) after their GPU bit checks.
+#     (generate.py's gpu_profile), then the captured variants at 64K with inductor's autotuned matrix products
+#     (--inductor), then the replay backend if time is left (REPLAY_TIMEOUT).
+#   `... probe`: the raw-pool growth test, benchmarks/slot_order_probe.py (full and loads-only kernel on the caches'
+#     slot order and on a head-major pool, the twin's loads), the halved-splits set of warps_probe.py.
+#   `... copy`: the GPU bit checks of the copy options, then benchmarks/copy_path_probe.py (slots by per-lane
+#     cp.async, an L2 evict_first hint, L2 prefetches ahead of the ring; each with its loads-only build).
 #   `... ncu`: benchmarks/device/ncu_h200.sh (Nsight Compute, full set and per-SASS-line stalls, of the default GAAC
-#     kernel and its twin at 1x64K; profile_cuda_kernel.py now launches format version 2 at the plan's defaults),
-#     then `benchmarks/warps_probe.py --set next` (halved splits in 6-warp CTAs, for 1x16K and 9/3/64).
+#     kernel and its twin at 1x64K), then `benchmarks/warps_probe.py --set next`. (A short version that returns in
+#     about a minute: benchmarks/device/ncu_quick_h200.sh.)
 # Results under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
