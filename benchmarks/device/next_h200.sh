@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # H200 calls for the next session, each under the device's 10-minute limit; carry [".bench"]
 # (`python benchmarks/capture_real_kv.py` makes it on the CPU). Run in session 18: `tests`, `probe`, `step` (replay
-# part cut); not yet run: `copy` (first), `ncu` (its warps_probe part ran in `probe`).
+# part cut); not yet run: `copy` (first), `baselines`, `ncu` (its warps_probe part ran in `probe`).
 #   `bash benchmarks/device/next_h200.sh tests`: the GPU tests of the static cache, generate, CapturedStep and replay
 #     at the kernel's defaults (one 12-warp CTA per SM, PDL, the twin on the one-warp kernel with swizzled rows), then
 #     the format-3 leave-one-stage-out breakdown at 1x64K (benchmarks/format_v2_probe.py).
@@ -12,6 +12,9 @@
 #     slot order and on a head-major pool, the twin's loads), the halved-splits set of warps_probe.py.
 #   `... copy`: the GPU bit checks of the copy options, then benchmarks/copy_path_probe.py (slots by per-lane
 #     cp.async, an L2 evict_first hint, L2 prefetches ahead of the ring; each with its loads-only build).
+#   `... baselines`: compiled StaticCache, eager DynamicCache + flash and eager GAACCache beside the captured GAAC step
+#     at 64K / 128K (the >=2x target rests on session 15's baselines), then benchmarks/cache_ops.py on the GPU (the
+#     eager update's host work, issue 13 item 5, so far measured on the CPU only).
 #   `... ncu`: benchmarks/device/ncu_h200.sh (Nsight Compute, full set and per-SASS-line stalls, of the default GAAC
 #     kernel and its twin at 1x64K), then `benchmarks/warps_probe.py --set next`. (A short version that returns in
 #     about a minute: benchmarks/device/ncu_quick_h200.sh.)
@@ -48,11 +51,18 @@ if [ "$MODE" = probe ]; then  # session 18: the test fixed after its first GPU r
   timeout ${NEXT_TIMEOUT:-150} python3 benchmarks/warps_probe.py --set next --real-kv .bench/real_kv_2k.safetensors \
     --shapes 0,3 --out "$OUT/warps_probe_next.json" 2>&1 | tee "$OUT/warps_probe_next.log" | tail -5
 fi
-if [ "$MODE" = copy ]; then  # session 18 (not yet run): how the slots are copied, then the GPU bit checks of it
+if [ "$MODE" = copy ]; then  # session 18 (not yet run): the GPU bit checks of the copy options, then their timing
   timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q tests/test_gaac_cuda_ops.py -k "fragment_order_prototype" 2>&1 \
     | tail -3 | tee "$OUT/gpu_test_copy.log"
   timeout ${PROBE_TIMEOUT:-360} python3 benchmarks/copy_path_probe.py --real-kv .bench/real_kv_2k.safetensors \
     --shapes 1,2,0 --out "$OUT/copy_path_probe.json" 2>&1 | tee "$OUT/copy_path_probe.log" | tail -6
+fi
+if [ "$MODE" = baselines ]; then  # the >=2x target's baselines at today's defaults, and issue 13 item 5 on the GPU
+  timeout ${GEN_TIMEOUT:-400} python3 benchmarks/generate.py --contexts ${CONTEXTS:-65536 131072} --steps 10 \
+    --warmup 3 --eager-steps 3 --reps 10 --variants captured static dynamic eager-gaac --skip-module-guards \
+    --out "$OUT/generate_baselines.json" 2>&1 | tee "$OUT/generate_baselines.log" | grep -E "ms/step|\| " | tail -10
+  timeout ${OPS_TIMEOUT:-120} python3 benchmarks/cache_ops.py --device cuda --context 65536 \
+    --out "$OUT/cache_ops_h200.json" 2>&1 | tail -4
 fi
 if [ "$MODE" = ncu ]; then
   timeout 400 bash benchmarks/device/ncu_h200.sh
