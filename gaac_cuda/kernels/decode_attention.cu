@@ -61,7 +61,7 @@
 #ifndef GAAC_SLOT_CPASYNC  // benchmark option (session 18): a slot staged as stored (one-warp kernel) by 16-byte
 #define GAAC_SLOT_CPASYNC 0  // cp.async per lane, as the twin stages its rows (1), or by one bulk copy (0); same bits
 #endif
-#ifndef GAAC_EVICT_FIRST  // benchmark option (session 18): the one-warp kernel's KV copies carry an L2 evict_first
+#ifndef GAAC_EVICT_FIRST  // benchmark option (session 18): the KV copies (both kernels) carry an L2 evict_first
 #define GAAC_EVICT_FIRST 0  // cache hint (1: streamed bytes leave L2 first), or none (0); same bits
 #endif
 #ifndef GAAC_L2_AHEAD  // benchmark option (session 18), compressed KV on the one-warp kernel: each issue also asks L2
@@ -1184,7 +1184,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     return (L2_AHEAD && lane < 2 * TILES && jj < n && u0 + jj < nb) ? entry(u0 + jj, lane / TILES, lane % TILES)
                                                                       : NO_PREFETCH;
   };
-  int pf = pf_entry(GAAC_STAGES - 1 + GAAC_L2_AHEAD);
+  int pf = pf_entry(GAAC_L2_AHEAD);  // for the first issue (the split's unit 0)
 #if SPLITBAR
   // stage st's V half re-issued with the split's unit j + STAGES (its last reader is done)
   auto reissue_v = [&](int j, int st) {
