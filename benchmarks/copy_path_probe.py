@@ -31,6 +31,7 @@ COPY_OPTIONS = {  # label: the kernel's compile-time options
     "gaac_l2_ahead_2": ("GAAC_L2_AHEAD=2",),
     "gaac_l2_ahead_6": ("GAAC_L2_AHEAD=6",),
     "gaac_cpasync_evict_first": ("GAAC_SLOT_CPASYNC=1", "GAAC_EVICT_FIRST=1"),
+    "gaac_cpasync_l2_ahead_2": ("GAAC_SLOT_CPASYNC=1", "GAAC_L2_AHEAD=2"),
 }
 GAAC_VARIANTS = {}
 for _label, _defines in COPY_OPTIONS.items():
