@@ -33,10 +33,8 @@ COPY_OPTIONS = {  # label: the kernel's compile-time options
     "gaac_cpasync_evict_first": ("GAAC_SLOT_CPASYNC=1", "GAAC_EVICT_FIRST=1"),
     "gaac_cpasync_l2_ahead_2": ("GAAC_SLOT_CPASYNC=1", "GAAC_L2_AHEAD=2"),
 }
-GAAC_VARIANTS = {}
-for _label, _defines in COPY_OPTIONS.items():
-    GAAC_VARIANTS[_label] = {"balance": (), "defines": _defines}
-    GAAC_VARIANTS[_label + "_loads_only"] = {"balance": (), "defines": _defines, "skip": 3}
+GAAC_VARIANTS = {label + suffix: {"balance": (), "defines": defines, **extra} for label, defines in COPY_OPTIONS.items()
+                 for suffix, extra in (("", {}), ("_loads_only", {"skip": 3}))}
 TWIN_VARIANTS = {
     "twin": {"balance": ()},
     "twin_evict_first": {"balance": (), "defines": ("GAAC_EVICT_FIRST=1",)},

@@ -178,10 +178,11 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
         : "memory");
   } while (!done);
 }
-// GAAC_EVICT_FIRST: the L2 policy of the streamed copies
+// GAAC_EVICT_FIRST: the L2 policy of the streamed copies (not volatile: a pure value, so the compiler makes it once
+// instead of per copy)
 __device__ __forceinline__ unsigned long long evict_first_policy() {
   unsigned long long pol;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
   return pol;
 }
 __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
