@@ -346,6 +346,32 @@ def host_profile(stepper: "Stepper", device, steps: int = 3) -> dict:
     return out
 
 
+def python_profile(stepper: "Stepper", device, steps: int = 3, top: int = 20) -> dict:
+    """Where an eager step's host time goes, by Python function (cProfile over `steps` steps): per step, the
+    functions with the most own time and, of the project's and transformers' cache / attention code, the most
+    cumulative time (µs, calls)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    stepper.run(steps, 0)
+    sync(device)
+    prof.disable()
+    st = pstats.Stats(prof).stats  # (file, line, name) -> (primitive calls, calls, own s, cumulative s, callers)
+
+    def name(k):
+        f, line, fn = k
+        return f"{'/'.join(Path(f).parts[-2:])}:{line}:{fn}" if f != "~" else fn
+
+    def rows(key, keep=lambda k: True):
+        chosen = sorted((k for k in st if keep(k)), key=lambda k: st[k][key], reverse=True)[:top]
+        return {name(k): [round(st[k][key] / steps * 1e6, 1), round(st[k][1] / steps, 2)] for k in chosen}
+
+    ours = ("gaac_hf", "gaac_cuda", "cache_utils", "masking_utils", "modeling_llama")
+    return {"steps": steps, "own_us": rows(2), "cumulative_us": rows(3, lambda k: any(o in k[0] for o in ours))}
+
+
 # --- device side of a step: GPU time by kernel kind ---------------------------------------------------------------
 KERNEL_KINDS = (  # (kind, substrings of kernel names, lower case); the first kind that matches takes the kernel
     ("attention", ("gaac_decode", "gaac_combine", "_split_kernel", "_combine_kernel", "fmha", "flash", "cudnn",
@@ -527,6 +553,8 @@ def main(argv=None):
                         "CUDA kernel reads it, on Hopper)")
     p.add_argument("--inductor", default="", help="inductor options (JSON) for every compiled variant, e.g. "
                    "'{\"max_autotune\": true, \"coordinate_descent_tuning\": true}' for the step's matrix-vector products")
+    p.add_argument("--python-profile", action="store_true",
+                   help="cProfile the eager variants' steps (eager GAACCache over 16 steps: one finalizes blocks)")
     p.add_argument("--out", default="benchmarks/results/generate_h200.json")
     args = p.parse_args(argv)
     from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
@@ -767,8 +795,11 @@ def main(argv=None):
 
                 ctx = sdpa_kernel(SDPBackend.FLASH_ATTENTION)
             with ctx:
-                times, hosts, _ = Stepper(model, model.forward, cache, context, device).run(args.eager_steps, 1)
-            record(label, times, hosts)
+                stepper = Stepper(model, model.forward, cache, context, device)
+                times, hosts, _ = stepper.run(args.eager_steps, 1)
+                record(label, times, hosts)
+                if args.python_profile:
+                    row[label]["python_profile"] = python_profile(stepper, device)
 
         # eager GAACCache + gaac
         def gaac_eager(label=VARIANTS["eager-gaac"]):
@@ -776,8 +807,12 @@ def main(argv=None):
             cache = GAACCache(model.config, calibration)
             fill(cache, kv, context, device)
             log(f"  {label}: filled")
-            times, hosts, _ = Stepper(model, model.forward, cache, context, device).run(args.eager_steps, 1)
+            stepper = Stepper(model, model.forward, cache, context, device)
+            times, hosts, _ = stepper.run(args.eager_steps, 1)
             record(label, times, hosts)
+            if args.python_profile:
+                row[label]["python_profile"] = python_profile(stepper, device, steps=BLOCK_TOKENS)
+                log(f"  {label} python: {row[label]['python_profile']}")
 
         for key, fn in (("static", static_sdpa), ("dynamic", dynamic_flash), ("eager-gaac", gaac_eager)):
             if key in run:

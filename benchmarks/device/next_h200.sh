@@ -69,3 +69,12 @@ if [ "$MODE" = ncu ]; then
   timeout ${PROBE_TIMEOUT:-120} python3 benchmarks/warps_probe.py --set next --real-kv .bench/real_kv_2k.safetensors \
     --shapes 1,0,2,3 --out "$OUT/warps_probe_next.json" 2>&1 | tail -7  # (8 files come back: no log)
 fi
+if [ "$MODE" = stream ]; then  # session 19: the copy pipeline alone, then the captured step at 128K (refilled) and
+  # the eager steps' Python profile (issue 13 item 5)
+  timeout ${STREAM_TIMEOUT:-120} python3 benchmarks/stream_probe.py --out "$OUT/stream_probe.json" 2>&1 \
+    | tee "$OUT/stream_probe.log" | tail -16
+  timeout ${GEN_TIMEOUT:-420} python3 benchmarks/generate.py --contexts ${CONTEXTS:-65536 131072} --steps 10 \
+    --warmup 3 --eager-steps 3 --reps 10 --variants captured captured-twin dynamic eager-gaac --skip-module-guards \
+    --python-profile --out "$OUT/generate_captured.json" 2>&1 | tee "$OUT/generate_captured.log" \
+    | grep -E "ms/step|lossless|\| " | tail -14
+fi

@@ -1,0 +1,138 @@
+"""How fast can the decode kernel's copy pipeline stream at all, by chunk size, copy kind, ring depth and placement?
+(issue 12, session 19)
+
+Session 18-19 measured the compressed kernel's loads-only build at 1x64K at 60.6 us (193 MB: 3.2 TB/s; marginal rate
+over 1x64K -> 4x64K 3.56 TB/s) against the plain twin's 4.2 TB/s marginal (268 MB), with the same splits, warps and
+2-deep rings; staging the slots by per-lane cp.async or prefetching into L2 made it slower
+(`copy_path_probe_s19.json`). This probe takes the attention out: `benchmarks/device/stream_probe.cu` moves units of
+the 1x64K shape (8 KV heads x 4096 blocks, a unit = K and V of one head's block) through each warp's shared-memory
+ring and reads one word of each, one CTA per SM, consecutive units per warp (a head's blocks, as the kernel's splits
+take them). Variants: the twin's BF16 rows (2 x 4 KB per unit, sequential per head) by cp.async or bulk copy; 2,944-
+byte slots in the caches' pool order (block, K/V, head) or head-major, by bulk copy or cp.async; K and V slots
+adjacent and copied as one 5,888-byte chunk; two units per copy; 3-deep rings; 8 / 12 / 16 warps. Reported: us
+(graph replays, rotating over 4 copies of the data so nothing stays in L2) and TB/s of bytes moved.
+
+    python benchmarks/stream_probe.py --out benchmarks/results/stream_probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.attention import bench_graph  # noqa: E402
+from gaac_cuda.nvrtc import get_kernel  # noqa: E402
+
+SOURCE = Path(__file__).resolve().parent / "device" / "stream_probe.cu"
+HEADS, BLOCKS, SLOT, ROW_TILE = 8, 4096, 2944, 4096  # 1x64K at head_dim 128; format-3 slot with 64 escape bytes
+BUFFERS = 4
+
+
+class Params(ctypes.Structure):
+    _fields_ = [("src", ctypes.c_void_p), ("offs", ctypes.c_void_p), ("sink", ctypes.c_void_p),
+                ("per_warp", ctypes.c_int), ("units", ctypes.c_int), ("chunk", ctypes.c_uint),
+                ("stage_bytes", ctypes.c_uint)]
+
+
+def offsets(layout: str) -> tuple[torch.Tensor, int, int]:
+    """Byte offsets `[units, chunks]` of each unit's chunks, the chunk size and the span of bytes the layout uses.
+    Units are (head, block) in head-major order, so a warp's run of units is a run of one head's blocks."""
+    h = torch.arange(HEADS).repeat_interleave(BLOCKS)
+    blk = torch.arange(BLOCKS).repeat(HEADS)
+    if layout == "rows":  # the twin: K [H, S, D] and V [H, S, D] BF16, a unit's K rows at (h, blk)
+        k = (h * BLOCKS + blk) * ROW_TILE
+        return torch.stack([k, k + HEADS * BLOCKS * ROW_TILE], 1), ROW_TILE, 2 * HEADS * BLOCKS * ROW_TILE
+    if layout == "pool":  # the caches' slot order: (block, K/V, head)
+        k = (blk * 2 * HEADS + h) * SLOT
+        return torch.stack([k, k + HEADS * SLOT], 1), SLOT, 2 * HEADS * BLOCKS * SLOT
+    if layout == "head_major":  # slots (head, block, K/V): a head's K and V slots adjacent, its blocks in a row
+        k = ((h * BLOCKS + blk) * 2) * SLOT
+        return torch.stack([k, k + SLOT], 1), SLOT, 2 * HEADS * BLOCKS * SLOT
+    if layout == "kv_one":  # head-major, K and V of a unit as one chunk
+        return ((h * BLOCKS + blk) * 2 * SLOT)[:, None], 2 * SLOT, 2 * HEADS * BLOCKS * SLOT
+    if layout == "two_units":  # head-major, two consecutive units (K, V, K, V) as one chunk
+        u = (h * BLOCKS + blk)[::2]
+        return (u * 2 * SLOT)[:, None], 4 * SLOT, 2 * HEADS * BLOCKS * SLOT
+    raise ValueError(layout)
+
+
+VARIANTS = {  # label: (layout, cp.async per lane, ring stages, warps per CTA)
+    "rows_cpasync": ("rows", 1, 2, 12),  # the twin's copies
+    "rows_bulk": ("rows", 0, 2, 12),
+    "rows_cpasync_s3_w8": ("rows", 1, 3, 8),
+    "pool_bulk": ("pool", 0, 2, 12),  # the compressed kernel's copies (loads only)
+    "pool_cpasync": ("pool", 1, 2, 12),
+    "pool_bulk_s3": ("pool", 0, 3, 12),
+    "pool_bulk_w16": ("pool", 0, 2, 16),
+    "head_major_bulk": ("head_major", 0, 2, 12),
+    "kv_one_bulk": ("kv_one", 0, 2, 12),
+    "kv_one_bulk_s3": ("kv_one", 0, 3, 12),
+    "kv_one_bulk_w16": ("kv_one", 0, 2, 16),
+    "two_units_bulk_w8": ("two_units", 0, 2, 8),
+}
+
+
+def run(label: str, dev: torch.device, src: torch.Tensor, sms: int) -> dict:
+    layout, cpasync, stages, warps = VARIANTS[label]
+    offs, chunk, span = offsets(layout)
+    units, chunks = offs.shape
+    stage = -(-chunks * chunk // 128) * 128
+    smem = warps * stages * stage + warps * stages * 8
+    kernel = get_kernel(SOURCE.read_text(), [f"-DCHUNKS={chunks}", f"-DSTAGES={stages}", f"-DCPASYNC={cpasync}"],
+                        "stream_probe", dev)
+    per_warp = -(-units // (sms * warps))
+    stride = -(-span // 4096) * 4096
+    offs_d = [(offs + i * stride).to(dev) for i in range(BUFFERS)]
+    sink = torch.zeros(sms * warps * 32, dtype=torch.int32, device=dev)
+    prms = [Params(src.data_ptr(), o.data_ptr(), sink.data_ptr(), per_warp, units, chunk, stage) for o in offs_d]
+
+    def launch(i):
+        kernel.launch(sms, warps * 32, smem, prms[i])
+
+    launch(0)
+    torch.cuda.synchronize()
+    us = bench_graph(launch, BUFFERS)
+    moved = units * chunks * chunk
+    return {"us": round(us, 2), "tb_per_s": round(moved / us / 1e6, 3), "bytes": moved, "chunk": chunk,
+            "chunks_per_unit": chunks, "units_per_warp": per_warp, "stages": stages, "warps": warps,
+            "cp_async": bool(cpasync), "smem": smem, "registers": kernel.registers}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--out", default="benchmarks/results/stream_probe.json")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    span = max(offsets(v[0])[2] for v in VARIANTS.values())
+    src = torch.randint(0, 255, (BUFFERS * (-(-span // 4096) * 4096),), dtype=torch.uint8, device=dev)
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "sms": sms, "rows": {},
+           "command": "python " + " ".join(sys.argv)}
+    for label in args.variants.split(","):
+        t0 = time.time()
+        try:
+            res["rows"][label] = run(label, dev, src, sms)
+        except Exception as e:  # noqa: BLE001  (one failing variant must not lose the others)
+            res["rows"][label] = {"error": f"{type(e).__name__}: {e}"[:400]}
+        print(f"{label:<22} {res['rows'][label]} ({time.time() - t0:.0f}s)", flush=True)
+    print("\n| variant | chunk B x per unit | stages x warps | us | TB/s |\n|---|---|---|---|---|")
+    for label, r in res["rows"].items():
+        if "us" in r:
+            print(f"| {label} | {r['chunk']} x {r['chunks_per_unit']} | {r['stages']} x {r['warps']} | {r['us']} | "
+                  f"{r['tb_per_s']} |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
