@@ -65,7 +65,7 @@ def offsets(layout: str) -> tuple[torch.Tensor, int, int]:
     raise ValueError(layout)
 
 
-VARIANTS = {  # label: (layout, cp.async per lane, ring stages, warps per CTA)
+VARIANTS = {  # label: (layout, cp.async per lane, ring stages, warps per CTA[, cycles of work per unit])
     "rows_cpasync": ("rows", 1, 2, 12),  # the twin's copies
     "rows_bulk": ("rows", 0, 2, 12),
     "rows_cpasync_s3_w8": ("rows", 1, 3, 8),
@@ -78,16 +78,29 @@ VARIANTS = {  # label: (layout, cp.async per lane, ring stages, warps per CTA)
     "kv_one_bulk_s3": ("kv_one", 0, 3, 12),
     "kv_one_bulk_w16": ("kv_one", 0, 2, 16),
     "two_units_bulk_w8": ("two_units", 0, 2, 8),
+    # each warp busy for DELAY cycles per unit once it arrived (the decode kernel spends ~1,700-2,100 per unit at
+    # 1x64K): does a third ring stage keep the copies streaming meanwhile?
+    "pool_bulk_d1000": ("pool", 0, 2, 12, 1000),
+    "pool_bulk_d2000": ("pool", 0, 2, 12, 2000),
+    "pool_bulk_d3000": ("pool", 0, 2, 12, 3000),
+    "pool_bulk_s3_d1000": ("pool", 0, 3, 12, 1000),
+    "pool_bulk_s3_d2000": ("pool", 0, 3, 12, 2000),
+    "pool_bulk_s3_d3000": ("pool", 0, 3, 12, 3000),
+    "rows_cpasync_d2000": ("rows", 1, 2, 12, 2000),
+    "rows_cpasync_s3_w8_d2000": ("rows", 1, 3, 8, 2000),
+    "pool_bulk_s3_w8_d2000": ("pool", 0, 3, 8, 2000),
 }
 
 
 def run(label: str, dev: torch.device, src: torch.Tensor, sms: int) -> dict:
-    layout, cpasync, stages, warps = VARIANTS[label]
+    layout, cpasync, stages, warps, *delay = VARIANTS[label]
+    delay = delay[0] if delay else 0
     offs, chunk, span = offsets(layout)
     units, chunks = offs.shape
     stage = -(-chunks * chunk // 128) * 128
     smem = warps * stages * stage + warps * stages * 8
-    kernel = get_kernel(SOURCE.read_text(), [f"-DCHUNKS={chunks}", f"-DSTAGES={stages}", f"-DCPASYNC={cpasync}"],
+    kernel = get_kernel(SOURCE.read_text(), [f"-DCHUNKS={chunks}", f"-DSTAGES={stages}", f"-DCPASYNC={cpasync}",
+                                             f"-DDELAY={delay}"],
                         "stream_probe", dev)
     per_warp = -(-units // (sms * warps))
     stride = -(-span // 4096) * 4096
@@ -104,7 +117,7 @@ def run(label: str, dev: torch.device, src: torch.Tensor, sms: int) -> dict:
     moved = units * chunks * chunk
     return {"us": round(us, 2), "tb_per_s": round(moved / us / 1e6, 3), "bytes": moved, "chunk": chunk,
             "chunks_per_unit": chunks, "units_per_warp": per_warp, "stages": stages, "warps": warps,
-            "cp_async": bool(cpasync), "smem": smem, "registers": kernel.registers}
+            "cp_async": bool(cpasync), "delay_cycles": delay, "smem": smem, "registers": kernel.registers}
 
 
 def main():
@@ -125,11 +138,11 @@ def main():
         except Exception as e:  # noqa: BLE001  (one failing variant must not lose the others)
             res["rows"][label] = {"error": f"{type(e).__name__}: {e}"[:400]}
         print(f"{label:<22} {res['rows'][label]} ({time.time() - t0:.0f}s)", flush=True)
-    print("\n| variant | chunk B x per unit | stages x warps | us | TB/s |\n|---|---|---|---|---|")
+    print("\n| variant | chunk B x per unit | stages x warps | work cycles | us | TB/s |\n|---|---|---|---|---|---|")
     for label, r in res["rows"].items():
         if "us" in r:
-            print(f"| {label} | {r['chunk']} x {r['chunks_per_unit']} | {r['stages']} x {r['warps']} | {r['us']} | "
-                  f"{r['tb_per_s']} |")
+            print(f"| {label} | {r['chunk']} x {r['chunks_per_unit']} | {r['stages']} x {r['warps']} | "
+                  f"{r['delay_cycles']} | {r['us']} | {r['tb_per_s']} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
 

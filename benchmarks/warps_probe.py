@@ -75,10 +75,25 @@ NEXT_TWIN = {
     "twin_half_splits_6_warps": {"balance": (), "ws": 0, "warps": 6, "min_ctas": 2, "nsplit": halves},
 }
 
+# Session 19 (`--set stages`): a third ring stage at the default 12 warps. benchmarks/stream_probe.py shows the copy
+# pipeline alone streams the 1x64K slots at 4.2 TB/s in 2 stages, but a warp busy ~2,000 cycles per unit leaves only
+# one unit in flight while it works; at head_dim 128 three stages of today's tile buffers do not fit in 12 warps, at
+# 64 they do.
+STAGES_GAAC = {
+    "gaac": {"balance": ()},
+    "gaac_12_warps_3_stages": {"balance": (), "stages": 3},
+}
+STAGES_TWIN = {
+    "twin": {"balance": ()},
+    "twin_12_warps_3_stages": {"balance": (), "ws": 0, "warps": 12, "stages": 3},
+}
+
 
 def main():
-    args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json", sets=("s17", "next"))
-    if args.set == "next":
+    args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json", sets=("s17", "next", "stages"))
+    if args.set == "stages":
+        run_probe(args, STAGES_GAAC, STAGES_TWIN, ("gaac", "gaac_12_warps_3_stages"), "warps_probe.py")
+    elif args.set == "next":
         run_probe(args, NEXT_GAAC, NEXT_TWIN, ("gaac_half_splits_6_warps",), "warps_probe.py")
     else:
         run_probe(args, GAAC_VARIANTS, TWIN_VARIANTS, TRACED, "warps_probe.py")

@@ -78,3 +78,10 @@ if [ "$MODE" = stream ]; then  # session 19: the copy pipeline alone, then the c
     --python-profile --out "$OUT/generate_captured.json" 2>&1 | tee "$OUT/generate_captured.log" \
     | grep -E "ms/step|lossless|\| " | tail -14
 fi
+if [ "$MODE" = stages ]; then  # session 19: the copy pipeline with emulated work per unit, 2 vs 3 ring stages; the
+  # kernel with a third stage at 12 warps where it fits (head_dim 64)
+  timeout ${STREAM_TIMEOUT:-150} python3 benchmarks/stream_probe.py --out "$OUT/stream_probe.json" 2>&1 \
+    | tee "$OUT/stream_probe.log" | tail -24
+  timeout ${PROBE_TIMEOUT:-150} python3 benchmarks/warps_probe.py --set stages --real-kv .bench/real_kv_2k.safetensors \
+    --shapes 8 --out "$OUT/warps_probe_stages.json" 2>&1 | tee "$OUT/warps_probe_stages.log" | tail -4
+fi

@@ -15,6 +15,9 @@ typedef unsigned long long u64;
 #ifndef CPASYNC
 #define CPASYNC 0
 #endif
+#ifndef DELAY  // cycles each warp spins per unit after its data arrived: the decode kernel's work on it, emulated
+#define DELAY 0
+#endif
 
 struct Params {
   const unsigned char* src;
@@ -88,6 +91,10 @@ extern "C" __global__ void __launch_bounds__(1024, 1) stream_probe(const Params 
     wait_parity(smem_u32(bars + st), (phases >> st) & 1);
     phases ^= 1u << st;
     acc ^= reinterpret_cast<const u32*>(ring + st * p.stage_bytes)[lane];
+    if (DELAY) {
+      const long long t0 = clock64();
+      while (clock64() - t0 < DELAY) acc += 1;
+    }
     __syncwarp();
   }
   if (n > 0) p.sink[gw * 32 + lane] = acc;
