@@ -61,7 +61,7 @@ TRACED = ("gaac", "gaac_balanced", "gaac_12_warps", "gaac_combine_4")  # variant
 SPLIT_KEYS = ("balance", "combine_warps", "nsplit")  # the plan options that change the bits: a twin planned alike matches
 
 
-def finish_by_rank(tr: torch.Tensor, pl, hkv: int) -> dict:
+def finish_by_rank(tr: torch.Tensor, pl, hkv: int, tokens: int | None = None) -> dict:
     """Finish times (µs after the first entry) grouped by the launch rank of the warp's CTA on its SM, and by warp
     group (warp index in the CTA // 4) for CTAs of more than 4 warps."""
     items = pl.items
@@ -84,6 +84,22 @@ def finish_by_rank(tr: torch.Tensor, pl, hkv: int) -> dict:
            "by_cta_rank": grouped(done[live], rank[live])}
     if pl.warps > 4:
         out["by_warp_group"] = grouped(done[live], (warp // 4)[live])
+    # the phases of a split (µs after the first entry): entry, first unit ready, done; the streaming part per unit
+    # (done - ready over the split's units, splits of equal length ± 1) and the combine kernel's block starts
+    t0 = st[:, 0].min()
+    entry, ready = (st[:, 0] - t0) / 1e3, (st[:, 1] - t0) / 1e3
+    units = -(-tokens // 16) / pl.nsplit if tokens else None
+    q = lambda x, f: round(float(x[live].quantile(f)), 2)  # noqa: E731
+    out["phases"] = {"entry_p50_us": q(entry, 0.5), "entry_max_us": q(entry, 1.0),
+                     "first_ready_p50_us": q(ready - entry, 0.5), "first_ready_max_us": q(ready - entry, 1.0),
+                     "stream_p50_us": q(done - ready, 0.5), "stream_max_us": q(done - ready, 1.0)}
+    if units:
+        out["phases"]["stream_us_per_unit_p50"] = round(out["phases"]["stream_p50_us"] / max(units - 1, 1), 3)
+    comb = tr[4 * items:].cpu().double()
+    comb = comb[comb > -1e17]
+    if comb.numel():
+        out["phases"]["combine_start_min_us"] = round(float((comb.min() - t0) / 1e3), 2)
+        out["phases"]["combine_start_max_us"] = round(float((comb.max() - t0) / 1e3), 2)
     return out
 
 
@@ -145,7 +161,7 @@ def run_probe(args, gaac_variants: dict, twin_variants: dict, traced: tuple, scr
             for _ in range(3):
                 g.replay()
             torch.cuda.synchronize()
-            entry["finish"] = finish_by_rank(tr, pt, hkv)
+            entry["finish"] = finish_by_rank(tr, pt, hkv, s)
             row[label] = entry
             print(row["shape"], label, json.dumps(entry), flush=True)
 

@@ -49,7 +49,7 @@ def main():
     # every later variant of the process with it)
     skip = re.compile(os.environ.get("COPY_SKIP", "^$"))
     keep = lambda d: {k: v for k, v in d.items() if k == "twin" or not skip.search(k)}  # noqa: E731
-    run_probe(args, keep(GAAC_VARIANTS), keep(TWIN_VARIANTS), (), "copy_path_probe.py")
+    run_probe(args, keep(GAAC_VARIANTS), keep(TWIN_VARIANTS), ("gaac", "gaac_loads_only"), "copy_path_probe.py")
 
 
 if __name__ == "__main__":
