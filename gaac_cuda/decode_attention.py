@@ -9,6 +9,7 @@ the bitstream only through the offsets it is handed.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -450,7 +451,8 @@ def _run(p: DecodePlan, query, kv_len, mask, scale, fill, combine_too: bool = Tr
         prm.split_cum = _split_cum_tensor(p.split_cum, dev).data_ptr()
     keep = fill(prm)  # tensors the launch reads must outlive it
     split_kernel, combine = p.kernels(dev)
-    with torch.cuda.device(dev):
+    # the launches go to the kernels' context: switch devices only when another one is current
+    with torch.cuda.device(dev) if dev.index != torch.cuda.current_device() else contextlib.nullcontext():
         split_kernel.launch(p.grid, p.warps * 32, p.smem, prm, pdl=p.pdl)
         if combine_too:  # a block per (row, query head, 32 channels)
             combine.launch(b * hq * (d // 32), 32 * p.combine_warps, 0, prm, pdl=p.pdl)

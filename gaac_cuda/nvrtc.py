@@ -174,6 +174,7 @@ class Kernel:
                       "cuModuleGetFunction")
         self.name, self.device = name, device
         self._smem_limit = 0
+        self._configs: dict = {}  # launch configs of programmatic launches, by (grid, threads, smem, stream)
 
     def attribute(self, attr: int) -> int:
         v = ctypes.c_int()
@@ -209,7 +210,12 @@ class Kernel:
         args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
         cu = _load("cuda")
         if pdl:
-            cfg = programmatic_launch_config(grid, threads, smem, stream)
+            key = (grid, threads, smem, stream)
+            cfg = self._configs.get(key)
+            if cfg is None:
+                if len(self._configs) > 256:
+                    self._configs.clear()
+                cfg = self._configs[key] = programmatic_launch_config(grid, threads, smem, stream)
             _check_cu(cu.cuLaunchKernelEx(ctypes.byref(cfg), self._fn, args, None), f"cuLaunchKernelEx({self.name})")
             return
         _check_cu(cu.cuLaunchKernel(self._fn, grid, 1, 1, threads, 1, 1, smem, ctypes.c_void_p(stream), args, None),

@@ -28,8 +28,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .cache import GAAC_ATTENTION_NAME, CompressedKV, GAACLazyKV
 from .format import BLOCK_TOKENS
-from .ops import (DecodePlan, PlainRecord, decode_attention, fused_serves, plain_decode_attention, reference_attention,
-                  splits)
+from .ops import (PlainRecord, decode_attention, device_lengths, fused_serves, plain_decode_attention, plan,
+                  reference_attention)
 
 # Blocks of 16 tokens per decode step of the online softmax (the chunking is part of the math: both the compressed
 # and the plain path use it, so they stay bit-identical whatever its value).
@@ -82,10 +82,8 @@ def _fused_attention(query, source, attention_mask, scale):
     if isinstance(source, CompressedKV):
         return decode_attention(q, source.record(), mask, scale).unsqueeze(1)
     key, value = source.key, source.value
-    n = key.shape[2] // BLOCK_TOKENS
-    kv_len = torch.full((b,), key.shape[2], dtype=torch.int32, device=key.device)
-    record = PlainRecord(key, value, None, kv_len, DecodePlan(b, source.heads, n, d, str(key.device),
-                                                              splits(b, source.heads, n, key.device, d)))
+    record = PlainRecord(key, value, None, device_lengths(b, key.shape[2], key.device),
+                         plan(b, source.heads, key.shape[2] // BLOCK_TOKENS, d, key.device))
     return plain_decode_attention(q, record, mask, scale).unsqueeze(1)
 
 

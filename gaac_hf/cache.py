@@ -181,9 +181,8 @@ class CompressedKV:
         """What the decode attention reads (pools, table, tail, windows `[2, H, D]`, device lengths, plan)."""
         layer = self.layer
         base3, base4 = layer.windows()
-        kv_len = torch.full((self.batch,), self.length, dtype=torch.int32, device=self.table.device)
-        plan = ops.DecodePlan(self.batch, self.heads, self.n_blocks, self.head_dim, str(self.table.device),
-                              ops.splits(self.batch, self.heads, self.n_blocks, self.table.device))
+        kv_len = ops.device_lengths(self.batch, self.length, self.table.device)
+        plan = ops.plan(self.batch, self.heads, self.n_blocks, self.head_dim, self.table.device)
         return ops.DecodeRecord(self.slot_pool, self.raw_pool, self.table, self.tail_k, self.tail_v, base3, base4,
                                 kv_len, plan, layer.format_version)
 
@@ -605,7 +604,13 @@ class GAACCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
         if isinstance(layer, GAACLayer):
-            layer.lazy = self._lazy_wanted()
+            # the model's attention implementation, read once per forward pass (at its first GAAC layer: a layer
+            # index not above the last one read starts a new pass) rather than per layer, as the config lookups cost
+            # more than the rest of an eager update
+            at = getattr(self, "_lazy_layer", None)
+            if at is None or layer_idx <= at:
+                self._lazy_now, self._lazy_layer = self._lazy_wanted(), layer_idx
+            layer.lazy = self._lazy_now
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def to(self, device) -> "GAACCache":

@@ -75,9 +75,15 @@ class DecodePlan:
 
 
 def splits(batch: int, kv_heads: int, max_blocks: int, device, head_dim: int = 128) -> int:
-    """Split count of the decode attention over at most `max_blocks` blocks (1 for the torch reference)."""
+    """Split count of the decode attention over at most `max_blocks` blocks (1 for the torch reference); cached
+    (an eager decode step asks once per layer)."""
     device = torch.device(device)
-    backend = backend_of(device)
+    return _splits(int(batch), int(kv_heads), int(max_blocks), str(device), int(head_dim), backend_of(device))
+
+
+@functools.lru_cache(maxsize=4096)
+def _splits(batch: int, kv_heads: int, max_blocks: int, device: str, head_dim: int, backend: str) -> int:
+    device = torch.device(device)
     if not fused_serves(head_dim):
         return 1
     if backend == "gaac_cuda":  # the CUDA kernel's split count depends on the shape alone (host arithmetic)
@@ -87,6 +93,23 @@ def splits(batch: int, kv_heads: int, max_blocks: int, device, head_dim: int = 1
 
         return num_splits(batch * kv_heads, max_blocks, device)
     return 1
+
+
+_LENGTHS: dict = {}  # the last (batch, length, device) of `device_lengths` and its tensor
+
+
+def device_lengths(batch: int, length: int, device) -> torch.Tensor:
+    """int32 `[batch]` filled with `length` on `device`, for the kernels to read (never written): the layers of one
+    eager decode step share one (one allocation and fill per step instead of per layer). Not kept from inside a CUDA
+    graph capture (its memory belongs to the graph)."""
+    key = (batch, length, str(device))
+    t = _LENGTHS.get(key)
+    if t is None:
+        t = torch.full((batch,), length, dtype=torch.int32, device=device)
+        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _LENGTHS.clear()
+            _LENGTHS[key] = t
+    return t
 
 
 @functools.lru_cache(maxsize=None)

@@ -668,3 +668,33 @@ def test_smollm2_shipped_calibration(request, folder, format_version):
     held_out = next(v for k, v in cfg.measured.items() if k.startswith("held-out"))
     assert held_out["codec_ratio"] >= 1.40 and held_out["resident_saving"] >= 0.27, held_out
 
+
+
+def test_lazy_choice_read_once_per_forward_and_follows_the_attention(llama):
+    """`lazy="auto"` follows the model's attention implementation: read at the first layer of each forward pass
+    (not per layer), so switching the implementation between passes takes effect at the next one."""
+    model, calibration = llama
+    cache = GAACCache(model.config, calibration)
+    n = len(cache.layers)
+    z = [torch.zeros(1, 2, 1, 64, dtype=torch.bfloat16)] * 2
+    with attn_implementation(model, "gaac"):
+        outs = [cache.update(*z, i) for i in range(n)]  # one forward pass
+        assert all(isinstance(k, GAACLazyKV) for k, _ in outs)
+    with attn_implementation(model, "sdpa"):
+        calls = []
+        real = cache._lazy_wanted
+        cache._lazy_wanted = lambda: calls.append(1) or real()
+        outs = [cache.update(*z, i) for i in range(n)]  # the next pass: plain tensors, the config read once
+        assert not any(isinstance(k, GAACLazyKV) for k, _ in outs) and len(calls) == 1
+
+
+def test_device_lengths_shared_within_a_step():
+    """The eager decode step's device lengths: one tensor per (batch, length, device), a new one when the length
+    moves, always holding the length."""
+    from gaac_hf.ops import device_lengths
+
+    a, b = device_lengths(2, 100, "cpu"), device_lengths(2, 100, "cpu")
+    c = device_lengths(2, 101, "cpu")
+    assert a is b and c is not a
+    assert a.dtype == torch.int32 and a.tolist() == [100, 100] and c.tolist() == [101, 101]
+    assert device_lengths(3, 101, "cpu").tolist() == [101] * 3
