@@ -215,13 +215,7 @@ def test_plan_of_the_warp_specialized_kernel():
                                     (128, 1, 0, "GAAC_PDL=1"), (128, 1, 6, "GAAC_WARPS=12"), (64, 1, 6, "GAAC_WARPS=12"),
                                     (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1"), (128, 1, 0, "GAAC_WARPS=12"),
                                     (128, 1, 1, "GAAC_WARPS=12"), (128, 1, 2, "GAAC_WARPS=12"),
-                                    (64, 1, 2, "GAAC_WARPS=12", "GAAC_PDL=1"),
-                                    (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_SLOT_CPASYNC=1"),
-                                    (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_EVICT_FIRST=1"),
-                                    (64, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_L2_AHEAD=6"),
-                                    (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_L2_AHEAD=2",
-                                     "GAAC_SLOT_CPASYNC=1", "GAAC_EVICT_FIRST=1"),
-                                    (128, 1, 2, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_EVICT_FIRST=1")])
+                                    (64, 1, 2, "GAAC_WARPS=12", "GAAC_PDL=1")])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     """The sm_90a build of every head_dim-64/128 variant, at the plan's register cap (12 warps per SM: 3 CTAs of 4
     warps, or one of 12), keeps its state in registers: no stack, no local memory."""
@@ -498,15 +492,10 @@ def test_fragment_order_prototype_equals_plain_twin(d):
     assert info["raw_tiles"] > 0 and min(info["mode_shares"]) > 0, info
     cases = [(n, w, ()) for n, w in ((1, 0), (7, 0), (12, 6), (10, 5), (11, 11), (12, 3), (8, 4))]
     cases += [(7, 0, ("GAAC_F3DUP=0",)), (12, 6, ("GAAC_F3DUP=0",))]
-    # session 18's copy options (benchmarks/copy_path_probe.py): slots by per-lane cp.async, the L2 evict_first hint
-    # (the twin too), L2 prefetches ahead of the ring (raw tiles included)
-    cases += [(7, 0, ("GAAC_SLOT_CPASYNC=1",)), (7, 0, ("GAAC_EVICT_FIRST=1",)), (7, 0, ("GAAC_L2_AHEAD=2",)),
-              (12, 0, ("GAAC_L2_AHEAD=6", "GAAC_SLOT_CPASYNC=1", "GAAC_EVICT_FIRST=1"))]
-    for nsplit, ws, defines in cases:  # defines: the overlay's tile-code variants and the copy options
+    for nsplit, ws, defines in cases:  # defines: the overlay's tile-code variants
         pc = plan(b, h, nrep, d, s, "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, ws=ws, format_version=3,
                   defines=defines)
-        pp = plan(b, h, nrep, d, s, "cuda", plain=True, nsplit=nsplit, ws=0,
-                  defines=tuple(x for x in defines if x.startswith("GAAC_EVICT_FIRST")))
+        pp = plan(b, h, nrep, d, s, "cuda", plain=True, nsplit=nsplit, ws=0)
         got = decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, d ** -0.5, layout, pc)
         twin = plain_decode_attention(q, k, v, kv_len, None, d ** -0.5, pp)
         assert torch.equal(bits(got), bits(twin)), (nsplit, ws, defines)

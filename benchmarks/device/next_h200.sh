@@ -87,8 +87,7 @@ if [ "$MODE" = stages ]; then  # session 19: the copy pipeline with emulated wor
 fi
 if [ "$MODE" = phases ]; then  # session 19: where the split's time goes (globaltimer stamps: entry, first unit
   # ready, done; combine starts) for the default kernel and its loads-only build; the third stage at head_dim 64
-  COPY_SKIP='slot|l2|evict|cpasync' timeout ${PROBE_TIMEOUT:-150} python3 benchmarks/copy_path_probe.py \
-    --real-kv .bench/real_kv_2k.safetensors --shapes 1,0 --out "$OUT/phases.json" 2>&1 | tee "$OUT/phases.log" | tail -5
+  timeout ${PROBE_TIMEOUT:-150} python3 benchmarks/split_phases_probe.py --real-kv .bench/real_kv_2k.safetensors --shapes 1,0 --out "$OUT/phases.json" 2>&1 | tee "$OUT/phases.log" | tail -5
   timeout ${PROBE_TIMEOUT:-150} python3 benchmarks/warps_probe.py --set stages --real-kv .bench/real_kv_2k.safetensors \
     --shapes 3 --out "$OUT/warps_probe_stages.json" 2>&1 | tee "$OUT/warps_probe_stages.log" | tail -4
 fi

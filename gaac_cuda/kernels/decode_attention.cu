@@ -31,14 +31,13 @@
 // GAAC_PLAIN (0|1), GAAC_STAGES (ring depth), GAAC_WARPS, GAAC_MIN_CTAS (register budget), GAAC_SWIZZLE (plain KV:
 // swizzled BF16 rows), VT_WORDS (V words per vector load), GAAC_DENSE_SLOT (compressed KV: slots staged as stored),
 // GAAC_WS (the warp-specialized kernel's consumer warps), GAAC_BALANCE (splits weighted by Params::split_cum),
-// the copy options of benchmarks/copy_path_probe.py (GAAC_SLOT_CPASYNC, GAAC_EVICT_FIRST, GAAC_L2_AHEAD; off by
-// default), and for the benchmarks GAAC_SKIP (leave-one-stage-out
+// and for the benchmarks GAAC_SKIP (leave-one-stage-out
 // breakdown; bit 0: no tensor-core math, bit 1: no reconstruction; format 3 only: bit 2 no code bit 2 of 4-bit
 // groups, bit 3 no raw-group patch), GAAC_TRACE (globaltimer stamps,
 // benchmarks/cuda_stream_probe.py) and GAAC_FORMAT (1: format version 1; 3: format version 2 as stored, in fragment
 // order, see k_tile_f3).
 // The options are measured alternatives (benchmarks/results/attention_cuda.md; the rejected ones, removed in sessions
-// 11 and 14, are in git history); the launcher's defaults are the fastest.
+// 11, 14 and 19, are in git history); the launcher's defaults are the fastest.
 #ifndef GAAC_SKIP
 #define GAAC_SKIP 0
 #endif
@@ -57,15 +56,6 @@
 #endif
 #ifndef GAAC_F3DUP  // format 3 with the overlay: tiles with and without a raw group run their own inlined copy of the
 #define GAAC_F3DUP 1  // tile code (1: the other never touches the overlay; 74.8 against 77.5 us) or one copy (0)
-#endif
-#ifndef GAAC_SLOT_CPASYNC  // benchmark option (session 18): a slot staged as stored (one-warp kernel) by 16-byte
-#define GAAC_SLOT_CPASYNC 0  // cp.async per lane, as the twin stages its rows (1), or by one bulk copy (0); same bits
-#endif
-#ifndef GAAC_EVICT_FIRST  // benchmark option (session 18): the KV copies (both kernels) carry an L2 evict_first
-#define GAAC_EVICT_FIRST 0  // cache hint (1: streamed bytes leave L2 first), or none (0); same bits
-#endif
-#ifndef GAAC_L2_AHEAD  // benchmark option (session 18), compressed KV on the one-warp kernel: each issue also asks L2
-#define GAAC_L2_AHEAD 0  // to prefetch the unit GAAC_L2_AHEAD past it (cp.async.bulk.prefetch.L2), 0: none; same bits
 #endif
 #ifndef GAAC_FORMAT  // slot format: 1 (format version 1) or 3 (format version 2 in fragment order; docs/format.md)
 #define GAAC_FORMAT 1
@@ -178,36 +168,13 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
         : "memory");
   } while (!done);
 }
-// GAAC_EVICT_FIRST: the L2 policy of the streamed copies (not volatile: a pure value, so the compiler makes it once
-// instead of per copy)
-__device__ __forceinline__ unsigned long long evict_first_policy() {
-  unsigned long long pol;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  return pol;
-}
 __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
-  if (GAAC_EVICT_FIRST) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
-        ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(evict_first_policy())
-        : "memory");
-    return;
-  }
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
       "l"(src), "r"(bytes), "r"(bar)
       : "memory");
 }
-__device__ __forceinline__ void prefetch_l2(const void* src, u32 bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-}
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
-  if (GAAC_EVICT_FIRST) {
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
-                 "l"(evict_first_policy())
-                 : "memory");
-    return;
-  }
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
 // 16 bytes from global memory, or 16 zero bytes when `full` is false (nothing read): completes like any cp.async
@@ -1100,7 +1067,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #pragma unroll
       for (int T = 0; T < TILES; ++T) {
         if (!GAAC_PLAIN && !tail && e[kv][T] >= 0) {
-          bytes += (u32)(GAAC_DENSE_SLOT ? (GAAC_SLOT_CPASYNC ? 0 : p.slot_bytes) : p.slot_bytes - 16 * C);
+          bytes += (u32)(GAAC_DENSE_SLOT ? p.slot_bytes : p.slot_bytes - 16 * C);
           slots |= 1u << (kv * TILES + T);
         } else if (bulk_rows) {
           bytes += 32 * C;
@@ -1119,11 +1086,9 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
           const u8* src = p.slots + (i64)ent * p.slot_bytes;
           // (one bulk copy per sign+mantissa row, 16 lanes, was tried: a bulk copy takes uniform operands, so the
           // compiler issues the 16 copies one lane at a time, ~8 instructions each)
-          if (GAAC_DENSE_SLOT && GAAC_SLOT_CPASYNC) {  // 16-byte chunks c = lane, lane + 32, ... of the slot
-            const u32 d0 = smem_u32(dst);
-#pragma unroll 1
-            for (int c = lane; c < (p.slot_bytes >> 4); c += 32) cp_async16(d0 + 16 * c, src + 16 * c);
-          } else if (GAAC_DENSE_SLOT) {  // the whole slot as stored (rows dense: 2-way conflicts in the fragment loads)
+          // (16-byte cp.async per lane, L2 prefetches ahead of the ring and an L2 evict_first hint were measured
+          // slower in session 19: benchmarks/results/copy_path_probe_s19.json)
+          if (GAAC_DENSE_SLOT) {  // the whole slot as stored (rows dense: 2-way conflicts in the fragment loads)
             if (lane == kv * TILES + T) bulk_copy(smem_u32(dst), src, (u32)p.slot_bytes, bar);
           } else {
             const u8* sl = src + 16 * lane;
@@ -1177,15 +1142,6 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   };
   int ent[2][TILES];
   load_entries(0, ent);
-  // GAAC_L2_AHEAD: lane kv * TILES + T prefetches that tile of the unit GAAC_L2_AHEAD past each issued one into L2,
-  // its table entry loaded one issue earlier (NO_PREFETCH: nothing to prefetch)
-  constexpr bool L2_AHEAD = GAAC_L2_AHEAD > 0 && !GAAC_PLAIN;
-  constexpr int NO_PREFETCH = -2147483647 - 1;
-  auto pf_entry = [&](int jj) -> int {
-    return (L2_AHEAD && lane < 2 * TILES && jj < n && u0 + jj < nb) ? entry(u0 + jj, lane / TILES, lane % TILES)
-                                                                      : NO_PREFETCH;
-  };
-  int pf = pf_entry(GAAC_L2_AHEAD);  // for the first issue (the split's unit 0)
 #if SPLITBAR
   // stage st's V half re-issued with the split's unit j + STAGES (its last reader is done)
   auto reissue_v = [&](int j, int st) {
@@ -1215,11 +1171,6 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     if (next < n) {
       issue(u0 + next, next % GAAC_STAGES, ent);
       load_entries(next + 1, ent);
-      if (L2_AHEAD) {
-        if (pf >= 0) prefetch_l2(p.slots + (i64)pf * p.slot_bytes, (u32)p.slot_bytes);
-        else if (pf != NO_PREFETCH) prefetch_l2(p.raw + (i64)(-1 - pf) * 16 * C, 32 * C);
-        pf = pf_entry(next + 1 + GAAC_L2_AHEAD);
-      }
     }
     if (j < 0) continue;
 #endif
