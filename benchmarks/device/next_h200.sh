@@ -91,3 +91,11 @@ if [ "$MODE" = phases ]; then  # session 19: where the split's time goes (global
   timeout ${PROBE_TIMEOUT:-150} python3 benchmarks/warps_probe.py --set stages --real-kv .bench/real_kv_2k.safetensors \
     --shapes 3 --out "$OUT/warps_probe_stages.json" 2>&1 | tee "$OUT/warps_probe_stages.log" | tail -4
 fi
+if [ "$MODE" = verify ]; then  # session 19: the eager step's host work after its cuts (issue 13 item 5), then the GPU
+  # tests of the kernels, head dims and eager generate (the launcher and record changes)
+  timeout ${GEN_TIMEOUT:-150} python3 benchmarks/generate.py --contexts 65536 --steps 10 --warmup 3 --eager-steps 5 \
+    --reps 10 --variants dynamic eager-gaac --skip-module-guards --python-profile \
+    --out "$OUT/generate_eager.json" 2>&1 | tee "$OUT/generate_eager.log" | grep -E "ms/step" | tail -4
+  timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -x tests/test_gaac_gpu_generate.py tests/test_gaac_head_dims.py \
+    tests/test_gaac_cuda_ops.py -k "gpu or cuda" 2>&1 | tee "$OUT/gpu_tests_verify.log" | tail -4
+fi
