@@ -97,5 +97,5 @@ if [ "$MODE" = verify ]; then  # session 19: the eager step's host work after it
     --reps 10 --variants dynamic eager-gaac --skip-module-guards --python-profile \
     --out "$OUT/generate_eager.json" 2>&1 | tee "$OUT/generate_eager.log" | grep -E "ms/step" | tail -4
   timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -x tests/test_gaac_gpu_generate.py tests/test_gaac_head_dims.py \
-    tests/test_gaac_cuda_ops.py -k "gpu or cuda" 2>&1 | tee "$OUT/gpu_tests_verify.log" | tail -4
+    tests/test_gaac_cuda_ops.py -k "(gpu or cuda) and not compiles and not sass" 2>&1 | tee "$OUT/gpu_tests_verify.log" | tail -4
 fi
