@@ -56,9 +56,14 @@ def backend_of(device: torch.device) -> str:
         return forced
     if device.type != "cuda":
         return "torch"
-    if gaac_cuda is not None and gaac_cuda.available(device):
-        return "gaac_cuda"
-    return "triton"
+    return _cuda_backend(str(device), os.environ.get("GAAC_HF_CUDA_KERNEL"))
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_backend(device: str, kernel_switch: str | None) -> str:
+    """The CUDA device's backend, asked once per device and `GAAC_HF_CUDA_KERNEL` value (an eager step asks per
+    layer; the capability and NVRTC lookups cost more than the rest of the decision)."""
+    return "gaac_cuda" if gaac_cuda is not None and gaac_cuda.available(device) else "triton"
 
 
 # --- plan --------------------------------------------------------------------------------------------------------
