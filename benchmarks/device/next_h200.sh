@@ -99,3 +99,11 @@ if [ "$MODE" = verify ]; then  # session 19: the eager step's host work after it
   timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -x tests/test_gaac_gpu_generate.py tests/test_gaac_head_dims.py \
     tests/test_gaac_cuda_ops.py -k "(gpu or cuda) and not compiles and not sass" 2>&1 | tee "$OUT/gpu_tests_verify.log" | tail -4
 fi
+if [ "$MODE" = eager ]; then  # session 19: eager DynamicCache + flash against eager GAACCache, more steps (issue 13
+  # item 5), then the eager update's ops on the GPU
+  timeout ${GEN_TIMEOUT:-200} python3 benchmarks/generate.py --contexts 16384 65536 131072 --steps 10 --warmup 3 \
+    --eager-steps 24 --reps 10 --variants dynamic eager-gaac --skip-module-guards \
+    --out "$OUT/generate_eager.json" 2>&1 | tee "$OUT/generate_eager.log" | grep -E "ms/step" | tail -6
+  timeout ${OPS_TIMEOUT:-100} python3 benchmarks/cache_ops.py --device cuda --context 65536 \
+    --out "$OUT/cache_ops_h200.json" 2>&1 | tail -4
+fi
