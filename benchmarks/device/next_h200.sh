@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
-# H200 calls for the next session, each under the device's 10-minute limit; carry [".bench"]
-# (`python benchmarks/capture_real_kv.py` makes it on the CPU). Run in session 18: `tests`, `probe`, `step` (replay
-# part cut); not yet run: `copy` (first), `baselines`, `ncu` (its warps_probe part ran in `probe`).
-#   `bash benchmarks/device/next_h200.sh tests`: the GPU tests of the static cache, generate, CapturedStep and replay
-#     at the kernel's defaults (one 12-warp CTA per SM, PDL, the twin on the one-warp kernel with swizzled rows), then
-#     the format-3 leave-one-stage-out breakdown at 1x64K (benchmarks/format_v2_probe.py).
-#   `... step`: the compiled and captured decode step at 64K / 128K with each step's GPU time by kernel kind
-#     (generate.py's gpu_profile), then the captured variants at 64K with inductor's autotuned matrix products
-#     (--inductor), then the replay backend if time is left (REPLAY_TIMEOUT).
-#   `... probe`: the raw-pool growth test, benchmarks/slot_order_probe.py (full and loads-only kernel on the caches'
-#     slot order and on a head-major pool, the twin's loads), the halved-splits set of warps_probe.py.
-#   `... copy`: the GPU bit checks of the copy options, then benchmarks/copy_path_probe.py (slots by per-lane
-#     cp.async, an L2 evict_first hint, L2 prefetches ahead of the ring; each with its loads-only build).
+# H200 calls, each under the device's 10-minute limit; carry [".bench"] (`python benchmarks/capture_real_kv.py` makes it
+# on the CPU). Session 19 ran `baselines`, `stream`, `stages`, `phases`, `verify`, `eager` (results
+# benchmarks/results/*_s19*); sessions 17-18 ran `tests`, `probe`, `step`, `ncu`.
+#   `bash benchmarks/device/next_h200.sh tests`: the GPU tests of the static cache, generate, CapturedStep and replay,
+#     then the format-3 leave-one-stage-out breakdown at 1x64K (benchmarks/format_v2_probe.py).
+#   `... step`: the compiled and captured decode step at 64K / 128K with each step's GPU time by kernel kind, then the
+#     captured variants with inductor's autotuned matrix products, then the replay backend if time is left.
 #   `... baselines`: compiled StaticCache, eager DynamicCache + flash and eager GAACCache beside the captured GAAC step
-#     at 64K / 128K (the >=2x target rests on session 15's baselines), then benchmarks/cache_ops.py on the GPU (the
-#     eager update's host work, issue 13 item 5, so far measured on the CPU only).
-#   `... ncu`: benchmarks/device/ncu_h200.sh (Nsight Compute, full set and per-SASS-line stalls, of the default GAAC
-#     kernel and its twin at 1x64K), then `benchmarks/warps_probe.py --set next`. (A short version that returns in
-#     about a minute: benchmarks/device/ncu_quick_h200.sh.)
+#     (the >=2x target), then benchmarks/cache_ops.py on the GPU.
+#   `... stream`: benchmarks/stream_probe.py (the copy pipeline alone), the captured pair at 64K / 128K and the eager
+#     steps with --python-profile.
+#   `... stages` / `... phases`: the stream probe with emulated work per unit; benchmarks/split_phases_probe.py (where a
+#     split's time goes, globaltimer stamps) and a third ring stage at head_dim 64 (warps_probe.py --set stages).
+#   `... verify`: the eager step with its Python profile, then the GPU tests of the kernels, head dims and generate.
+#   `... eager`: eager DynamicCache + flash against eager GAACCache, 24 steps each at 16K / 64K / 128K, cache_ops.py.
+#   `... ncu`: benchmarks/device/ncu_h200.sh (Nsight Compute, full set and per-SASS-line stalls) and warps_probe.py
+#     --set next (benchmarks/device/ncu_quick_h200.sh returns in about a minute).
+# Next (session 20): a kernel change against the instruction stream per unit or the start / tail that
+# split_phases_probe.py measures, checked with `phases` (bits against the twin, per-unit time) before anything else.
 # Results under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
@@ -50,12 +50,6 @@ if [ "$MODE" = probe ]; then  # session 18: the test fixed after its first GPU r
     --shapes 1,2,0 --out "$OUT/slot_order_probe.json" 2>&1 | tee "$OUT/slot_order_probe.log" | tail -6
   timeout ${NEXT_TIMEOUT:-150} python3 benchmarks/warps_probe.py --set next --real-kv .bench/real_kv_2k.safetensors \
     --shapes 0,3 --out "$OUT/warps_probe_next.json" 2>&1 | tee "$OUT/warps_probe_next.log" | tail -5
-fi
-if [ "$MODE" = copy ]; then  # session 18 (not yet run): the GPU bit checks of the copy options, then their timing
-  timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q tests/test_gaac_cuda_ops.py -k "fragment_order_prototype" 2>&1 \
-    | tail -3 | tee "$OUT/gpu_test_copy.log"
-  timeout ${PROBE_TIMEOUT:-360} python3 benchmarks/copy_path_probe.py --real-kv .bench/real_kv_2k.safetensors \
-    --shapes 1,2,0 --out "$OUT/copy_path_probe.json" 2>&1 | tee "$OUT/copy_path_probe.log" | tail -6
 fi
 if [ "$MODE" = baselines ]; then  # the >=2x target's baselines at today's defaults, and issue 13 item 5 on the GPU
   timeout ${GEN_TIMEOUT:-400} python3 benchmarks/generate.py --contexts ${CONTEXTS:-65536 131072} --steps 10 \
