@@ -1,0 +1,99 @@
+"""The session-19 probes' host-side pieces (the kernels they time need an H200): the stream probe's layouts, the split
+phases read from globaltimer stamps, and generate.py's per-context refill and eager Python profile."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _module(rel: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / rel)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("layout", ["rows", "pool", "head_major", "kv_one", "two_units"])
+def test_stream_probe_layouts_cover_their_bytes_once(layout):
+    """Every layout's chunks tile its span exactly (no byte read twice, none left out), and a warp's run of units is
+    a run of one head's blocks."""
+    sp = _module("benchmarks/stream_probe.py", "stream_probe_bench")
+    offs, chunk, span = sp.offsets(layout)
+    starts = offs.flatten().sort().values
+    assert starts[0] == 0 and int(starts[-1]) + chunk == span
+    assert torch.equal(starts[1:] - starts[:-1], torch.full((starts.numel() - 1,), chunk, dtype=starts.dtype))
+    units_per_head = sp.BLOCKS // (2 if layout == "two_units" else 1)
+    assert offs.shape[0] == sp.HEADS * units_per_head
+
+
+def test_stream_probe_variants_fit_shared_memory():
+    sp = _module("benchmarks/stream_probe.py", "stream_probe_bench2")
+    for label, (layout, _, stages, warps, *_) in sp.VARIANTS.items():
+        offs, chunk, _ = sp.offsets(layout)
+        stage = -(-offs.shape[1] * chunk // 128) * 128
+        assert warps * stages * (stage + 8) <= 227 * 1024, label
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("defines", [("CHUNKS=2", "STAGES=2", "CPASYNC=0"), ("CHUNKS=1", "STAGES=3", "CPASYNC=1",
+                                                                             "DELAY=2000")])
+def test_stream_probe_kernel_compiles_for_sm90a(defines, tmp_path):
+    out = subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
+                          *[f"-D{d}" for d in defines], "-o", str(tmp_path / "p.cubin"), "-x", "cu",
+                          str(ROOT / "benchmarks/device/stream_probe.cu")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "0 bytes spill stores" in out.stderr
+
+
+def test_split_phases_from_stamps():
+    """`finish_by_rank`'s phases: first-unit latency, streaming time and per-unit pace, the combine's start, all
+    after the first entry; splits that never started are left out."""
+    import gaac_cuda
+    from benchmarks.balance_probe import finish_by_rank
+
+    pl = gaac_cuda.plan(1, 8, 4, 128, 65536, "cpu", slot_bytes=2944, format_version=3, nsplit=198)
+    items = pl.items
+    tr = torch.full((gaac_cuda.trace_size(pl),), -(2 ** 62), dtype=torch.int64)
+    st = torch.zeros(items, 4, dtype=torch.int64)
+    st[:, 0] = 1000 + (torch.arange(items) % 3) * 100  # entries at 1.0-1.2 µs
+    st[:, 1] = st[:, 0] + 4000
+    st[:, 2] = st[:, 1] + 50000 + (torch.arange(items) % 2) * 2000
+    st[:, 3] = torch.arange(items) // pl.warps
+    st[-1, 1:3] = -(2 ** 62)  # a split that did not run
+    tr[:4 * items] = st.flatten()
+    tr[4 * items:] = 60000
+    ph = finish_by_rank(tr, pl, 8, 65536)["phases"]
+    assert ph["entry_max_us"] == 0.2 and ph["first_ready_p50_us"] == 4.0
+    assert ph["stream_p50_us"] in (50.0, 52.0) and ph["stream_max_us"] == 52.0
+    assert ph["stream_us_per_unit_p50"] == round(ph["stream_p50_us"] / (4096 / 198 - 1), 3)
+    assert ph["combine_start_min_us"] == 59.0
+
+
+def test_generate_refills_captured_caches_per_context_and_profiles_eager_steps(tmp_path, monkeypatch):
+    """generate.py --tiny over two contexts with the captured variant alone: its cache is filled at each context
+    (the second context's step starts at that context, not where the first left off); --python-profile records the
+    eager steps' functions."""
+    bench = _module("benchmarks/generate.py", "generate_bench_refill")
+    fills = []
+    real_fill = bench.fill
+    monkeypatch.setattr(bench, "fill", lambda cache, kv, context, device: (fills.append((type(cache).__name__, context)),
+                                                                           real_fill(cache, kv, context, device)))
+    out = tmp_path / "g.json"
+    bench.main(["--tiny", "--contexts", "40", "72", "--steps", "2", "--warmup", "1", "--eager-steps", "2",
+                "--variants", "captured", "eager-gaac", "--python-profile", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert ("GAACStaticCache", 40) in fills and ("GAACStaticCache", 72) in fills
+    for ctx in ("40", "72"):
+        row = res["contexts"][ctx]
+        assert row["captured GAACStaticCache (CapturedStep)"]["start"] == int(ctx)
+        prof = row["eager GAACCache + gaac"]["python_profile"]
+        assert prof["steps"] == 16 and prof["own_us"] and any("gaac_hf" in k for k in prof["cumulative_us"])
