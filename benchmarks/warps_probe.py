@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.balance_probe import run_probe  # noqa: E402
+from gaac_cuda.decode_attention import SPLIT_WARPS  # noqa: E402
 from benchmarks.format_v2_probe import probe_args  # noqa: E402
 
 
@@ -88,10 +89,31 @@ STAGES_TWIN = {
     "twin_12_warps_3_stages": {"balance": (), "ws": 0, "warps": 12, "stages": 3},
 }
 
+# Session 19 (`--set warps16`, not yet run): more warps per scheduler. split_phases_probe.py puts the 1x64K kernel at
+# 2.59 µs per unit where its copies need ~2.1: ~1,000 warp instructions per unit at 3 warps per scheduler, 0.61
+# issued per cycle (latency-bound: more warps would hide more). Registers allow 14-16 warps (the sm_90a build at 14 or
+# 16 warps: 128 registers, 24 bytes of spill); shared memory does not, with tile buffers sized for a BF16 tile (4 KB
+# at head_dim 128). Sized for the slot alone (`buf_bytes="slot"`), 16 warps fit, on a pool without raw tiles
+# (capacity -1) at lengths in whole blocks; the splits grow with the warps (one wave), the twin is planned alike.
+def scaled(warps: int):
+    return lambda n: max(1, n * warps // SPLIT_WARPS)
+
+
+WARPS16_GAAC = {
+    "gaac": {"balance": ()},
+    "gaac_12w_slot_bufs": {"balance": (), "buf_bytes": "slot"},
+    **{f"gaac_{w}w_slot_bufs": {"balance": (), "warps": w, "min_ctas": 1, "buf_bytes": "slot", "nsplit": scaled(w)}
+       for w in (14, 15, 16)},
+}
+WARPS16_TWIN = {"twin": {"balance": ()}}
+
 
 def main():
-    args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json", sets=("s17", "next", "stages"))
-    if args.set == "stages":
+    args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json",
+                      sets=("s17", "next", "stages", "warps16"))
+    if args.set == "warps16":
+        run_probe(args, WARPS16_GAAC, WARPS16_TWIN, ("gaac", "gaac_16w_slot_bufs"), "warps_probe.py", capacity=-1)
+    elif args.set == "stages":
         run_probe(args, STAGES_GAAC, STAGES_TWIN, ("gaac", "gaac_12_warps_3_stages"), "warps_probe.py")
     elif args.set == "next":
         run_probe(args, NEXT_GAAC, NEXT_TWIN, ("gaac_half_splits_6_warps",), "warps_probe.py")

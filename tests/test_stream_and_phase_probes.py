@@ -97,3 +97,26 @@ def test_generate_refills_captured_caches_per_context_and_profiles_eager_steps(t
         assert row["captured GAACStaticCache (CapturedStep)"]["start"] == int(ctx)
         prof = row["eager GAACCache + gaac"]["python_profile"]
         assert prof["steps"] == 16 and prof["own_us"] and any("gaac_hf" in k for k in prof["cumulative_us"])
+
+
+@pytest.mark.parametrize("head_dim,slot_bytes", [(128, 2960), (128, 2992), (64, 1520)])
+def test_warps16_probe_variants_plan_within_shared_memory(head_dim, slot_bytes):
+    """`warps_probe.py --set warps16`: every variant plans one CTA per SM within the H200's shared memory at the
+    slot sizes a pool without raw tiles has (capacity -1), with its splits scaled to its warps (one wave)."""
+    import gaac_cuda
+    from benchmarks.warps_probe import WARPS16_GAAC
+    from gaac_cuda.decode_attention import STATIC_SMEM
+
+    buf = -(-(slot_bytes + gaac_cuda.ESCAPE_SLACK) // 16) * 16
+    heads = 8 if head_dim == 128 else 3
+    for label, kw in WARPS16_GAAC.items():
+        kw = dict(kw)
+        n = kw.pop("nsplit", 198)
+        n = n(198) if callable(n) else n
+        if kw.get("buf_bytes") == "slot":
+            kw["buf_bytes"] = buf
+        p = gaac_cuda.plan(1, heads, 4, head_dim, 65536, "cpu", slot_bytes=slot_bytes, format_version=3, ws=0,
+                           nsplit=n, **kw)
+        assert p.smem + STATIC_SMEM <= 232448, (label, p.smem)
+        assert p.nsplit * heads <= 132 * p.warps, label  # one wave of warps
+        assert p.buf_bytes == (buf if "slot" in label else max(2 * 16 * head_dim, buf))
