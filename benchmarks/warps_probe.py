@@ -99,20 +99,30 @@ def scaled(warps: int):
     return lambda n: max(1, n * warps // SPLIT_WARPS)
 
 
+# The full design of the same (`plan(slot_ring=True)`): raw tiles and the tail read from global memory by the
+# consumer, so it runs on any pool; `--set slot_ring` times it on the caches' pools (raw tiles present).
+def slot_ring(warps: int) -> dict:
+    return {"balance": (), "warps": warps, "min_ctas": 1, "slot_ring": True, "nsplit": scaled(warps)}
+
+
 WARPS16_GAAC = {
     "gaac": {"balance": ()},
     "gaac_12w_slot_bufs": {"balance": (), "buf_bytes": "slot"},
     **{f"gaac_{w}w_slot_bufs": {"balance": (), "warps": w, "min_ctas": 1, "buf_bytes": "slot", "nsplit": scaled(w)}
        for w in (14, 15, 16)},
+    **{f"gaac_{w}w_slot_ring": slot_ring(w) for w in (12, 16)},
 }
 WARPS16_TWIN = {"twin": {"balance": ()}}
+SLOT_RING_GAAC = {"gaac": {"balance": ()}, **{f"gaac_{w}w_slot_ring": slot_ring(w) for w in (12, 14, 15, 16)}}
 
 
 def main():
     args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json",
-                      sets=("s17", "next", "stages", "warps16"))
+                      sets=("s17", "next", "stages", "warps16", "slot_ring"))
     if args.set == "warps16":
         run_probe(args, WARPS16_GAAC, WARPS16_TWIN, ("gaac", "gaac_16w_slot_bufs"), "warps_probe.py", capacity=-1)
+    elif args.set == "slot_ring":
+        run_probe(args, SLOT_RING_GAAC, WARPS16_TWIN, ("gaac", "gaac_16w_slot_ring"), "warps_probe.py")
     elif args.set == "stages":
         run_probe(args, STAGES_GAAC, STAGES_TWIN, ("gaac", "gaac_12_warps_3_stages"), "warps_probe.py")
     elif args.set == "next":

@@ -104,12 +104,12 @@ def test_warps16_probe_variants_plan_within_shared_memory(head_dim, slot_bytes):
     """`warps_probe.py --set warps16`: every variant plans one CTA per SM within the H200's shared memory at the
     slot sizes a pool without raw tiles has (capacity -1), with its splits scaled to its warps (one wave)."""
     import gaac_cuda
-    from benchmarks.warps_probe import WARPS16_GAAC
+    from benchmarks.warps_probe import SLOT_RING_GAAC, WARPS16_GAAC
     from gaac_cuda.decode_attention import STATIC_SMEM
 
     buf = -(-(slot_bytes + gaac_cuda.ESCAPE_SLACK) // 16) * 16
     heads = 8 if head_dim == 128 else 3
-    for label, kw in WARPS16_GAAC.items():
+    for label, kw in {**WARPS16_GAAC, **SLOT_RING_GAAC}.items():
         kw = dict(kw)
         n = kw.pop("nsplit", 198)
         n = n(198) if callable(n) else n
@@ -120,3 +120,4 @@ def test_warps16_probe_variants_plan_within_shared_memory(head_dim, slot_bytes):
         assert p.smem + STATIC_SMEM <= 232448, (label, p.smem)
         assert p.nsplit * heads <= 132 * p.warps, label  # one wave of warps
         assert p.buf_bytes == (buf if "slot" in label else max(2 * 16 * head_dim, buf))
+        assert ("-DGAAC_SLOT_RING=1" in p.options) == label.endswith("slot_ring")

@@ -16,10 +16,11 @@
 #   `... eager`: eager DynamicCache + flash against eager GAACCache, 24 steps each at 16K / 64K / 128K, cache_ops.py.
 #   `... ncu`: benchmarks/device/ncu_h200.sh (Nsight Compute, full set and per-SASS-line stalls) and warps_probe.py
 #     --set next (benchmarks/device/ncu_quick_h200.sh returns in about a minute).
-#   `... warps16` (session 19, not yet run; first next session): more warps per scheduler — the kernel at 12 (slot-
-#     sized ring buffers), 14, 15, 16 warps per SM on a pool without raw tiles (benchmarks/warps_probe.py --set
-#     warps16), then split_phases_probe.py. If 14-16 warps win: the ring's buffers sized for slots with raw tiles and
-#     the tail staged elsewhere is the kernel change (attention_cuda.md, session 19).
+#   `... warps16` (session 19, not yet run; first next session): more warps per scheduler — the GPU bit test of
+#     `plan(slot_ring=True)` (buffers sized for a slot; raw tiles and the tail read from global memory), then the
+#     kernel at 12 / 14 / 15 / 16 warps per SM with slot-sized buffers on a pool without raw tiles
+#     (warps_probe.py --set warps16) and the slot ring on the caches' pools (--set slot_ring). If 14-16 warps win,
+#     make the slot ring the default (plan, attention.py; rerun tests/test_gaac_cuda_ops.py and the GPU tests).
 # Results under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
@@ -103,9 +104,12 @@ if [ "$MODE" = eager ]; then  # session 19: eager DynamicCache + flash against e
   timeout ${OPS_TIMEOUT:-100} python3 benchmarks/cache_ops.py --device cuda --context 65536 \
     --out "$OUT/cache_ops_h200.json" 2>&1 | tail -4
 fi
-if [ "$MODE" = warps16 ]; then  # session 19 (not yet run): 12 / 14 / 15 / 16 warps per SM with slot-sized buffers
-  timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/warps_probe.py --set warps16 --real-kv .bench/real_kv_2k.safetensors \
+if [ "$MODE" = warps16 ]; then  # session 19 (not yet run): the slot ring's GPU bits first, then 12 / 14 / 15 / 16
+  # warps per SM with slot-sized buffers (pool without raw tiles), then the slot ring on the caches' pools
+  timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q tests/test_gaac_cuda_ops.py -k "fragment_order_prototype" 2>&1 \
+    | tail -3 | tee "$OUT/gpu_test_slot_ring.log"
+  timeout ${PROBE_TIMEOUT:-240} python3 benchmarks/warps_probe.py --set warps16 --real-kv .bench/real_kv_2k.safetensors \
     --shapes 1,2,0,3 --out "$OUT/warps_probe_warps16.json" 2>&1 | tee "$OUT/warps_probe_warps16.log" | tail -7
-  timeout ${PHASES_TIMEOUT:-120} python3 benchmarks/split_phases_probe.py --real-kv .bench/real_kv_2k.safetensors \
-    --shapes 1,0 --out "$OUT/phases.json" 2>&1 | tail -4
+  timeout ${RING_TIMEOUT:-180} python3 benchmarks/warps_probe.py --set slot_ring --real-kv .bench/real_kv_2k.safetensors \
+    --shapes 1,2,0,3 --out "$OUT/warps_probe_slot_ring.json" 2>&1 | tee "$OUT/warps_probe_slot_ring.log" | tail -7
 fi

@@ -101,6 +101,12 @@ typedef long long i64;
 #ifndef GAAC_DENSE_SLOT  // compressed KV: a slot staged as it is stored, by one bulk copy (1), or with its sign+mantissa
 #define GAAC_DENSE_SLOT 0  // rows padded by 16 bytes against bank conflicts, 16-byte cp.async per lane for them (0)
 #endif
+#ifndef GAAC_SLOT_RING  // compressed KV on the one-warp kernel (session 19, measured next): the ring's buffers hold a
+#define GAAC_SLOT_RING 0  // slot alone, and raw tiles and the tail are not staged: the consumer reads them from global
+#endif                    // memory, brought into L2 at issue (1); or every tile staged in BF16-tile-sized buffers (0)
+#if GAAC_SLOT_RING && (GAAC_PLAIN || GAAC_TILES != 1 || !GAAC_DENSE_SLOT || GAAC_WS || (GAAC_SKIP & 2))
+#error "GAAC_SLOT_RING: compressed KV staged as stored, one tile per head, the one-warp kernel, with reconstruction"
+#endif
 #define SM_ROW (C + (GAAC_DENSE_SLOT ? 0 : 16))  // a slot's sign+mantissa row in shared memory
 #define SM_SECTION (16 * SM_ROW)     // where the slot's group section (planes, tags, escapes) starts in the buffer
 #define SECTION_SHIFT (SM_SECTION - 16 * C)  // slot offset -> buffer offset, for offsets past the sign+mantissa
@@ -742,6 +748,51 @@ __device__ __forceinline__ void v_math(const u32 (&ra)[2][2 * NVW], const u32 (&
       mma(o[2 * j + k], vb[0][j][2 * k], vb[0][j][2 * k + 1], vb[1][j][2 * k], vb[1][j][2 * k + 1], pb[0], pb[1]);
 }
 
+// GAAC_SLOT_RING: a BF16 tile (raw tile or the tail) read from global memory, its row r at src + r * row_bytes; rows
+// from `valid` on read as zeros, as the ring's zero fill has them. The same words into the same mmas in the same order
+// as k_tile<0> / v_tile<0> over a staged tile: the same bits.
+template <int N>
+__device__ __forceinline__ void ld_row(const u8* src, i64 row_bytes, int row, int valid, int off, u32 (&w)[N]) {
+  if (row < valid) {
+    ldv<N>(src + row * row_bytes + off, w);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = 0u;
+  }
+}
+__device__ __forceinline__ void k_tile_global(const u8* src, i64 row_bytes, int valid, int g, int t,
+                                              const u32 (&qb)[NKS][2], float (&sc)[2][4]) {
+  constexpr int NV = 4;  // words per vector load, as k_tile
+#pragma unroll
+  for (int s4 = 0; s4 < NKS / NV; ++s4) {
+    const int w0 = t * NKS + NV * s4;
+    u32 lo[2][NV], hi[2][NV];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      u32 r[2 * NV];
+      ld_row<2 * NV>(src, row_bytes, 8 * h + g, valid, 8 * w0, r);
+#pragma unroll
+      for (int i = 0; i < NV; ++i) kpairs(r[2 * i], r[2 * i + 1], lo[h][i], hi[h][i]);
+    }
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int sl = NV * s4 + i;
+      mma(sc[sl & 1], lo[0][i], lo[1][i], hi[0][i], hi[1][i], qb[sl][0], qb[sl][1]);  // two chains
+    }
+  }
+}
+__device__ __forceinline__ void v_tile_global(const u8* src, i64 row_bytes, int valid, int g, int t,
+                                              const u32 (&pb)[2], float (&o)[NVM][4]) {
+  u32 ra[2][2 * NVW], rc[2][2 * NVW];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int ta = 8 * h + 2 * t;
+    ld_row<2 * NVW>(src, row_bytes, ta, valid, 8 * g * NVW, ra[h]);
+    ld_row<2 * NVW>(src, row_bytes, ta + 1, valid, 8 * g * NVW, rc[h]);
+  }
+  v_math(ra, rc, pb, o);
+}
+
 // Output of one tile: thread (g, t) builds operand A (V^T) for channels 4w..4w+3 (w = g*NVW + j) and tokens
 // 8h+2t, 8h+2t+1 of both halves, two tokens of one channel per register.
 template <int KIND>
@@ -1069,7 +1120,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         if (!GAAC_PLAIN && !tail && e[kv][T] >= 0) {
           bytes += (u32)(GAAC_DENSE_SLOT ? p.slot_bytes : p.slot_bytes - 16 * C);
           slots |= 1u << (kv * TILES + T);
-        } else if (bulk_rows) {
+        } else if (bulk_rows && !GAAC_SLOT_RING) {
           bytes += 32 * C;
         }
       }
@@ -1098,6 +1149,13 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
             if (lane == kv * TILES + T)
               bulk_copy(smem_u32(dst + SM_SECTION), src + 16 * C, (u32)(p.slot_bytes - 16 * C), bar);
           }
+        } else if (GAAC_SLOT_RING) {  // a raw tile or the tail, read by the consumer from global memory: into L2
+          const u8* src = tail ? reinterpret_cast<const u8*>(rows_src(kv, u, T))
+                               : reinterpret_cast<const u8*>(p.raw + (i64)(-1 - ent) * 16 * C);
+          const i64 rb = tail ? 2 * p.kv_ss : 2 * C;
+          constexpr int LPR = 2 * C / 128;  // 128-byte lines per row
+          if (lane < 16 * LPR && lane / LPR < valid)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(src + (lane / LPR) * rb + 128 * (lane % LPR)));
         } else if (bulk_rows) {
           const u8* src = GAAC_PLAIN ? reinterpret_cast<const u8*>(rows_src(kv, u, T))
                                      : reinterpret_cast<const u8*>(p.raw + (i64)(-1 - ent) * 16 * C);
@@ -1203,6 +1261,13 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       }
     }
 
+    // GAAC_SLOT_RING: where this unit's unstaged BF16 tiles lie (the tail's rows; a raw tile, from its table entry)
+    auto bf_src = [&](int kv, int T) -> const u8* {
+      return tail ? reinterpret_cast<const u8*>(rows_src(kv, u, T))
+                  : reinterpret_cast<const u8*>(p.raw + (i64)(-1 - entry(u, kv, T)) * 16 * C);
+    };
+    const i64 bf_row_bytes = tail ? 2 * p.kv_ss : 2 * C;
+
     // S^T (even, odd k-slices): tokens g, g + 8 x heads 2t, 2t + 1
     float sc2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
@@ -1213,6 +1278,8 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         __syncwarp();
         k_tile<4>(p, buf, scr, g, t, qb[T], sc2, tk[T].any_raw, sw);
         __syncwarp();
+      } else if (GAAC_SLOT_RING) {
+        k_tile_global(bf_src(0, T), bf_row_bytes, valid, g, t, qb[T], sc2);
       } else {
         k_tile<0>(p, buf, scr, g, t, qb[T], sc2, false, sw);
       }
@@ -1234,6 +1301,8 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         __syncwarp();
         v_tile<4>(p, buf, scr, g, t, pb, o[T], tv[T].any_raw, sw);
         __syncwarp();
+      } else if (GAAC_SLOT_RING) {
+        v_tile_global(bf_src(1, T), bf_row_bytes, valid, g, t, pb, o[T]);
       } else {
         v_tile<0>(p, buf, scr, g, t, pb, o[T], false, sw);
       }
