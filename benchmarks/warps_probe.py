@@ -112,7 +112,9 @@ WARPS16_GAAC = {
        for w in (14, 15, 16)},
     **{f"gaac_{w}w_slot_ring": slot_ring(w) for w in (12, 16)},
 }
-WARPS16_TWIN = {"twin": {"balance": ()}}
+# the twin at the wider variants' split counts (its bit-exact reference there: the same splits, on its own 12 warps)
+WARPS16_TWIN = {"twin": {"balance": ()},
+                **{f"twin_{w}w_splits": {"balance": (), "nsplit": scaled(w)} for w in (14, 15, 16)}}
 SLOT_RING_GAAC = {"gaac": {"balance": ()}, **{f"gaac_{w}w_slot_ring": slot_ring(w) for w in (12, 14, 15, 16)}}
 
 
