@@ -112,4 +112,6 @@ if [ "$MODE" = warps16 ]; then  # session 19 (not yet run): the slot ring's GPU 
     --shapes 1,2,0,3 --out "$OUT/warps_probe_warps16.json" 2>&1 | tee "$OUT/warps_probe_warps16.log" | tail -7
   timeout ${RING_TIMEOUT:-180} python3 benchmarks/warps_probe.py --set slot_ring --real-kv .bench/real_kv_2k.safetensors \
     --shapes 1,2,0,3 --out "$OUT/warps_probe_slot_ring.json" 2>&1 | tee "$OUT/warps_probe_slot_ring.log" | tail -7
+  timeout ${OPS_TIMEOUT:-100} python3 benchmarks/cache_ops.py --device cuda --context 65536 \
+    --out "$OUT/cache_ops_h200.json" 2>&1 | tail -4  # the eager finalization without the old benchmark's sweep
 fi
