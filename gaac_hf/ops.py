@@ -105,15 +105,16 @@ _LENGTHS: dict = {}  # the last (batch, length, device) of `device_lengths` and 
 
 def device_lengths(batch: int, length: int, device) -> torch.Tensor:
     """int32 `[batch]` filled with `length` on `device`, for the kernels to read (never written): the layers of one
-    eager decode step share one (one allocation and fill per step instead of per layer). Not kept from inside a CUDA
-    graph capture (its memory belongs to the graph)."""
+    eager decode step share one (one allocation and fill per step instead of per layer). Inside a CUDA graph capture
+    a fresh one each time (a kept tensor would be freed under the graph, a captured one belongs to it)."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # neither kept nor reused in a capture
+        return torch.full((batch,), length, dtype=torch.int32, device=device)
     key = (batch, length, str(device))
     t = _LENGTHS.get(key)
     if t is None:
-        t = torch.full((batch,), length, dtype=torch.int32, device=device)
-        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
-            _LENGTHS.clear()
-            _LENGTHS[key] = t
+        _LENGTHS.clear()
+        t = _LENGTHS[key] = torch.full((batch,), length, dtype=torch.int32, device=device)
     return t
 
 
