@@ -643,10 +643,23 @@ __device__ __forceinline__ void v_tile_f3(const Params& p, const u8* buf, const 
 // Scores of one tile: k-slice s of thread (g, t) is word w = t*NKS + s (channels 4w..4w+3) of tokens g and g+8
 // (operand A rows g, g+8) and of query head g (operand B column g). KIND 0: BF16 rows (raw tile, plain block,
 // tail); 4: slot (raw groups, if any, patched per word).
+// KIND 2 of k_tile / v_tile (GAAC_SLOT_RING): a BF16 tile (raw tile or the tail) read from global memory, its row r
+// at buf + r * row_bytes; rows from `valid` on read as zeros, as the ring's zero fill has them. The same words into
+// the same mmas in the same order as KIND 0 over a staged tile: the same bits.
+template <int N>
+__device__ __forceinline__ void ld_row(const u8* src, i64 row_bytes, int row, int valid, int off, u32 (&w)[N]) {
+  if (row < valid) {
+    ldv<N>(src + row * row_bytes + off, w);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = 0u;
+  }
+}
+
 template <int KIND>
 __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
                                        const u32 (&qb)[NKS][2], float (&sc)[2][4], bool any_raw,
-                                       const RowSwizzle& sw) {
+                                       const RowSwizzle& sw, i64 row_bytes = 2 * C, int valid = 16) {
   if (KIND == 4 && GAAC_FORMAT == 3) {
     if (F3_OVERLAY && GAAC_F3DUP && any_raw) k_tile_f3(p, buf, s, 4 * g + t, g, t, qb, sc, true);
     else k_tile_f3(p, buf, s, 4 * g + t, g, t, qb, sc, F3_OVERLAY && GAAC_F3DUP ? false : any_raw);
@@ -660,9 +673,11 @@ __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scr
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int tok = 8 * h + g;
-      if (KIND == 0) {
+      if (KIND == 0 || KIND == 2) {
         u32 r[2 * NV];
-        if (SWZ) {
+        if (KIND == 2) {
+          ld_row<2 * NV>(buf, row_bytes, tok, valid, 8 * w0, r);
+        } else if (SWZ) {
           u32 a[4], c[4];
           ldv<4>(buf + h * 8 * 2 * C + sw.k[s4 % 2][0], a);
           ldv<4>(buf + h * 8 * 2 * C + sw.k[s4 % 2][1], c);
@@ -748,64 +763,28 @@ __device__ __forceinline__ void v_math(const u32 (&ra)[2][2 * NVW], const u32 (&
       mma(o[2 * j + k], vb[0][j][2 * k], vb[0][j][2 * k + 1], vb[1][j][2 * k], vb[1][j][2 * k + 1], pb[0], pb[1]);
 }
 
-// GAAC_SLOT_RING: a BF16 tile (raw tile or the tail) read from global memory, its row r at src + r * row_bytes; rows
-// from `valid` on read as zeros, as the ring's zero fill has them. The same words into the same mmas in the same order
-// as k_tile<0> / v_tile<0> over a staged tile: the same bits.
-template <int N>
-__device__ __forceinline__ void ld_row(const u8* src, i64 row_bytes, int row, int valid, int off, u32 (&w)[N]) {
-  if (row < valid) {
-    ldv<N>(src + row * row_bytes + off, w);
-  } else {
-#pragma unroll
-    for (int i = 0; i < N; ++i) w[i] = 0u;
-  }
-}
-__device__ __forceinline__ void k_tile_global(const u8* src, i64 row_bytes, int valid, int g, int t,
-                                              const u32 (&qb)[NKS][2], float (&sc)[2][4]) {
-  constexpr int NV = 4;  // words per vector load, as k_tile
-#pragma unroll
-  for (int s4 = 0; s4 < NKS / NV; ++s4) {
-    const int w0 = t * NKS + NV * s4;
-    u32 lo[2][NV], hi[2][NV];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      u32 r[2 * NV];
-      ld_row<2 * NV>(src, row_bytes, 8 * h + g, valid, 8 * w0, r);
-#pragma unroll
-      for (int i = 0; i < NV; ++i) kpairs(r[2 * i], r[2 * i + 1], lo[h][i], hi[h][i]);
-    }
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      const int sl = NV * s4 + i;
-      mma(sc[sl & 1], lo[0][i], lo[1][i], hi[0][i], hi[1][i], qb[sl][0], qb[sl][1]);  // two chains
-    }
-  }
-}
-__device__ __forceinline__ void v_tile_global(const u8* src, i64 row_bytes, int valid, int g, int t,
-                                              const u32 (&pb)[2], float (&o)[NVM][4]) {
-  u32 ra[2][2 * NVW], rc[2][2 * NVW];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int ta = 8 * h + 2 * t;
-    ld_row<2 * NVW>(src, row_bytes, ta, valid, 8 * g * NVW, ra[h]);
-    ld_row<2 * NVW>(src, row_bytes, ta + 1, valid, 8 * g * NVW, rc[h]);
-  }
-  v_math(ra, rc, pb, o);
-}
-
 // Output of one tile: thread (g, t) builds operand A (V^T) for channels 4w..4w+3 (w = g*NVW + j) and tokens
 // 8h+2t, 8h+2t+1 of both halves, two tokens of one channel per register.
 template <int KIND>
 __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
-                                       const u32 (&pb)[2], float (&o)[NVM][4], bool any_raw, const RowSwizzle& sw) {
+                                       const u32 (&pb)[2], float (&o)[NVM][4], bool any_raw, const RowSwizzle& sw,
+                                       i64 row_bytes = 2 * C, int valid = 16) {
   if (KIND == 4 && GAAC_FORMAT == 3) {
     if (F3_OVERLAY && GAAC_F3DUP && any_raw) v_tile_f3(p, buf, s, 4 * g + t, g, t, pb, o, true);
     else v_tile_f3(p, buf, s, 4 * g + t, g, t, pb, o, F3_OVERLAY && GAAC_F3DUP ? false : any_raw);
     return;
   }
-  if (KIND == 0) {
+  if (KIND == 0 || KIND == 2) {
     u32 ra[2][2 * NVW], rc[2][2 * NVW];
-    v_load(buf, g, t, sw, ra, rc);
+    if (KIND == 2) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // v_load's words, from global memory
+        ld_row<2 * NVW>(buf, row_bytes, 8 * h + 2 * t, valid, 8 * g * NVW, ra[h]);
+        ld_row<2 * NVW>(buf, row_bytes, 8 * h + 2 * t + 1, valid, 8 * g * NVW, rc[h]);
+      }
+    } else {
+      v_load(buf, g, t, sw, ra, rc);
+    }
     v_math(ra, rc, pb, o);
     return;
   }
@@ -1069,6 +1048,10 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     const i64 row0 = GAAC_PLAIN ? (i64)16 * u : 0;
     return base + (i64)b * p.kv_sb + (i64)hk * p.kv_sh + row0 * p.kv_ss + T * C;
   };
+  // compressed KV: where a raw tile (table entry ent < 0) lies in the raw pool
+  auto raw_src = [&](int ent) -> const u8* {
+    return reinterpret_cast<const u8*>(p.raw + (i64)(-1 - ent) * 16 * C);
+  };
   // slot bits of each stage (SPLITBAR: K's, then V's); the barriers of stage st: bars + 8 st, and with
   // SPLITBAR K's at bars + 8 st, V's at bars + 8 (STAGES + st)
   volatile u32* kinds = reinterpret_cast<volatile u32*>(ws + 8 * (SPLITBAR ? 2 : 1) * GAAC_STAGES);
@@ -1150,15 +1133,13 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
               bulk_copy(smem_u32(dst + SM_SECTION), src + 16 * C, (u32)(p.slot_bytes - 16 * C), bar);
           }
         } else if (GAAC_SLOT_RING) {  // a raw tile or the tail, read by the consumer from global memory: into L2
-          const u8* src = tail ? reinterpret_cast<const u8*>(rows_src(kv, u, T))
-                               : reinterpret_cast<const u8*>(p.raw + (i64)(-1 - ent) * 16 * C);
+          const u8* src = tail ? reinterpret_cast<const u8*>(rows_src(kv, u, T)) : raw_src(ent);
           const i64 rb = tail ? 2 * p.kv_ss : 2 * C;
           constexpr int LPR = 2 * C / 128;  // 128-byte lines per row
           if (lane < 16 * LPR && lane / LPR < valid)
             asm volatile("prefetch.global.L2 [%0];" ::"l"(src + (lane / LPR) * rb + 128 * (lane % LPR)));
         } else if (bulk_rows) {
-          const u8* src = GAAC_PLAIN ? reinterpret_cast<const u8*>(rows_src(kv, u, T))
-                                     : reinterpret_cast<const u8*>(p.raw + (i64)(-1 - ent) * 16 * C);
+          const u8* src = GAAC_PLAIN ? reinterpret_cast<const u8*>(rows_src(kv, u, T)) : raw_src(ent);
           if (lane == kv * TILES + T) bulk_copy(smem_u32(dst), src, 32 * C, bar);
         } else {
           const i64 row_bytes = 2 * p.kv_ss;
@@ -1263,8 +1244,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 
     // GAAC_SLOT_RING: where this unit's unstaged BF16 tiles lie (the tail's rows; a raw tile, from its table entry)
     auto bf_src = [&](int kv, int T) -> const u8* {
-      return tail ? reinterpret_cast<const u8*>(rows_src(kv, u, T))
-                  : reinterpret_cast<const u8*>(p.raw + (i64)(-1 - entry(u, kv, T)) * 16 * C);
+      return tail ? reinterpret_cast<const u8*>(rows_src(kv, u, T)) : raw_src(entry(u, kv, T));
     };
     const i64 bf_row_bytes = tail ? 2 * p.kv_ss : 2 * C;
 
@@ -1279,7 +1259,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         k_tile<4>(p, buf, scr, g, t, qb[T], sc2, tk[T].any_raw, sw);
         __syncwarp();
       } else if (GAAC_SLOT_RING) {
-        k_tile_global(bf_src(0, T), bf_row_bytes, valid, g, t, qb[T], sc2);
+        k_tile<2>(p, bf_src(0, T), scr, g, t, qb[T], sc2, false, sw, bf_row_bytes, valid);
       } else {
         k_tile<0>(p, buf, scr, g, t, qb[T], sc2, false, sw);
       }
@@ -1302,7 +1282,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         v_tile<4>(p, buf, scr, g, t, pb, o[T], tv[T].any_raw, sw);
         __syncwarp();
       } else if (GAAC_SLOT_RING) {
-        v_tile_global(bf_src(1, T), bf_row_bytes, valid, g, t, pb, o[T]);
+        v_tile<2>(p, bf_src(1, T), scr, g, t, pb, o[T], false, sw, bf_row_bytes, valid);
       } else {
         v_tile<0>(p, buf, scr, g, t, pb, o[T], false, sw);
       }
