@@ -785,6 +785,15 @@ def main(argv=None):
             record(label, times, hosts)
 
         # eager DynamicCache + flash sdpa
+        def eager_steps(label, cache, profile_steps):
+            """Time the eager steps of `cache` (and with --python-profile, cProfile `profile_steps` more)."""
+            stepper = Stepper(model, model.forward, cache, context, device)
+            times, hosts, _ = stepper.run(args.eager_steps, 1)
+            record(label, times, hosts)
+            if args.python_profile:
+                row[label]["python_profile"] = python_profile(stepper, device, steps=profile_steps)
+                log(f"  {label} python: {row[label]['python_profile']}")
+
         def dynamic_flash(label=VARIANTS["dynamic"]):
             model.set_attn_implementation("sdpa")
             cache = DynamicCache(config=model.config)
@@ -795,11 +804,7 @@ def main(argv=None):
 
                 ctx = sdpa_kernel(SDPBackend.FLASH_ATTENTION)
             with ctx:
-                stepper = Stepper(model, model.forward, cache, context, device)
-                times, hosts, _ = stepper.run(args.eager_steps, 1)
-                record(label, times, hosts)
-                if args.python_profile:
-                    row[label]["python_profile"] = python_profile(stepper, device)
+                eager_steps(label, cache, 3)
 
         # eager GAACCache + gaac
         def gaac_eager(label=VARIANTS["eager-gaac"]):
@@ -807,12 +812,7 @@ def main(argv=None):
             cache = GAACCache(model.config, calibration)
             fill(cache, kv, context, device)
             log(f"  {label}: filled")
-            stepper = Stepper(model, model.forward, cache, context, device)
-            times, hosts, _ = stepper.run(args.eager_steps, 1)
-            record(label, times, hosts)
-            if args.python_profile:
-                row[label]["python_profile"] = python_profile(stepper, device, steps=BLOCK_TOKENS)
-                log(f"  {label} python: {row[label]['python_profile']}")
+            eager_steps(label, cache, BLOCK_TOKENS)  # profiled over a block: one step finalizes
 
         for key, fn in (("static", static_sdpa), ("dynamic", dynamic_flash), ("eager-gaac", gaac_eager)):
             if key in run:
