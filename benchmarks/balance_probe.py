@@ -103,24 +103,15 @@ def finish_by_rank(tr: torch.Tensor, pl, hkv: int, tokens: int | None = None) ->
     return out
 
 
-def run_probe(args, gaac_variants: dict, twin_variants: dict, traced: tuple, script: str,
-              capacity: int | None = None) -> None:
+def run_probe(args, gaac_variants: dict, twin_variants: dict, traced: tuple, script: str) -> None:
     """Time and bit-check `gaac_variants` (plan options of the compressed kernel; an "nsplit" key overrides the
-    shape's split count, and the twin it is checked against is planned alike; "buf_bytes": "slot" sizes the ring's
-    tile buffers for the slot alone, which needs a pool without raw tiles and lengths in whole blocks) and
-    `twin_variants` on each shape of `args.shapes`, with cuDNN beside them; the variants in `traced` also run with
-    globaltimer stamps. `capacity`: the slots' escape capacity (see `benchmarks/attention.py`'s `compress`; -1: no
-    raw tiles)."""
+    shape's split count, and the twin it is checked against is planned alike) and `twin_variants` on each shape of
+    `args.shapes`, with cuDNN beside them; the variants in `traced` also run with globaltimer stamps."""
     dev = torch.device("cuda")
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rank_pace": RANK_PACE, "rows": []}
-    slot_bufs = any(kw.get("buf_bytes") == "slot" for kw in gaac_variants.values())
     for (hq, hkv, d, b, s), k, v, q, scale, kv_len in probe_shapes(args, dev):
         t0 = time.time()
-        packed, layout, info = compress_v2(k, v, capacity)
-        if slot_bufs and (info["raw_tiles"] or s % 16):
-            raise ValueError(f"slot-sized ring buffers need no raw tiles and whole blocks: {info['raw_tiles']} raw "
-                             f"tiles, {s} tokens (run with capacity=-1)")
-        slot_buf = -(-(layout.slot_bytes + gaac_cuda.ESCAPE_SLACK) // 16) * 16
+        packed, layout, info = compress_v2(k, v)
         bufs = [packed] + [tuple(x.clone() for x in packed) for _ in range(args.buffers - 1)]
         kvs = [(k, v)] + [(k.clone(), v.clone()) for _ in range(args.buffers - 1)]
         nsplit = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, ws=0).nsplit
@@ -134,12 +125,9 @@ def run_probe(args, gaac_variants: dict, twin_variants: dict, traced: tuple, scr
             return gaac_cuda.plain_decode_attention(q, kvs[i][0], kvs[i][1], kv_len, None, scale, pl)
 
         def splits(kw):  # the variant's options, with the shape's split count unless it brings its own (a value, or
-            # a function of the shape's count), and "buf_bytes": "slot" resolved for this pool
+            # a function of the shape's count)
             n = kw.get("nsplit", nsplit)
-            out = {**kw, "nsplit": n(nsplit) if callable(n) else n}
-            if out.get("buf_bytes") == "slot":
-                out["buf_bytes"] = slot_buf
-            return out
+            return {**kw, "nsplit": n(nsplit) if callable(n) else n}
 
         twins = {}  # the bits of the default (warp-specialized) twin, per value of the SPLIT_KEYS options
 

@@ -22,7 +22,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.balance_probe import run_probe  # noqa: E402
-from gaac_cuda.decode_attention import SPLIT_WARPS  # noqa: E402
 from benchmarks.format_v2_probe import probe_args  # noqa: E402
 
 
@@ -89,42 +88,25 @@ STAGES_TWIN = {
     "twin_12_warps_3_stages": {"balance": (), "ws": 0, "warps": 12, "stages": 3},
 }
 
-# Session 19 (`--set warps16`, not yet run): more warps per scheduler. split_phases_probe.py puts the 1x64K kernel at
-# 2.59 µs per unit where its copies need ~2.1: ~1,000 warp instructions per unit at 3 warps per scheduler, 0.61
-# issued per cycle (latency-bound: more warps would hide more). Registers allow 14-16 warps (the sm_90a build at 14 or
-# 16 warps: 128 registers, 24 bytes of spill); shared memory does not, with tile buffers sized for a BF16 tile (4 KB
-# at head_dim 128). Sized for the slot alone (`buf_bytes="slot"`), 16 warps fit, on a pool without raw tiles
-# (capacity -1) at lengths in whole blocks; the splits grow with the warps (one wave), the twin is planned alike.
-def scaled(warps: int):
-    return lambda n: max(1, n * warps // SPLIT_WARPS)
+# Session 19's `--set warps16` / `--set slot_ring` (14-16 warps per CTA with ring buffers sized for a slot; raw tiles
+# and the tail read from global memory) ran in session 20 and were slower at every shape but 9/3/64
+# (benchmarks/results/warps_probe_{warps16,slot_ring}_s20.json); the sets and the kernel option were removed.
 
-
-# The full design of the same (`plan(slot_ring=True)`): raw tiles and the tail read from global memory by the
-# consumer, so it runs on any pool; `--set slot_ring` times it on the caches' pools (raw tiles present).
-def slot_ring(warps: int) -> dict:
-    return {"balance": (), "warps": warps, "min_ctas": 1, "slot_ring": True, "nsplit": scaled(warps)}
-
-
-WARPS16_GAAC = {
+# Session 20 (`--set issue`): the copy issue of the common unit (K and V both slots) by lane 0 alone, two bulk copies
+# and plain arrivals (the default, GAAC_FAST_ISSUE), against the general path that handles every kind of tile
+# (~130 warp instructions per unit with the next unit's table entries, ncu_s20_source.csv.gz). The same bits.
+ISSUE_GAAC = {
     "gaac": {"balance": ()},
-    "gaac_12w_slot_bufs": {"balance": (), "buf_bytes": "slot"},
-    **{f"gaac_{w}w_slot_bufs": {"balance": (), "warps": w, "min_ctas": 1, "buf_bytes": "slot", "nsplit": scaled(w)}
-       for w in (14, 15, 16)},
-    **{f"gaac_{w}w_slot_ring": slot_ring(w) for w in (12, 16)},
+    "gaac_general_issue": {"balance": (), "defines": ("GAAC_FAST_ISSUE=0",)},
 }
-# the twin at the wider variants' split counts (its bit-exact reference there: the same splits, on its own 12 warps)
-WARPS16_TWIN = {"twin": {"balance": ()},
-                **{f"twin_{w}w_splits": {"balance": (), "nsplit": scaled(w)} for w in (14, 15, 16)}}
-SLOT_RING_GAAC = {"gaac": {"balance": ()}, **{f"gaac_{w}w_slot_ring": slot_ring(w) for w in (12, 14, 15, 16)}}
+ISSUE_TWIN = {"twin": {"balance": ()}}
 
 
 def main():
     args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json",
-                      sets=("s17", "next", "stages", "warps16", "slot_ring"))
-    if args.set == "warps16":
-        run_probe(args, WARPS16_GAAC, WARPS16_TWIN, ("gaac", "gaac_16w_slot_bufs"), "warps_probe.py", capacity=-1)
-    elif args.set == "slot_ring":
-        run_probe(args, SLOT_RING_GAAC, WARPS16_TWIN, ("gaac", "gaac_16w_slot_ring"), "warps_probe.py")
+                      sets=("s17", "next", "stages", "issue"))
+    if args.set == "issue":
+        run_probe(args, ISSUE_GAAC, ISSUE_TWIN, ("gaac", "gaac_general_issue"), "warps_probe.py")
     elif args.set == "stages":
         run_probe(args, STAGES_GAAC, STAGES_TWIN, ("gaac", "gaac_12_warps_3_stages"), "warps_probe.py")
     elif args.set == "next":

@@ -156,7 +156,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
          swizzle: bool | None = None, v_words: int | None = None, dense_slots: bool | None = None,
          ws: int | None = None, defines: tuple[str, ...] = (),
          buf_bytes: int | None = None, balance: tuple[int, ...] | None = None,
-         combine_warps: int | None = None, pdl: bool | None = None, slot_ring: bool = False) -> DecodePlan:
+         combine_warps: int | None = None, pdl: bool | None = None) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
@@ -195,11 +195,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     `combine_warps` (benchmarks, measured next): warps per block of the combine kernel (default 16; warp w merges
     splits w, w + combine_warps, ... then the warps merge in order, so the bits depend on it: plan compressed KV and its
     twin alike). At 121 registers a 16-warp block fills an SM's register file, so 4x64K's 512 blocks run in 4 waves.
-    `pdl` (None: `PDL`): programmatic dependent launch of both kernels (see `PDL`; the same bits).
-    `slot_ring` (benchmarks, session 19, measured next; format 3 on the one-warp kernel): the ring's tile buffers sized
-    for a slot alone, so more warps fit in shared memory (16 at head_dim 128 instead of 12); raw tiles and the tail
-    are not staged but read from global memory by the consumer (brought into L2 when their unit is issued). The same
-    bits (the same words into the same mmas)."""
+    `pdl` (None: `PDL`): programmatic dependent launch of both kernels (see `PDL`; the same bits)."""
     pdl = PDL if pdl is None else bool(pdl)
     if balance is None and head_dim <= 128:  # one tile per head: the process-wide default (before the kernel choice)
         balance = BALANCE
@@ -225,8 +221,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
             raise ValueError("format 3 (the fragment-order prototype) is compressed KV at head_dim 64 or 128")
         dense_slots = True
     extra = tuple(f"-D{d}" for d in defines)
-    if ws and (buf_bytes is not None or slot_ring):
-        raise ValueError("buf_bytes and slot_ring are one-warp kernel options (ws=0)")
+    if ws and buf_bytes is not None:
+        raise ValueError("buf_bytes is a one-warp kernel option (ws=0)")
     if ws:
         return _with_pdl(_plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, slot_bytes=slot_bytes,
                                   plain=plain, nsplit=nsplit, ws=ws, stages=2 * ws if stages is None else stages,
@@ -244,12 +240,6 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     channels = min(head_dim, 128)
     tiles = head_dim // channels
     buf = _stage_buffer(channels, slot_bytes, plain, dense_slots)
-    if slot_ring:
-        if plain or format_version != 3 or tiles != 1 or skip & 2 or buf_bytes is not None:
-            raise ValueError("slot_ring: compressed KV of format 3 at head_dim 64/128, with reconstruction (skip "
-                             "without bit 1), and no buf_bytes")
-        buf = -(-(slot_bytes + ESCAPE_SLACK) // 16) * 16
-        extra += ("-DGAAC_SLOT_RING=1",)
     if buf_bytes is not None:
         if plain or not dense_slots or buf_bytes < slot_bytes + ESCAPE_SLACK or buf_bytes % 16:
             raise ValueError(f"buf_bytes {buf_bytes}: compressed KV staged as stored, a multiple of 16 bytes that "

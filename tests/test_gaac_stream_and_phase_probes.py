@@ -99,25 +99,14 @@ def test_generate_refills_captured_caches_per_context_and_profiles_eager_steps(t
         assert prof["steps"] == 16 and prof["own_us"] and any("gaac_hf" in k for k in prof["cumulative_us"])
 
 
-@pytest.mark.parametrize("head_dim,slot_bytes", [(128, 2960), (128, 2992), (64, 1520)])
-def test_warps16_probe_variants_plan_within_shared_memory(head_dim, slot_bytes):
-    """`warps_probe.py --set warps16`: every variant plans one CTA per SM within the H200's shared memory at the
-    slot sizes a pool without raw tiles has (capacity -1), with its splits scaled to its warps (one wave)."""
+def test_issue_probe_variants_differ_only_in_the_issue_path():
+    """`warps_probe.py --set issue`: the general issue path is the default plan with GAAC_FAST_ISSUE=0 and nothing
+    else (same splits, same buffers), so the probe's bit check against one twin covers both."""
     import gaac_cuda
-    from benchmarks.warps_probe import SLOT_RING_GAAC, WARPS16_GAAC
-    from gaac_cuda.decode_attention import STATIC_SMEM
+    from benchmarks.warps_probe import ISSUE_GAAC
 
-    buf = -(-(slot_bytes + gaac_cuda.ESCAPE_SLACK) // 16) * 16
-    heads = 8 if head_dim == 128 else 3
-    for label, kw in {**WARPS16_GAAC, **SLOT_RING_GAAC}.items():
-        kw = dict(kw)
-        n = kw.pop("nsplit", 198)
-        n = n(198) if callable(n) else n
-        if kw.get("buf_bytes") == "slot":
-            kw["buf_bytes"] = buf
-        p = gaac_cuda.plan(1, heads, 4, head_dim, 65536, "cpu", slot_bytes=slot_bytes, format_version=3, ws=0,
-                           nsplit=n, **kw)
-        assert p.smem + STATIC_SMEM <= 232448, (label, p.smem)
-        assert p.nsplit * heads <= 132 * p.warps, label  # one wave of warps
-        assert p.buf_bytes == (buf if "slot" in label else max(2 * 16 * head_dim, buf))
-        assert ("-DGAAC_SLOT_RING=1" in p.options) == label.endswith("slot_ring")
+    plans = {label: gaac_cuda.plan(1, 8, 4, 128, 65536, "cpu", slot_bytes=2960, format_version=3, ws=0, nsplit=198,
+                                   **kw) for label, kw in ISSUE_GAAC.items()}
+    base, general = plans["gaac"], plans["gaac_general_issue"]
+    assert sorted(general.options) == sorted(base.options + ("-DGAAC_FAST_ISSUE=0",))
+    assert (general.nsplit, general.buf_bytes, general.smem) == (base.nsplit, base.buf_bytes, base.smem)

@@ -16,11 +16,11 @@
 #   `... eager`: eager DynamicCache + flash against eager GAACCache, 24 steps each at 16K / 64K / 128K, cache_ops.py.
 #   `... ncu`: benchmarks/device/ncu_h200.sh (Nsight Compute, full set and per-SASS-line stalls) and warps_probe.py
 #     --set next (benchmarks/device/ncu_quick_h200.sh returns in about a minute).
-#   `... warps16` (session 19, not yet run; first next session): more warps per scheduler — the GPU bit test of
-#     `plan(slot_ring=True)` (buffers sized for a slot; raw tiles and the tail read from global memory), then the
-#     kernel at 12 / 14 / 15 / 16 warps per SM with slot-sized buffers on a pool without raw tiles
-#     (warps_probe.py --set warps16) and the slot ring on the caches' pools (--set slot_ring). If 14-16 warps win,
-#     make the slot ring the default (plan, attention.py; rerun tests/test_gaac_cuda_ops.py and the GPU tests).
+#   `... fence` (session 20): the GPU tests of the kernels, head dims and eager generate, then
+#     benchmarks/device/ws_race_probe.py over every configuration (32 of them: each should print 'bad': 0).
+#   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
+#     common unit's copies issued by lane 0 alone, the default, against the general issue path). Session 19's
+#     `warps16` mode ran first in session 20 (slot-sized rings at 14-16 warps: slower) and was removed.
 # Results under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
@@ -104,14 +104,26 @@ if [ "$MODE" = eager ]; then  # session 19: eager DynamicCache + flash against e
   timeout ${OPS_TIMEOUT:-100} python3 benchmarks/cache_ops.py --device cuda --context 65536 \
     --out "$OUT/cache_ops_h200.json" 2>&1 | tail -4
 fi
-if [ "$MODE" = warps16 ]; then  # session 19 (not yet run): the slot ring's GPU bits first, then 12 / 14 / 15 / 16
-  # warps per SM with slot-sized buffers (pool without raw tiles), then the slot ring on the caches' pools
-  timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q tests/test_gaac_cuda_ops.py -k "fragment_order_prototype" 2>&1 \
-    | tail -3 | tee "$OUT/gpu_test_slot_ring.log"
-  timeout ${PROBE_TIMEOUT:-240} python3 benchmarks/warps_probe.py --set warps16 --real-kv .bench/real_kv_2k.safetensors \
-    --shapes 1,2,0,3 --out "$OUT/warps_probe_warps16.json" 2>&1 | tee "$OUT/warps_probe_warps16.log" | tail -7
-  timeout ${RING_TIMEOUT:-180} python3 benchmarks/warps_probe.py --set slot_ring --real-kv .bench/real_kv_2k.safetensors \
-    --shapes 1,2,0,3 --out "$OUT/warps_probe_slot_ring.json" 2>&1 | tee "$OUT/warps_probe_slot_ring.log" | tail -7
-  timeout ${OPS_TIMEOUT:-100} python3 benchmarks/cache_ops.py --device cuda --context 65536 \
-    --out "$OUT/cache_ops_h200.json" 2>&1 | tail -4  # the eager finalization without the old benchmark's sweep
+if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
+  # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)
+  timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q tests/test_gaac_gpu_generate.py tests/test_gaac_head_dims.py \
+    tests/test_gaac_cuda_ops.py -k "(gpu or cuda) and not compiles and not sass" 2>&1 | tee "$OUT/gpu_tests_fence.log" | tail -4
+  timeout ${PROBE_TIMEOUT:-120} python3 benchmarks/device/ws_race_probe.py --reps 200 --out "$OUT/ws_race_probe.json" \
+    2>&1 | grep -c "'bad': 0," 
+fi
+if [ "$MODE" = issue ]; then  # session 20: the common unit's copy issue by lane 0 alone (GAAC_FAST_ISSUE, default)
+  # against the general path; the GPU bit tests of the CUDA kernel first
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q tests/test_gaac_cuda_ops.py 2>&1 \
+    | tail -3 | tee "$OUT/gpu_tests_cuda_ops.log"
+  timeout ${PROBE_TIMEOUT:-200} python3 benchmarks/warps_probe.py --set issue --real-kv .bench/real_kv_2k.safetensors \
+    --shapes 1,2,0,3 --out "$OUT/warps_probe_issue.json" 2>&1 | tee "$OUT/warps_probe_issue.log" | tail -7
+fi
+if [ "$MODE" = ncusrc ]; then  # session 20: per-SASS-line source counters of the default GAAC kernel at 1x64K (where
+  # the ~1,000 warp instructions per unit go today; summarize with benchmarks/ncu_source_summary.py --sass)
+  timeout 200 ncu --clock-control none --section SourceCounters --section WarpStateStats --section SpeedOfLight \
+    -k regex:gaac_decode_split -c 1 -o /tmp/ncu_src python3 benchmarks/device/profile_cuda_kernel.py 0 \
+    > "$OUT/ncu_src_run.log" 2>&1; tail -3 "$OUT/ncu_src_run.log"
+  ncu --import /tmp/ncu_src.ncu-rep --page details --print-details all > "$OUT/ncu_src_details.txt" 2>&1
+  ncu --import /tmp/ncu_src.ncu-rep --page source --csv --print-source sass > "$OUT/ncu_src_source.csv" 2>&1
+  gzip -f "$OUT/ncu_src_source.csv"; grep -E "Duration|Warp Cycles Per Issued|Executed Ipc" "$OUT/ncu_src_details.txt"
 fi

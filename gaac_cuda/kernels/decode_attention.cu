@@ -101,12 +101,10 @@ typedef long long i64;
 #ifndef GAAC_DENSE_SLOT  // compressed KV: a slot staged as it is stored, by one bulk copy (1), or with its sign+mantissa
 #define GAAC_DENSE_SLOT 0  // rows padded by 16 bytes against bank conflicts, 16-byte cp.async per lane for them (0)
 #endif
-#ifndef GAAC_SLOT_RING  // compressed KV on the one-warp kernel (session 19, measured next): the ring's buffers hold a
-#define GAAC_SLOT_RING 0  // slot alone, and raw tiles and the tail are not staged: the consumer reads them from global
-#endif                    // memory, brought into L2 at issue (1); or every tile staged in BF16-tile-sized buffers (0)
-#if GAAC_SLOT_RING && (GAAC_PLAIN || GAAC_TILES != 1 || !GAAC_DENSE_SLOT || GAAC_WS || (GAAC_SKIP & 2))
-#error "GAAC_SLOT_RING: compressed KV staged as stored, one tile per head, the one-warp kernel, with reconstruction"
-#endif
+#ifndef GAAC_FAST_ISSUE  // compressed KV staged as stored, one tile per head: a unit whose K and V are both slots
+#define GAAC_FAST_ISSUE 1  // (not the tail, no raw tile) is issued by lane 0 alone, two bulk copies (1), or by the
+#endif                     // general path that handles every kind of tile (0; same copies, same bits)
+#define FAST_ISSUE (GAAC_FAST_ISSUE && !GAAC_PLAIN && GAAC_DENSE_SLOT && TILES == 1)
 #define SM_ROW (C + (GAAC_DENSE_SLOT ? 0 : 16))  // a slot's sign+mantissa row in shared memory
 #define SM_SECTION (16 * SM_ROW)     // where the slot's group section (planes, tags, escapes) starts in the buffer
 #define SECTION_SHIFT (SM_SECTION - 16 * C)  // slot offset -> buffer offset, for offsets past the sign+mantissa
@@ -643,23 +641,10 @@ __device__ __forceinline__ void v_tile_f3(const Params& p, const u8* buf, const 
 // Scores of one tile: k-slice s of thread (g, t) is word w = t*NKS + s (channels 4w..4w+3) of tokens g and g+8
 // (operand A rows g, g+8) and of query head g (operand B column g). KIND 0: BF16 rows (raw tile, plain block,
 // tail); 4: slot (raw groups, if any, patched per word).
-// KIND 2 of k_tile / v_tile (GAAC_SLOT_RING): a BF16 tile (raw tile or the tail) read from global memory, its row r
-// at buf + r * row_bytes; rows from `valid` on read as zeros, as the ring's zero fill has them. The same words into
-// the same mmas in the same order as KIND 0 over a staged tile: the same bits.
-template <int N>
-__device__ __forceinline__ void ld_row(const u8* src, i64 row_bytes, int row, int valid, int off, u32 (&w)[N]) {
-  if (row < valid) {
-    ldv<N>(src + row * row_bytes + off, w);
-  } else {
-#pragma unroll
-    for (int i = 0; i < N; ++i) w[i] = 0u;
-  }
-}
-
 template <int KIND>
 __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
                                        const u32 (&qb)[NKS][2], float (&sc)[2][4], bool any_raw,
-                                       const RowSwizzle& sw, i64 row_bytes = 2 * C, int valid = 16) {
+                                       const RowSwizzle& sw) {
   if (KIND == 4 && GAAC_FORMAT == 3) {
     if (F3_OVERLAY && GAAC_F3DUP && any_raw) k_tile_f3(p, buf, s, 4 * g + t, g, t, qb, sc, true);
     else k_tile_f3(p, buf, s, 4 * g + t, g, t, qb, sc, F3_OVERLAY && GAAC_F3DUP ? false : any_raw);
@@ -673,11 +658,9 @@ __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scr
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int tok = 8 * h + g;
-      if (KIND == 0 || KIND == 2) {
+      if (KIND == 0) {
         u32 r[2 * NV];
-        if (KIND == 2) {
-          ld_row<2 * NV>(buf, row_bytes, tok, valid, 8 * w0, r);
-        } else if (SWZ) {
+        if (SWZ) {
           u32 a[4], c[4];
           ldv<4>(buf + h * 8 * 2 * C + sw.k[s4 % 2][0], a);
           ldv<4>(buf + h * 8 * 2 * C + sw.k[s4 % 2][1], c);
@@ -767,24 +750,15 @@ __device__ __forceinline__ void v_math(const u32 (&ra)[2][2 * NVW], const u32 (&
 // 8h+2t, 8h+2t+1 of both halves, two tokens of one channel per register.
 template <int KIND>
 __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
-                                       const u32 (&pb)[2], float (&o)[NVM][4], bool any_raw, const RowSwizzle& sw,
-                                       i64 row_bytes = 2 * C, int valid = 16) {
+                                       const u32 (&pb)[2], float (&o)[NVM][4], bool any_raw, const RowSwizzle& sw) {
   if (KIND == 4 && GAAC_FORMAT == 3) {
     if (F3_OVERLAY && GAAC_F3DUP && any_raw) v_tile_f3(p, buf, s, 4 * g + t, g, t, pb, o, true);
     else v_tile_f3(p, buf, s, 4 * g + t, g, t, pb, o, F3_OVERLAY && GAAC_F3DUP ? false : any_raw);
     return;
   }
-  if (KIND == 0 || KIND == 2) {
+  if (KIND == 0) {
     u32 ra[2][2 * NVW], rc[2][2 * NVW];
-    if (KIND == 2) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {  // v_load's words, from global memory
-        ld_row<2 * NVW>(buf, row_bytes, 8 * h + 2 * t, valid, 8 * g * NVW, ra[h]);
-        ld_row<2 * NVW>(buf, row_bytes, 8 * h + 2 * t + 1, valid, 8 * g * NVW, rc[h]);
-      }
-    } else {
-      v_load(buf, g, t, sw, ra, rc);
-    }
+    v_load(buf, g, t, sw, ra, rc);
     v_math(ra, rc, pb, o);
     return;
   }
@@ -1092,6 +1066,22 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   // into kinds[ki]
   auto issue_kv = [&](int u, int st, const int (&e)[2][TILES], int kv0, int kv1, u32 bar, int ki) {
     const bool tail = u >= nb;
+#if FAST_ISSUE
+    // the common unit (warp-uniform: every lane holds the same entries): K and V slots, lane 0's expect_tx and two
+    // bulk copies, then 32 plain arrivals where the general path has 32 cp.async arrivals (no cp.async here)
+    if (kv1 - kv0 == 2 && !tail && e[0][0] >= 0 && e[1][0] >= 0) {
+      if (lane == 0) kinds[ki] = 3u;
+      fence_async();
+      if (lane == 0) {
+        const u32 dst = smem_u32(ring + st * 2 * p.buf_bytes);
+        mbar_expect(bar, 2u * (u32)p.slot_bytes);
+        bulk_copy(dst, p.slots + (i64)e[0][0] * p.slot_bytes, (u32)p.slot_bytes, bar);
+        bulk_copy(dst + p.buf_bytes, p.slots + (i64)e[1][0] * p.slot_bytes, (u32)p.slot_bytes, bar);
+      }
+      mbar_arrive(bar);
+      return;
+    }
+#endif
     const int valid = tail ? tl : 16;
     // (plain blocks by bulk copy were measured slower than 16-byte cp.async per lane: 89.9 vs 87.0 us at 1x64K)
     const bool bulk_rows = !GAAC_PLAIN && !tail;
@@ -1103,7 +1093,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         if (!GAAC_PLAIN && !tail && e[kv][T] >= 0) {
           bytes += (u32)(GAAC_DENSE_SLOT ? p.slot_bytes : p.slot_bytes - 16 * C);
           slots |= 1u << (kv * TILES + T);
-        } else if (bulk_rows && !GAAC_SLOT_RING) {
+        } else if (bulk_rows) {
           bytes += 32 * C;
         }
       }
@@ -1132,12 +1122,6 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
             if (lane == kv * TILES + T)
               bulk_copy(smem_u32(dst + SM_SECTION), src + 16 * C, (u32)(p.slot_bytes - 16 * C), bar);
           }
-        } else if (GAAC_SLOT_RING) {  // a raw tile or the tail, read by the consumer from global memory: into L2
-          const u8* src = tail ? reinterpret_cast<const u8*>(rows_src(kv, u, T)) : raw_src(ent);
-          const i64 rb = tail ? 2 * p.kv_ss : 2 * C;
-          constexpr int LPR = 2 * C / 128;  // 128-byte lines per row
-          if (lane < 16 * LPR && lane / LPR < valid)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(src + (lane / LPR) * rb + 128 * (lane % LPR)));
         } else if (bulk_rows) {
           const u8* src = GAAC_PLAIN ? reinterpret_cast<const u8*>(rows_src(kv, u, T)) : raw_src(ent);
           if (lane == kv * TILES + T) bulk_copy(smem_u32(dst), src, 32 * C, bar);
@@ -1242,12 +1226,6 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       }
     }
 
-    // GAAC_SLOT_RING: where this unit's unstaged BF16 tiles lie (the tail's rows; a raw tile, from its table entry)
-    auto bf_src = [&](int kv, int T) -> const u8* {
-      return tail ? reinterpret_cast<const u8*>(rows_src(kv, u, T)) : raw_src(entry(u, kv, T));
-    };
-    const i64 bf_row_bytes = tail ? 2 * p.kv_ss : 2 * C;
-
     // S^T (even, odd k-slices): tokens g, g + 8 x heads 2t, 2t + 1
     float sc2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
@@ -1258,8 +1236,6 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         __syncwarp();
         k_tile<4>(p, buf, scr, g, t, qb[T], sc2, tk[T].any_raw, sw);
         __syncwarp();
-      } else if (GAAC_SLOT_RING) {
-        k_tile<2>(p, bf_src(0, T), scr, g, t, qb[T], sc2, false, sw, bf_row_bytes, valid);
       } else {
         k_tile<0>(p, buf, scr, g, t, qb[T], sc2, false, sw);
       }
@@ -1281,8 +1257,6 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         __syncwarp();
         v_tile<4>(p, buf, scr, g, t, pb, o[T], tv[T].any_raw, sw);
         __syncwarp();
-      } else if (GAAC_SLOT_RING) {
-        v_tile<2>(p, bf_src(1, T), scr, g, t, pb, o[T], false, sw, bf_row_bytes, valid);
       } else {
         v_tile<0>(p, buf, scr, g, t, pb, o[T], false, sw);
       }
@@ -1451,8 +1425,11 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
           bytes += 32 * C;
         }
       }
-      // (no proxy fence: the stage's last reads happened before its consumer's arrival on the empty barrier, which
-      // this warp waited for; a fence here per unit serialized the producer on its copies in flight)
+      // the consumer's generic-proxy reads of this stage (ordered before this warp by the empty barrier) before the
+      // async proxy's writes into it: without this fence the bulk copies overwrote rows still being read (session 20:
+      // plain KV at ws 4 / 8 stages gave other bits in 108 of 1,000 launches, none with it;
+      // benchmarks/results/ws_race_probe_focus_s20.json)
+      fence_async();
       if (lane == 0) kinds[st] = slots;
       const u32 bar = full + 8 * st;
       if (lane == 0) mbar_expect(bar, bytes);
