@@ -5,7 +5,9 @@ This probe runs that shape (on its own random KV, format version 2 as the caches
 Repeats each (kind, ws, stages, pdl) many times and counts launches whose bits differ from the one-warp result.
 The cause: the producer's bulk copies into a stage were not fenced (fence.proxy.async) against the consumer's reads of
 its previous unit; fixed in session 20 (ws_race_probe_s20_before.json and ws_race_probe_focus_s20.json: before
-the fix; ws_race_probe_s20_fixed.json: after, every configuration 200 of 200 equal).
+the fix; ws_race_probe_s20_fixed.json: after, every configuration 200 of 200 equal; both on the test's case, with an
+earlier version of this script that borrowed the test's builders). This version, on its own KV:
+ws_race_probe_s20_final.json, every configuration 100 of 100 equal.
 
     python benchmarks/device/ws_race_probe.py --reps 200 --out $OUT/ws_race_probe.json
 """
