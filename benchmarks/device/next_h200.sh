@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # H200 calls, each under the device's 10-minute limit; carry [".bench"] (`python benchmarks/capture_real_kv.py` makes it
 # on the CPU). Session 19 ran `baselines`, `stream`, `stages`, `phases`, `verify`, `eager` (results
-# benchmarks/results/*_s19*); sessions 17-18 ran `tests`, `probe`, `step`, `ncu`.
+# benchmarks/results/*_s19*); sessions 17-18 ran `tests`, `probe`, `step`, `ncu`. Session 20 ran `warps16` (removed
+# since), `ncusrc` (twice), `issue`, `fence`. First next session: `captured` (the captured pair at 64K / 128K with the
+# session-20 kernel, for issue 13's ratio to the twin; not run since session 19).
 #   `bash benchmarks/device/next_h200.sh tests`: the GPU tests of the static cache, generate, CapturedStep and replay,
 #     then the format-3 leave-one-stage-out breakdown at 1x64K (benchmarks/format_v2_probe.py).
 #   `... step`: the compiled and captured decode step at 64K / 128K with each step's GPU time by kernel kind, then the
@@ -16,6 +18,7 @@
 #   `... eager`: eager DynamicCache + flash against eager GAACCache, 24 steps each at 16K / 64K / 128K, cache_ops.py.
 #   `... ncu`: benchmarks/device/ncu_h200.sh (Nsight Compute, full set and per-SASS-line stalls) and warps_probe.py
 #     --set next (benchmarks/device/ncu_quick_h200.sh returns in about a minute).
+#   `... captured` (session 20, not yet run): the captured GAAC step and its twin at 64K / 128K.
 #   `... fence` (session 20): the GPU tests of the kernels, head dims and eager generate, then
 #     benchmarks/device/ws_race_probe.py over every configuration (32 of them: each should print 'bad': 0).
 #   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
@@ -103,6 +106,12 @@ if [ "$MODE" = eager ]; then  # session 19: eager DynamicCache + flash against e
     --out "$OUT/generate_eager.json" 2>&1 | tee "$OUT/generate_eager.log" | grep -E "ms/step" | tail -6
   timeout ${OPS_TIMEOUT:-100} python3 benchmarks/cache_ops.py --device cuda --context 65536 \
     --out "$OUT/cache_ops_h200.json" 2>&1 | tail -4
+fi
+if [ "$MODE" = captured ]; then  # session 20 (not yet run): the captured GAAC step and its twin at 64K / 128K with
+  # the fast issue path, each step's GPU time by kernel kind (issue 13's 1.10x / 1.15x targets)
+  timeout ${GEN_TIMEOUT:-420} python3 benchmarks/generate.py --contexts ${CONTEXTS:-65536 131072} --steps 10 \
+    --warmup 3 --eager-steps 3 --reps 10 --variants captured captured-twin --skip-module-guards \
+    --out "$OUT/generate_captured.json" 2>&1 | tee "$OUT/generate_captured.log" | grep -E "GPU|ms/step|lossless|\| " | tail -12
 fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)
