@@ -24,20 +24,21 @@
 // Plain BF16 KV (GAAC_PLAIN) runs the same code from the fragment registers on: the bit-exact twin.
 // gaac_decode_ws (GAAC_WS consumer warps, built only when GAAC_WS > 0) runs the same unit code in consumer warps fed
 // by one producer warp per CTA through a shared ring; each consumer holds one split of gaac_decode_split's layout, so
-// both kernels give the same bits at the same split count (the launcher runs the twin on it by default).
+// both kernels give the same bits at the same split count (no default uses it since session 17; kept for the probes).
 // Bitstream: docs/format.md; offsets come from the launcher (gaac_hf/format.py is the one definition).
 //
 // Compile-time configuration (NVRTC -D): GAAC_C (64|128 channels per tile), GAAC_TILES (tiles per head: 1|2),
 // GAAC_PLAIN (0|1), GAAC_STAGES (ring depth), GAAC_WARPS, GAAC_MIN_CTAS (register budget), GAAC_SWIZZLE (plain KV:
 // swizzled BF16 rows), VT_WORDS (V words per vector load), GAAC_DENSE_SLOT (compressed KV: slots staged as stored),
 // GAAC_WS (the warp-specialized kernel's consumer warps), GAAC_BALANCE (splits weighted by Params::split_cum),
-// and for the benchmarks GAAC_SKIP (leave-one-stage-out
+// GAAC_FAST_ISSUE (compressed KV staged as stored: the common unit's copies issued by lane 0 alone), and for the
+// benchmarks GAAC_SKIP (leave-one-stage-out
 // breakdown; bit 0: no tensor-core math, bit 1: no reconstruction; format 3 only: bit 2 no code bit 2 of 4-bit
 // groups, bit 3 no raw-group patch), GAAC_TRACE (globaltimer stamps,
 // benchmarks/cuda_stream_probe.py) and GAAC_FORMAT (1: format version 1; 3: format version 2 as stored, in fragment
 // order, see k_tile_f3).
 // The options are measured alternatives (benchmarks/results/attention_cuda.md; the rejected ones, removed in sessions
-// 11, 14 and 19, are in git history); the launcher's defaults are the fastest.
+// 11, 14, 19 and 20, are in git history); the launcher's defaults are the fastest.
 #ifndef GAAC_SKIP
 #define GAAC_SKIP 0
 #endif
@@ -1068,7 +1069,8 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     const bool tail = u >= nb;
 #if FAST_ISSUE
     // the common unit (warp-uniform: every lane holds the same entries): K and V slots, lane 0's expect_tx and two
-    // bulk copies, then 32 plain arrivals where the general path has 32 cp.async arrivals (no cp.async here)
+    // bulk copies, then 32 plain arrivals where the general path has 32 cp.async arrivals (no cp.async here); the
+    // proxy fence stays (the warp-specialized producer without one overwrote a stage still being read, session 20)
     if (kv1 - kv0 == 2 && !tail && e[0][0] >= 0 && e[1][0] >= 0) {
       if (lane == 0) kinds[ki] = 3u;
       fence_async();
