@@ -276,6 +276,7 @@ def test_issue_paths_and_the_producer_fence_are_compiled_in(tmp_path):
           "-DGAAC_WS=4", "-DVT_WORDS=4", "-DGAAC_DENSE_SLOT=0"]
     assert _ptx_of("gaac_decode_ws", ws, tmp_path).count("fence.proxy.async") >= 1
 
+
 def reference_attention(q, k, v, kv_len, mask, scale):
     b, hq, d = q.shape
     nrep = hq // k.shape[1]

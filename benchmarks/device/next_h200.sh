@@ -118,7 +118,7 @@ if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue a
   timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q tests/test_gaac_gpu_generate.py tests/test_gaac_head_dims.py \
     tests/test_gaac_cuda_ops.py -k "(gpu or cuda) and not compiles and not sass" 2>&1 | tee "$OUT/gpu_tests_fence.log" | tail -4
   timeout ${PROBE_TIMEOUT:-120} python3 benchmarks/device/ws_race_probe.py --reps 200 --out "$OUT/ws_race_probe.json" \
-    2>&1 | grep -c "'bad': 0," 
+    2>&1 | grep -c "'bad': 0,"
 fi
 if [ "$MODE" = issue ]; then  # session 20: the common unit's copy issue by lane 0 alone (GAAC_FAST_ISSUE, default)
   # against the general path; the GPU bit tests of the CUDA kernel first

@@ -48,16 +48,16 @@ def bits(x):
 
 
 rows = []
-configs = [(5, True, 4, 8, True, ())] if args.focus else [
-    (nsplit, plain, ws, stages, pdl, ()) for nsplit in (5, 1) for plain in (True, False)
+configs = [(5, True, 4, 8, True)] if args.focus else [
+    (nsplit, plain, ws, stages, pdl) for nsplit in (5, 1) for plain in (True, False)
     for ws, stages in ((4, 8), (6, 12), (2, 2), (3, 9)) for pdl in (True, False)]
 wants = {}
-for nsplit, plain, ws, stages, pdl, defines in configs:
+for nsplit, plain, ws, stages, pdl in configs:
     if nsplit not in wants:
         one = plan(b, h, nrep, d, s, "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, format_version=3, ws=0)
         wants[nsplit] = bits(decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout, one))
     want = wants[nsplit]
-    kw = dict(nsplit=nsplit, ws=ws, stages=stages, pdl=pdl, defines=defines)
+    kw = dict(nsplit=nsplit, ws=ws, stages=stages, pdl=pdl)
     if plain:
         p = plan(b, h, nrep, d, s, "cuda", plain=True, **kw)
         run = lambda: plain_decode_attention(q, k, v, kv_len, None, scale, p)  # noqa: E731
@@ -71,9 +71,8 @@ for nsplit, plain, ws, stages, pdl, defines in configs:
         if diff.any():
             bad += 1
             where.update(tuple(int(i) for i in ix[:2]) for ix in diff.nonzero()[:64].tolist())
-    row = {"nsplit": nsplit, "plain": plain, "ws": ws, "stages": stages, "pdl": pdl,
-           "defines": list(defines),
-           "bad": bad, "reps": args.reps, "rows_heads": sorted(where)[:16]}
+    row = {"nsplit": nsplit, "plain": plain, "ws": ws, "stages": stages, "pdl": pdl, "bad": bad, "reps": args.reps,
+           "rows_heads": sorted(where)[:16]}
     rows.append(row)
     print(row, flush=True)
 json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, open(args.out, "w"),

@@ -1071,7 +1071,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     // the common unit (warp-uniform: every lane holds the same entries): K and V slots, lane 0's expect_tx and two
     // bulk copies, then 32 plain arrivals where the general path has 32 cp.async arrivals (no cp.async here); the
     // proxy fence stays (the warp-specialized producer without one overwrote a stage still being read, session 20)
-    if (kv1 - kv0 == 2 && !tail && e[0][0] >= 0 && e[1][0] >= 0) {
+    if (!tail && e[0][0] >= 0 && e[1][0] >= 0) {  // (kv0, kv1) = (0, 2): SPLITBAR is plain KV only
       if (lane == 0) kinds[ki] = 3u;
       fence_async();
       if (lane == 0) {
