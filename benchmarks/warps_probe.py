@@ -101,11 +101,25 @@ ISSUE_GAAC = {
 }
 ISSUE_TWIN = {"twin": {"balance": ()}}
 
+# Session 21 (`--set prepass`): what the per-slot prepass (tags -> per-group bases and plane-3 bytes in scratch, ~154
+# warp instructions per unit) and the tag scan (~36) cost in time, as bounds for a slot format whose lanes own the
+# groups their fragments read (groups of 8 channels of one token: no transposition through scratch). Wrong bits by
+# design (`skip`); loads + math and loads alone beside them at the instruction-bound shapes.
+PREPASS_GAAC = {
+    "gaac": {"balance": ()},
+    "gaac_no_prepass": {"balance": (), "skip": 16},
+    "gaac_no_prepass_no_scan": {"balance": (), "skip": 48},
+    "gaac_loads_math": {"balance": (), "skip": 2},
+    "gaac_loads_only": {"balance": (), "skip": 3},
+}
+
 
 def main():
     args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json",
-                      sets=("s17", "next", "stages", "issue"))
-    if args.set == "issue":
+                      sets=("s17", "next", "stages", "issue", "prepass"))
+    if args.set == "prepass":
+        run_probe(args, PREPASS_GAAC, ISSUE_TWIN, (), "warps_probe.py")
+    elif args.set == "issue":
         run_probe(args, ISSUE_GAAC, ISSUE_TWIN, ("gaac", "gaac_general_issue"), "warps_probe.py")
     elif args.set == "stages":
         run_probe(args, STAGES_GAAC, STAGES_TWIN, ("gaac", "gaac_12_warps_3_stages"), "warps_probe.py")

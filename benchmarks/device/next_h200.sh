@@ -113,6 +113,11 @@ if [ "$MODE" = captured ]; then  # session 20 (not yet run): the captured GAAC s
     --warmup 3 --eager-steps 3 --reps 10 --variants captured captured-twin --skip-module-guards \
     --out "$OUT/generate_captured.json" 2>&1 | tee "$OUT/generate_captured.log" | grep -E "GPU|ms/step|lossless|\| " | tail -12
 fi
+if [ "$MODE" = prepass ]; then  # session 21: the prepass / tag scan bounds (wrong bits by design), loads + math and
+  # loads alone, at 1x64K, 4x64K, 1x128K, 1x16K and 9/3/64
+  timeout ${PROBE_TIMEOUT:-420} python3 benchmarks/warps_probe.py --set prepass --real-kv .bench/real_kv_2k.safetensors \
+    --shapes ${SHAPES:-1,2,4,0,3} --out "$OUT/warps_probe_prepass.json" 2>&1 | tee "$OUT/warps_probe_prepass.log" | tail -30
+fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)
   timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q tests/test_gaac_gpu_generate.py tests/test_gaac_head_dims.py \

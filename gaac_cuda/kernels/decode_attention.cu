@@ -34,7 +34,8 @@
 // GAAC_FAST_ISSUE (compressed KV staged as stored: the common unit's copies issued by lane 0 alone), and for the
 // benchmarks GAAC_SKIP (leave-one-stage-out
 // breakdown; bit 0: no tensor-core math, bit 1: no reconstruction; format 3 only: bit 2 no code bit 2 of 4-bit
-// groups, bit 3 no raw-group patch), GAAC_TRACE (globaltimer stamps,
+// groups, bit 3 no raw-group patch; bit 4: no prepass, the tiles read stale scratch; bit 5: no tag scan either, offsets
+// 0 and no raw group: bounds for a slot format whose lanes own their groups), GAAC_TRACE (globaltimer stamps,
 // benchmarks/cuda_stream_probe.py) and GAAC_FORMAT (1: format version 1; 3: format version 2 as stored, in fragment
 // order, see k_tile_f3).
 // The options are measured alternatives (benchmarks/results/attention_cuda.md; the rejected ones, removed in sessions
@@ -1224,7 +1225,8 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         if ((slots_here >> T) & 1) load_tags(p, ring + (st * 2 * TILES + T) * p.buf_bytes, lane, tk[T]);
         if ((slots_here >> (TILES + T)) & 1)
           load_tags(p, ring + (st * 2 * TILES + TILES + T) * p.buf_bytes, lane, tv[T]);
-        scan_tags(tk[T], tv[T], lane);
+        if (GAAC_SKIP & 32) tk[T].off = tv[T].off = 0, tk[T].any_raw = tv[T].any_raw = false;
+        else scan_tags(tk[T], tv[T], lane);
       }
     }
 
@@ -1234,7 +1236,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     for (int T = 0; T < TILES; ++T) {
       const u8* buf = ring + (st * 2 * TILES + T) * p.buf_bytes;
       if (DECODE && ((slots_here >> T) & 1)) {
-        prepass(p, buf, scr, b3[0][T], b4[0][T], lane, tk[T]);
+        if (!(GAAC_SKIP & 16)) prepass(p, buf, scr, b3[0][T], b4[0][T], lane, tk[T]);
         __syncwarp();
         k_tile<4>(p, buf, scr, g, t, qb[T], sc2, tk[T].any_raw, sw);
         __syncwarp();
@@ -1255,7 +1257,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     for (int T = 0; T < TILES; ++T) {
       const u8* buf = ring + (st * 2 * TILES + TILES + T) * p.buf_bytes;
       if (DECODE && ((slots_here >> (TILES + T)) & 1)) {
-        prepass<true>(p, buf, scr, b3[1][T], b4[1][T], lane, tv[T]);
+        if (!(GAAC_SKIP & 16)) prepass<true>(p, buf, scr, b3[1][T], b4[1][T], lane, tv[T]);
         __syncwarp();
         v_tile<4>(p, buf, scr, g, t, pb, o[T], tv[T].any_raw, sw);
         __syncwarp();
