@@ -43,7 +43,7 @@ from benchmarks.attention import bench_graph, compress, real_kv  # noqa: E402
 from gaac_hf.format import TileLayout, tile_split  # noqa: E402
 
 SHAPES = [("llama8b", 32, 8, 128, 1, 16384), ("llama8b", 32, 8, 128, 1, 65536), ("llama8b", 32, 8, 128, 4, 65536),
-          ("smollm2", 9, 3, 64, 1, 65536), ("llama8b", 32, 8, 128, 1, 131072)]
+          ("smollm2", 9, 3, 64, 1, 65536), ("llama8b", 32, 8, 128, 1, 131072), ("64q8kv", 64, 8, 128, 1, 65536)]
 
 
 def head_major(packed: tuple) -> tuple:

@@ -532,6 +532,7 @@ def test_generate_benchmark_runs_tiny(tmp_path, bench):
     assert row["lossless_vs_twin"] == {"tokens": True, "logit_bits": True}
     assert row["captured_lossless_vs_twin"] == {"tokens": True, "logit_bits": True}
     assert row[bench.VARIANTS["captured"]]["start"] > 40 and 0 < row[bench.VARIANTS["captured"]]["host_share"] <= 1
+    assert row[bench.VARIANTS["captured"]]["pipelined_ms"] > 0 and row["captured_pipelined_speedup_vs_twin"] > 0
     for label in bench.VARIANTS.values():
         assert row[label]["step_ms"] > 0
     assert 0 < row["resident_kv"]["gaac_bytes"] < row["resident_kv"]["bf16_bytes"]

@@ -118,6 +118,14 @@ if [ "$MODE" = prepass ]; then  # session 21: the prepass / tag scan bounds (wro
   timeout ${PROBE_TIMEOUT:-420} python3 benchmarks/warps_probe.py --set prepass --real-kv .bench/real_kv_2k.safetensors \
     --shapes ${SHAPES:-1,2,4,0,3} --out "$OUT/warps_probe_prepass.json" 2>&1 | tee "$OUT/warps_probe_prepass.log" | tail -30
 fi
+if [ "$MODE" = pipelined ]; then  # session 21: the captured pair at 64K / 128K, also timed back to back with no host
+  # sync between steps (pipelined_ms), then the prepass set at the 64q/8kv 1x64K target shape
+  timeout ${GEN_TIMEOUT:-300} python3 benchmarks/generate.py --contexts ${CONTEXTS:-65536 131072} --steps 10 \
+    --warmup 3 --eager-steps 3 --reps 10 --variants captured captured-twin --skip-module-guards \
+    --out "$OUT/generate_pipelined.json" 2>&1 | tee "$OUT/generate_pipelined.log" | grep -E "pipelined|ms/step|lossless|\| " | tail -14
+  timeout ${PROBE_TIMEOUT:-150} python3 benchmarks/warps_probe.py --set prepass --real-kv .bench/real_kv_2k.safetensors \
+    --shapes ${SHAPES:-5} --out "$OUT/warps_probe_prepass_64q.json" 2>&1 | tee "$OUT/warps_probe_prepass_64q.log" | tail -4
+fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)
   timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q tests/test_gaac_gpu_generate.py tests/test_gaac_head_dims.py \
