@@ -44,6 +44,7 @@ class GraphReplayer:
         self.mutates_copied_input = False  # found in a direct call: then every call runs directly
         self.warmup, self.max_graphs, self.recorder = warmup, max_graphs, recorder
         self.graphs: dict = {}  # signature -> (replay, recorded inputs, output)
+        self.recordings = 0  # graphs recorded since construction (a moved buffer or a new signature records again)
         self._warm: dict = {}  # signature -> direct calls since the last reset
         self._pointers: list[int | None] | None = None  # static inputs' addresses by input index
         self._fixed_pointers: tuple | None = None
@@ -130,6 +131,7 @@ class GraphReplayer:
         recorded = [a.clone() if i in copied and isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
         replay, out, self.pool = self.recorder(lambda: self.fn(*recorded), self.pool)  # runs no kernel
         self.graphs[key] = (replay, recorded, out)
+        self.recordings += 1
         return self.graphs[key]
 
     def __call__(self, *args):
