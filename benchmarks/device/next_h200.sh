@@ -126,6 +126,22 @@ if [ "$MODE" = pipelined ]; then  # session 21: the captured pair at 64K / 128K,
   timeout ${PROBE_TIMEOUT:-150} python3 benchmarks/warps_probe.py --set prepass --real-kv .bench/real_kv_2k.safetensors \
     --shapes ${SHAPES:-5} --out "$OUT/warps_probe_prepass_64q.json" 2>&1 | tee "$OUT/warps_probe_prepass_64q.log" | tail -4
 fi
+if [ "$MODE" = clocks ]; then  # session 21: the SM clock and power while the kernels run alone (warps_probe.py, 1x64K)
+  # and inside the captured step at 64K: does the step's lower clock slow the instruction-bound GAAC kernel more
+  # than the copy-bound twin? (phases: date stamps in clocks_phases.log)
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 100 \
+    > "$OUT/clocks.csv" 2>&1 &
+  SMI=$!
+  date +"%T.%N probe start" > "$OUT/clocks_phases.log"
+  timeout ${PROBE_TIMEOUT:-120} python3 benchmarks/warps_probe.py --set issue --real-kv .bench/real_kv_2k.safetensors \
+    --shapes 1 --buffers 3 --out "$OUT/warps_probe_clocks.json" 2>&1 | tail -3
+  date +"%T.%N probe end" >> "$OUT/clocks_phases.log"
+  timeout ${GEN_TIMEOUT:-200} python3 benchmarks/generate.py --contexts 65536 --steps 40 --warmup 3 --reps 10 \
+    --variants captured captured-twin --skip-module-guards --out "$OUT/generate_clocks.json" 2>&1 \
+    | while IFS= read -r line; do echo "$(date +%T.%N) $line"; done > "$OUT/generate_clocks.log"
+  grep -E "ms/step|pipelined" "$OUT/generate_clocks.log"
+  kill $SMI
+fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)
   timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q tests/test_gaac_gpu_generate.py tests/test_gaac_head_dims.py \
