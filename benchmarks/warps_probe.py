@@ -113,11 +113,27 @@ PREPASS_GAAC = {
     "gaac_loads_only": {"balance": (), "skip": 3},
 }
 
+# Session 21 (`--set staged_o`): the one-warp kernel's partial outputs (rep x D fp32 per split) staged in shared
+# memory and written as 16-byte stores (GAAC_STAGED_O, the new default) against session 20's 4-byte stores from the
+# fragments, each warp store touching 32 sectors. 64/8 1x64K's loads-only build was 8.7 us slower than 32/8's at the
+# same bytes (`warps_probe_prepass_64q_s21.json`): twice the partials. The same bits.
+STAGED_O_GAAC = {
+    "gaac": {"balance": ()},
+    "gaac_direct_o": {"balance": (), "defines": ("GAAC_STAGED_O=0",)},
+    "gaac_loads_only": {"balance": (), "skip": 3},
+}
+STAGED_O_TWIN = {
+    "twin": {"balance": ()},
+    "twin_direct_o": {"balance": (), "defines": ("GAAC_STAGED_O=0",)},
+}
+
 
 def main():
     args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json",
-                      sets=("s17", "next", "stages", "issue", "prepass"))
-    if args.set == "prepass":
+                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o"))
+    if args.set == "staged_o":
+        run_probe(args, STAGED_O_GAAC, STAGED_O_TWIN, (), "warps_probe.py")
+    elif args.set == "prepass":
         run_probe(args, PREPASS_GAAC, ISSUE_TWIN, (), "warps_probe.py")
     elif args.set == "issue":
         run_probe(args, ISSUE_GAAC, ISSUE_TWIN, ("gaac", "gaac_general_issue"), "warps_probe.py")

@@ -277,6 +277,18 @@ def test_issue_paths_and_the_producer_fence_are_compiled_in(tmp_path):
     assert _ptx_of("gaac_decode_ws", ws, tmp_path).count("fence.proxy.async") >= 1
 
 
+def test_partials_leave_as_vector_stores(tmp_path):
+    """The one-warp kernel writes its partial output rows as 16-byte stores from shared memory (GAAC_STAGED_O), not
+    as 4-byte stores from the fragments: 32 scalar stores per thread (2 heads x 8 m-tiles x 2 channels at head_dim
+    128) give way to a loop of vector stores."""
+    split = ["-DGAAC_C=128", "-DGAAC_TILES=1", "-DGAAC_PLAIN=0", "-DGAAC_STAGES=2", "-DGAAC_WARPS=12",
+             "-DGAAC_MIN_CTAS=1", "-DGAAC_FORMAT=3", "-DVT_WORDS=4", "-DGAAC_DENSE_SLOT=1"]
+    staged = _ptx_of("gaac_decode_split", split, tmp_path)
+    direct = _ptx_of("gaac_decode_split", split + ["-DGAAC_STAGED_O=0"], tmp_path)
+    assert staged.count("st.global.v4.") >= 1 and direct.count("st.global.v4.") == 0  # (ptx: st.global.v4.u32)
+    assert direct.count("st.global.f32") == staged.count("st.global.f32") + 32
+
+
 def reference_attention(q, k, v, kv_len, mask, scale):
     b, hq, d = q.shape
     nrep = hq // k.shape[1]

@@ -142,6 +142,14 @@ if [ "$MODE" = clocks ]; then  # session 21: the SM clock and power while the ke
   grep -E "ms/step|pipelined" "$OUT/generate_clocks.log"
   kill $SMI
 fi
+if [ "$MODE" = staged ]; then  # session 21: partial outputs by 16-byte stores (GAAC_STAGED_O) against the direct
+  # 4-byte stores, GAAC and twin, six shapes; then the GPU tests of the kernels, head dims and generate
+  timeout ${PROBE_TIMEOUT:-150} python3 benchmarks/warps_probe.py --set staged_o --real-kv .bench/real_kv_2k.safetensors \
+    --shapes ${SHAPES:-1,5,4,2,0,3} --out "$OUT/warps_probe_staged_o.json" 2>&1 | tee "$OUT/warps_probe_staged_o.log" | tail -9
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q tests/test_gaac_cuda_ops.py tests/test_gaac_head_dims.py \
+    tests/test_gaac_gpu_generate.py -k "(gpu or cuda) and not compiles and not sass" 2>&1 \
+    | tee "$OUT/gpu_tests_staged.log" | tail -4
+fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)
   timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q tests/test_gaac_gpu_generate.py tests/test_gaac_head_dims.py \

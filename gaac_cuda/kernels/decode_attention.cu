@@ -31,7 +31,8 @@
 // GAAC_PLAIN (0|1), GAAC_STAGES (ring depth), GAAC_WARPS, GAAC_MIN_CTAS (register budget), GAAC_SWIZZLE (plain KV:
 // swizzled BF16 rows), VT_WORDS (V words per vector load), GAAC_DENSE_SLOT (compressed KV: slots staged as stored),
 // GAAC_WS (the warp-specialized kernel's consumer warps), GAAC_BALANCE (splits weighted by Params::split_cum),
-// GAAC_FAST_ISSUE (compressed KV staged as stored: the common unit's copies issued by lane 0 alone), and for the
+// GAAC_FAST_ISSUE (compressed KV staged as stored: the common unit's copies issued by lane 0 alone), GAAC_STAGED_O
+// (the one-warp kernel's partial outputs staged in shared memory and written as 16-byte stores), and for the
 // benchmarks GAAC_SKIP (leave-one-stage-out
 // breakdown; bit 0: no tensor-core math, bit 1: no reconstruction; format 3 only: bit 2 no code bit 2 of 4-bit
 // groups, bit 3 no raw-group patch; bit 4: no prepass, the tiles read stale scratch; bit 5: no tag scan either, offsets
@@ -891,7 +892,8 @@ __device__ __forceinline__ void write_ml(const Params& p, int item, int g, int t
     p.part_ml[2 * row + 1] = l[c];
   }
 }
-// ... and the unnormalized output O^T (rows g and g + 8 of m-tile n: channels 4(g NVW + n/2) + 2(n % 2) + 0, 1)
+// ... and the unnormalized output O^T (rows g and g + 8 of m-tile n: channels 4(g NVW + n/2) + 2(n % 2) + 0, 1),
+// from the fragments: per warp store instruction 4 bytes into each of 32 different sectors
 __device__ __forceinline__ void write_o(const Params& p, int item, int g, int t, const float (&o)[TILES][NVM][4]) {
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
@@ -907,6 +909,33 @@ __device__ __forceinline__ void write_o(const Params& p, int item, int g, int t,
         po[ch + 1] = o[T][n][2 + c];
       }
   }
+}
+// ... or (GAAC_STAGED_O, the one-warp kernel's default) put in row order in `stage`, rep x D floats of the warp's
+// shared memory (its drained ring: one stage alone, K and V buffers of at least 16 x C bytes per tile, holds the
+// 4 x 8 x D bytes of eight heads), and written as 16-byte stores, a whole head row per warp store. Same values,
+// same places.
+#ifndef GAAC_STAGED_O
+#define GAAC_STAGED_O 1
+#endif
+__device__ __forceinline__ void write_o_staged(const Params& p, int item, int g, int t,
+                                               const float (&o)[TILES][NVM][4], float* stage) {
+  __syncwarp();  // every lane is past its last read of the ring
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const int head = 2 * t + c;
+    if (head >= p.rep) continue;
+#pragma unroll
+    for (int T = 0; T < TILES; ++T)
+#pragma unroll
+      for (int n = 0; n < NVM; ++n) {
+        const int ch = T * C + 4 * (g * NVW + n / 2) + 2 * (n % 2);
+        *reinterpret_cast<float2*>(stage + head * D + ch) = make_float2(o[T][n][c], o[T][n][2 + c]);
+      }
+  }
+  __syncwarp();
+  const float4* from = reinterpret_cast<const float4*>(stage);
+  float4* to = reinterpret_cast<float4*>(p.part_o + (i64)item * p.rep * D);
+  for (int i = 4 * g + t; i < p.rep * (D / 4); i += 32) to[i] = from[i];
 }
 
 // Query fragments of kv-head hk of row b (operand B of the score mma): column g = query head g; k pairs (c0, c2),
@@ -1273,7 +1302,8 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 
   // partial results of this split
   write_ml(p, item, g, t, m, l);
-  write_o(p, item, g, t, o);
+  if (GAAC_STAGED_O) write_o_staged(p, item, g, t, o, reinterpret_cast<float*>(ring));  // (every unit waited for)
+  else write_o(p, item, g, t, o);
   if (GAAC_TRACE && lane == 0) p.trace[4 * item + 2] = gtimer();
 }
 
