@@ -127,11 +127,27 @@ STAGED_O_TWIN = {
     "twin_direct_o": {"balance": (), "defines": ("GAAC_STAGED_O=0",)},
 }
 
+# Session 21 (`--set combine`): at 64/8 the combine's 256 blocks of 16 warps did not all start at once (first to last
+# block start 2.8 us apart, `split_phases_s21.json`); fewer warps per block at both rep 4 and rep 8. The bits depend
+# on the block size: each variant is checked against the twin planned alike.
+COMBINE_GAAC = {
+    "gaac": {"balance": ()},
+    "gaac_combine_8": {"balance": (), "combine_warps": 8},
+    "gaac_combine_4": {"balance": (), "combine_warps": 4},
+}
+COMBINE_TWIN = {
+    "twin": {"balance": ()},
+    "twin_combine_8": {"balance": (), "combine_warps": 8},
+    "twin_combine_4": {"balance": (), "combine_warps": 4},
+}
+
 
 def main():
     args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json",
-                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o"))
-    if args.set == "staged_o":
+                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine"))
+    if args.set == "combine":
+        run_probe(args, COMBINE_GAAC, COMBINE_TWIN, (), "warps_probe.py")
+    elif args.set == "staged_o":
         run_probe(args, STAGED_O_GAAC, STAGED_O_TWIN, (), "warps_probe.py")
     elif args.set == "prepass":
         run_probe(args, PREPASS_GAAC, ISSUE_TWIN, (), "warps_probe.py")
