@@ -141,11 +141,28 @@ COMBINE_TWIN = {
     "twin_combine_4": {"balance": (), "combine_warps": 4},
 }
 
+# Prepared in session 21 (`--set combine_lean`, not yet run): the combine kernel holds 121 registers, so one 16-warp
+# block fits an SM, and none beside a split CTA (159 registers x 384 threads); at 64/8 its 256 blocks run in two
+# waves. GAAC_COMBINE_LEAN (the same loads from running pointers, one float2 per split's statistics: 90 registers)
+# and GAAC_COMBINE_MIN_BLOCKS=2 (capped at 64 registers, 44 bytes of spill): two blocks per SM, one wave. Same bits
+# as the default (same arithmetic in the same order).
+COMBINE_LEAN_GAAC = {
+    "gaac": {"balance": ()},
+    "gaac_combine_lean": {"balance": (), "defines": ("GAAC_COMBINE_LEAN=1",)},
+    "gaac_combine_lean_2": {"balance": (), "defines": ("GAAC_COMBINE_LEAN=1", "GAAC_COMBINE_MIN_BLOCKS=2")},
+}
+COMBINE_LEAN_TWIN = {
+    "twin": {"balance": ()},
+    "twin_combine_lean_2": {"balance": (), "defines": ("GAAC_COMBINE_LEAN=1", "GAAC_COMBINE_MIN_BLOCKS=2")},
+}
+
 
 def main():
     args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json",
-                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine"))
-    if args.set == "combine":
+                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "combine_lean"))
+    if args.set == "combine_lean":
+        run_probe(args, COMBINE_LEAN_GAAC, COMBINE_LEAN_TWIN, (), "warps_probe.py")
+    elif args.set == "combine":
         run_probe(args, COMBINE_GAAC, COMBINE_TWIN, (), "warps_probe.py")
     elif args.set == "staged_o":
         run_probe(args, STAGED_O_GAAC, STAGED_O_TWIN, (), "warps_probe.py")

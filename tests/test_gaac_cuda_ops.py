@@ -224,7 +224,10 @@ def test_plan_of_the_warp_specialized_kernel():
                                     (128, 1, 1, "GAAC_WARPS=12"), (128, 1, 2, "GAAC_WARPS=12"),
                                     (64, 1, 2, "GAAC_WARPS=12", "GAAC_PDL=1"),
                                     (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_FAST_ISSUE=0"),
-                                    (64, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_FAST_ISSUE=0")])
+                                    (64, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_FAST_ISSUE=0"),
+                                    (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_STAGED_O=0"),
+                                    (128, 1, 1, "GAAC_WARPS=12", "GAAC_COMBINE_LEAN=1",
+                                     "GAAC_COMBINE_MIN_BLOCKS=2")])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     """The sm_90a build of every head_dim-64/128 variant, at the plan's register cap (12 warps per SM: 3 CTAs of 4
     warps, or one of 12), keeps its state in registers: no stack, no local memory."""

@@ -150,6 +150,10 @@ if [ "$MODE" = staged ]; then  # session 21: partial outputs by 16-byte stores (
     tests/test_gaac_gpu_generate.py -k "(gpu or cuda) and not compiles and not sass" 2>&1 \
     | tee "$OUT/gpu_tests_staged.log" | tail -4
 fi
+if [ "$MODE" = lean ]; then  # prepared in session 21, not yet run: the combine in one wave at 64/8 (the same bits)
+  timeout ${PROBE_TIMEOUT:-150} python3 benchmarks/warps_probe.py --set combine_lean --real-kv .bench/real_kv_2k.safetensors \
+    --shapes ${SHAPES:-5,1,0,3,2} --out "$OUT/warps_probe_combine_lean.json" 2>&1 | tee "$OUT/warps_probe_combine_lean.log" | tail -8
+fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)
   timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q tests/test_gaac_gpu_generate.py tests/test_gaac_head_dims.py \

@@ -32,7 +32,9 @@
 // swizzled BF16 rows), VT_WORDS (V words per vector load), GAAC_DENSE_SLOT (compressed KV: slots staged as stored),
 // GAAC_WS (the warp-specialized kernel's consumer warps), GAAC_BALANCE (splits weighted by Params::split_cum),
 // GAAC_FAST_ISSUE (compressed KV staged as stored: the common unit's copies issued by lane 0 alone), GAAC_STAGED_O
-// (the one-warp kernel's partial outputs staged in shared memory and written as 16-byte stores), and for the
+// (the one-warp kernel's partial outputs staged in shared memory and written as 16-byte stores), GAAC_COMBINE_LEAN /
+// GAAC_COMBINE_MIN_BLOCKS (the combine's loads from running pointers / its register cap; session 21, not measured
+// yet, off), and for the
 // benchmarks GAAC_SKIP (leave-one-stage-out
 // breakdown; bit 0: no tensor-core math, bit 1: no reconstruction; format 3 only: bit 2 no code bit 2 of 4-bit
 // groups, bit 3 no raw-group patch; bit 4: no prepass, the tiles read stale scratch; bit 5: no tag scan either, offsets
@@ -1557,7 +1559,13 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
 #endif
 #define COMBINE_WARPS GAAC_COMBINE_WARPS
 #define COMBINE_UNROLL 16
-extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) gaac_combine(const Params p) {
+#ifndef GAAC_COMBINE_MIN_BLOCKS  // (benchmark option) combine blocks that must fit on one SM: the register cap
+#define GAAC_COMBINE_MIN_BLOCKS 1
+#endif
+#ifndef GAAC_COMBINE_LEAN
+#define GAAC_COMBINE_LEAN 0
+#endif
+extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32, GAAC_COMBINE_MIN_BLOCKS) gaac_combine(const Params p) {
   __shared__ float red[COMBINE_WARPS][2];
   __shared__ float part[COMBINE_WARPS][32];
   grid_dependency_wait();  // the split kernel's partials
@@ -1572,6 +1580,22 @@ extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) gaac_combine(co
   float mw = NEG_INF, acc = 0.f, den = 0.f;
   for (int s0 = warp; s0 < p.nsplit; s0 += COMBINE_WARPS * COMBINE_UNROLL) {
     float ml[COMBINE_UNROLL][2], po[COMBINE_UNROLL];
+#if GAAC_COMBINE_LEAN  // (benchmark option, session 21) the same loads from two running pointers and one float2 per
+    // split's statistics: fewer live address registers (121 registers at the default: one 16-warp block per SM)
+    {
+      const i64 row0 = (item0 + s0) * p.rep + r, step = (i64)COMBINE_WARPS * p.rep;
+      const float2* mp = reinterpret_cast<const float2*>(p.part_ml) + row0;
+      const float* op = p.part_o + row0 * D + ch;
+#pragma unroll
+      for (int k = 0; k < COMBINE_UNROLL; ++k) {
+        const bool in = s0 + k * COMBINE_WARPS < p.nsplit;
+        const float2 x = in ? mp[k * step] : make_float2(NEG_INF, 0.f);
+        ml[k][0] = x.x;
+        ml[k][1] = x.y;
+        po[k] = in ? op[k * step * D] : 0.f;
+      }
+    }
+#else
 #pragma unroll
     for (int k = 0; k < COMBINE_UNROLL; ++k) {
       const int s = s0 + k * COMBINE_WARPS;
@@ -1580,6 +1604,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) gaac_combine(co
       ml[k][1] = p.part_ml[2 * row + 1];
       po[k] = p.part_o[row * D + ch];
     }
+#endif
     float mx = mw;
 #pragma unroll
     for (int k = 0; k < COMBINE_UNROLL; ++k) mx = fmaxf(mx, ml[k][0]);
