@@ -18,7 +18,9 @@
 #   `... eager`: eager DynamicCache + flash against eager GAACCache, 24 steps each at 16K / 64K / 128K, cache_ops.py.
 #   `... ncu`: benchmarks/device/ncu_h200.sh (Nsight Compute, full set and per-SASS-line stalls) and warps_probe.py
 #     --set next (benchmarks/device/ncu_quick_h200.sh returns in about a minute).
-#   `... captured` (session 20, not yet run): the captured GAAC step and its twin at 64K / 128K.
+#   `... captured` (session 20; ran in session 21): the captured GAAC step and its twin at 64K / 128K.
+#   Session 21 ran `captured`, `prepass`, `pipelined` (twice), `clocks`, `staged` (results benchmarks/results/*_s21*).
+#   First next session: `lean` (the combine in one wave at 64/8: GAAC_COMBINE_LEAN + GAAC_COMBINE_MIN_BLOCKS=2).
 #   `... fence` (session 20): the GPU tests of the kernels, head dims and eager generate, then
 #     benchmarks/device/ws_race_probe.py over every configuration (32 of them: each should print 'bad': 0).
 #   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
