@@ -107,7 +107,10 @@ def main(argv=None):
         ev = evaluate(held, b3, b4, cap, channels)
         rows[name] = {"escape_capacity": cap, "mode_shares": ev["mode_shares"],
                       **{k: ev[k] for k in ("codec_bits", "codec_ratio", "resident_bits", "resident_saving",
-                                            "raw_tile_share")}}
+                                            "raw_tile_share")},
+                      # the same windows with groups of 8 channels of one token (the grouping a kernel whose lanes
+                      # own their groups would read; its escape capacity chosen on the held-out text itself)
+                      "channel_grouping": ev["grouping_8_channels_of_one_token"]}
         print(name, json.dumps(rows[name]), flush=True)
     res = {"model": "SmolLM2-135M-Instruct", "calibration": f"A = {a.description}: {len(pa)} x {args.prompt_tokens}",
            "heldout": f"B = {b.description}: {len(pb)} x {args.prompt_tokens}", "variants": rows,
