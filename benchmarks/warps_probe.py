@@ -156,11 +156,24 @@ COMBINE_LEAN_TWIN = {
     "twin_combine_lean_2": {"balance": (), "defines": ("GAAC_COMBINE_LEAN=1", "GAAC_COMBINE_MIN_BLOCKS=2")},
 }
 
+# Prepared in session 21 (`--set prepass2`, not yet run): session 21's no-prepass bounds read uninitialized scratch,
+# whose garbage scores took other softmax branches (slower at 1x64K, so they bounded nothing there). GAAC_SKIP bit 6
+# runs the prepass on a split's first unit only: later units read its plausible (wrong) bases, and the softmax stays
+# on its usual path. With bit 5 the tag scan goes too.
+PREPASS2_GAAC = {
+    "gaac": {"balance": ()},
+    "gaac_prepass_first_unit": {"balance": (), "skip": 64},
+    "gaac_prepass_first_unit_no_scan": {"balance": (), "skip": 96},
+    "gaac_loads_only": {"balance": (), "skip": 3},
+}
+
 
 def main():
     args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json",
-                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "combine_lean"))
-    if args.set == "combine_lean":
+                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "combine_lean", "prepass2"))
+    if args.set == "prepass2":
+        run_probe(args, PREPASS2_GAAC, ISSUE_TWIN, (), "warps_probe.py")
+    elif args.set == "combine_lean":
         run_probe(args, COMBINE_LEAN_GAAC, COMBINE_LEAN_TWIN, (), "warps_probe.py")
     elif args.set == "combine":
         run_probe(args, COMBINE_GAAC, COMBINE_TWIN, (), "warps_probe.py")

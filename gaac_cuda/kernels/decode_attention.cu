@@ -38,7 +38,8 @@
 // benchmarks GAAC_SKIP (leave-one-stage-out
 // breakdown; bit 0: no tensor-core math, bit 1: no reconstruction; format 3 only: bit 2 no code bit 2 of 4-bit
 // groups, bit 3 no raw-group patch; bit 4: no prepass, the tiles read stale scratch; bit 5: no tag scan either, offsets
-// 0 and no raw group: bounds for a slot format whose lanes own their groups), GAAC_TRACE (globaltimer stamps,
+// 0 and no raw group; bit 6: the prepass on a split's first unit only, later units read its plausible but wrong
+// scratch: bounds for a slot format whose lanes own their groups), GAAC_TRACE (globaltimer stamps,
 // benchmarks/cuda_stream_probe.py) and GAAC_FORMAT (1: format version 1; 3: format version 2 as stored, in fragment
 // order, see k_tile_f3).
 // The options are measured alternatives (benchmarks/results/attention_cuda.md; the rejected ones, removed in sessions
@@ -1267,7 +1268,8 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     for (int T = 0; T < TILES; ++T) {
       const u8* buf = ring + (st * 2 * TILES + T) * p.buf_bytes;
       if (DECODE && ((slots_here >> T) & 1)) {
-        if (!(GAAC_SKIP & 16)) prepass(p, buf, scr, b3[0][T], b4[0][T], lane, tk[T]);
+        if (!(GAAC_SKIP & 16) && (!(GAAC_SKIP & 64) || j == 0))
+          prepass(p, buf, scr, b3[0][T], b4[0][T], lane, tk[T]);
         __syncwarp();
         k_tile<4>(p, buf, scr, g, t, qb[T], sc2, tk[T].any_raw, sw);
         __syncwarp();
@@ -1288,7 +1290,8 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     for (int T = 0; T < TILES; ++T) {
       const u8* buf = ring + (st * 2 * TILES + TILES + T) * p.buf_bytes;
       if (DECODE && ((slots_here >> (TILES + T)) & 1)) {
-        if (!(GAAC_SKIP & 16)) prepass<true>(p, buf, scr, b3[1][T], b4[1][T], lane, tv[T]);
+        if (!(GAAC_SKIP & 16) && (!(GAAC_SKIP & 64) || j == 0))
+          prepass<true>(p, buf, scr, b3[1][T], b4[1][T], lane, tv[T]);
         __syncwarp();
         v_tile<4>(p, buf, scr, g, t, pb, o[T], tv[T].any_raw, sw);
         __syncwarp();
