@@ -2,8 +2,7 @@
 # H200 calls, each under the device's 10-minute limit; carry [".bench"] (`python benchmarks/capture_real_kv.py` makes it
 # on the CPU). Session 19 ran `baselines`, `stream`, `stages`, `phases`, `verify`, `eager` (results
 # benchmarks/results/*_s19*); sessions 17-18 ran `tests`, `probe`, `step`, `ncu`. Session 20 ran `warps16` (removed
-# since), `ncusrc` (twice), `issue`, `fence`. First next session: `captured` (the captured pair at 64K / 128K with the
-# session-20 kernel, for issue 13's ratio to the twin; not run since session 19).
+# since), `ncusrc` (twice), `issue`, `fence`. Session 21: see below; first next session: `lean`.
 #   `bash benchmarks/device/next_h200.sh tests`: the GPU tests of the static cache, generate, CapturedStep and replay,
 #     then the format-3 leave-one-stage-out breakdown at 1x64K (benchmarks/format_v2_probe.py).
 #   `... step`: the compiled and captured decode step at 64K / 128K with each step's GPU time by kernel kind, then the
