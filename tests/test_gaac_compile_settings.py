@@ -251,3 +251,7 @@ def test_kernel_kinds_of_the_generate_benchmark_profile():
                                    ("triton_poi_fused_1", 300.0, 96)], steps=3)
     assert out["total_ms"] == 1.3 and out["kernels_per_step"] == 288.0 and out["by_kind_ms"] == {"matmul": 1.0, "attention": 0.2, "fused_pointwise": 0.1}
     assert out["top"][0] == ["gemv2T_kernel_val", 1.0, 224.0]
+    spread = bench.kernel_spread([("gaac_decode_split", float(us)) for us in range(60, 70)] +
+                                 [("gaac_combine", 3.0), ("gemv2T_kernel_val", 9.0)])
+    assert spread == {"gaac_decode_split": {"n": 10, "p10": 61.0, "p50": 65.0, "p90": 69.0, "max": 69.0},
+                      "gaac_combine": {"n": 1, "p10": 3.0, "p50": 3.0, "p90": 3.0, "max": 3.0}}
