@@ -135,10 +135,15 @@ class Stepper:
         self.check = check
         self.with_cache_position = "cache_position" in inspect.signature(model.forward).parameters
 
-    def step(self, token: torch.Tensor):
-        kw = {self.name: self.cache, "use_cache": True, "position_ids": torch.tensor([[self.pos]], device=self.device)}
+    def kwargs(self, position_ids: torch.Tensor, cache_position: torch.Tensor) -> dict:
+        """The forward's keyword arguments of one decode step besides the token."""
+        kw = {self.name: self.cache, "use_cache": True, "position_ids": position_ids}
         if self.with_cache_position:
-            kw["cache_position"] = torch.tensor([self.pos], device=self.device)
+            kw["cache_position"] = cache_position
+        return kw
+
+    def step(self, token: torch.Tensor):
+        kw = self.kwargs(torch.tensor([[self.pos]], device=self.device), torch.tensor([self.pos], device=self.device))
         out = self.forward(input_ids=token, **kw)
         self.pos += 1
         return out.logits[:, -1].clone()
@@ -174,10 +179,7 @@ class Stepper:
         sync(self.device)
         t0 = time.perf_counter()
         for _ in range(steps):
-            kw = {self.name: self.cache, "use_cache": True, "position_ids": pos}
-            if self.with_cache_position:
-                kw["cache_position"] = pos[0]
-            tok = self.forward(input_ids=tok, **kw).logits[:, -1].argmax(-1, keepdim=True)
+            tok = self.forward(input_ids=tok, **self.kwargs(pos, pos[0])).logits[:, -1].argmax(-1, keepdim=True)
             pos = pos + 1
         sync(self.device)
         self.pos += steps

@@ -34,9 +34,7 @@
 // GAAC_FAST_ISSUE (compressed KV staged as stored: the common unit's copies issued by lane 0 alone), GAAC_STAGED_O
 // (the one-warp kernel's partial outputs staged in shared memory and written as 16-byte stores), GAAC_COMBINE_LEAN /
 // GAAC_COMBINE_MIN_BLOCKS (the combine's loads from running pointers / its register cap; session 21, not measured
-// yet, off), and for the
-// benchmarks GAAC_SKIP (leave-one-stage-out
-// breakdown; bit 0: no tensor-core math, bit 1: no reconstruction; format 3 only: bit 2 no code bit 2 of 4-bit
+// yet, off), and for the benchmarks GAAC_SKIP (leave-one-stage-out breakdown; bit 0: no tensor-core math, bit 1: no reconstruction; format 3 only: bit 2 no code bit 2 of 4-bit
 // groups, bit 3 no raw-group patch; bit 4: no prepass, the tiles read stale scratch; bit 5: no tag scan either, offsets
 // 0 and no raw group; bit 6: the prepass on a split's first unit only, later units read its plausible but wrong
 // scratch: bounds for a slot format whose lanes own their groups), GAAC_TRACE (globaltimer stamps,
@@ -895,23 +893,28 @@ __device__ __forceinline__ void write_ml(const Params& p, int item, int g, int t
     p.part_ml[2 * row + 1] = l[c];
   }
 }
-// ... and the unnormalized output O^T (rows g and g + 8 of m-tile n: channels 4(g NVW + n/2) + 2(n % 2) + 0, 1),
-// from the fragments: per warp store instruction 4 bytes into each of 32 different sectors
-__device__ __forceinline__ void write_o(const Params& p, int item, int g, int t, const float (&o)[TILES][NVM][4]) {
+// ... and the unnormalized output O^T: put(head, ch, value of channel ch, value of ch + 1) for every valid head of
+// the thread (heads 2t, 2t + 1) and its channel pairs (rows g and g + 8 of m-tile n: channels
+// 4(g NVW + n/2) + 2(n % 2) + 0, 1)
+template <typename Put>
+__device__ __forceinline__ void o_pairs(const Params& p, int g, int t, const float (&o)[TILES][NVM][4], Put put) {
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
     const int head = 2 * t + c;
     if (head >= p.rep) continue;
-    float* po = p.part_o + ((i64)item * p.rep + head) * D;
 #pragma unroll
     for (int T = 0; T < TILES; ++T)
 #pragma unroll
-      for (int n = 0; n < NVM; ++n) {
-        const int ch = T * C + 4 * (g * NVW + n / 2) + 2 * (n % 2);
-        po[ch] = o[T][n][c];
-        po[ch + 1] = o[T][n][2 + c];
-      }
+      for (int n = 0; n < NVM; ++n) put(head, T * C + 4 * (g * NVW + n / 2) + 2 * (n % 2), o[T][n][c], o[T][n][2 + c]);
   }
+}
+// from the fragments: per warp store instruction 4 bytes into each of 32 different sectors
+__device__ __forceinline__ void write_o(const Params& p, int item, int g, int t, const float (&o)[TILES][NVM][4]) {
+  o_pairs(p, g, t, o, [&](int head, int ch, float x, float y) {
+    float* po = p.part_o + ((i64)item * p.rep + head) * D;
+    po[ch] = x;
+    po[ch + 1] = y;
+  });
 }
 // ... or (GAAC_STAGED_O, the one-warp kernel's default) put in row order in `stage`, rep x D floats of the warp's
 // shared memory (its drained ring: one stage alone, K and V buffers of at least 16 x C bytes per tile, holds the
@@ -923,18 +926,9 @@ __device__ __forceinline__ void write_o(const Params& p, int item, int g, int t,
 __device__ __forceinline__ void write_o_staged(const Params& p, int item, int g, int t,
                                                const float (&o)[TILES][NVM][4], float* stage) {
   __syncwarp();  // every lane is past its last read of the ring
-#pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    const int head = 2 * t + c;
-    if (head >= p.rep) continue;
-#pragma unroll
-    for (int T = 0; T < TILES; ++T)
-#pragma unroll
-      for (int n = 0; n < NVM; ++n) {
-        const int ch = T * C + 4 * (g * NVW + n / 2) + 2 * (n % 2);
-        *reinterpret_cast<float2*>(stage + head * D + ch) = make_float2(o[T][n][c], o[T][n][2 + c]);
-      }
-  }
+  o_pairs(p, g, t, o, [&](int head, int ch, float x, float y) {
+    *reinterpret_cast<float2*>(stage + head * D + ch) = make_float2(x, y);
+  });
   __syncwarp();
   const float4* from = reinterpret_cast<const float4*>(stage);
   float4* to = reinterpret_cast<float4*>(p.part_o + (i64)item * p.rep * D);
@@ -1568,7 +1562,8 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
 #ifndef GAAC_COMBINE_LEAN
 #define GAAC_COMBINE_LEAN 0
 #endif
-extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32, GAAC_COMBINE_MIN_BLOCKS) gaac_combine(const Params p) {
+extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32, GAAC_COMBINE_MIN_BLOCKS)
+    gaac_combine(const Params p) {
   __shared__ float red[COMBINE_WARPS][2];
   __shared__ float part[COMBINE_WARPS][32];
   grid_dependency_wait();  // the split kernel's partials
