@@ -141,22 +141,10 @@ COMBINE_TWIN = {
     "twin_combine_4": {"balance": (), "combine_warps": 4},
 }
 
-# Prepared in session 21 (`--set combine_lean`, not yet run): the combine kernel holds 121 registers, so one 16-warp
-# block fits an SM, and none beside a split CTA (159 registers x 384 threads); at 64/8 its 256 blocks run in two
-# waves. GAAC_COMBINE_LEAN (the same loads from running pointers, one float2 per split's statistics: 90 registers)
-# and GAAC_COMBINE_MIN_BLOCKS=2 (capped at 64 registers, 44 bytes of spill): two blocks per SM, one wave. Same bits
-# as the default (same arithmetic in the same order).
-COMBINE_LEAN_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_combine_lean": {"balance": (), "defines": ("GAAC_COMBINE_LEAN=1",)},
-    "gaac_combine_lean_2": {"balance": (), "defines": ("GAAC_COMBINE_LEAN=1", "GAAC_COMBINE_MIN_BLOCKS=2")},
-}
-COMBINE_LEAN_TWIN = {
-    "twin": {"balance": ()},
-    "twin_combine_lean_2": {"balance": (), "defines": ("GAAC_COMBINE_LEAN=1", "GAAC_COMBINE_MIN_BLOCKS=2")},
-}
+# Session 21's `--set combine_lean` ran in session 22 (`warps_probe_combine_lean_s22.json`): the combine's loads from
+# running pointers became the only combine code; two blocks per SM (a 64-register cap) were slower and went.
 
-# Prepared in session 21 (`--set prepass2`, not yet run): session 21's no-prepass bounds read uninitialized scratch,
+# Session 21 (`--set prepass2`, ran in session 22: `warps_probe_prepass2_s22.json`): session 21's no-prepass bounds read uninitialized scratch,
 # whose garbage scores took other softmax branches (slower at 1x64K, so they bounded nothing there). GAAC_SKIP bit 6
 # runs the prepass on a split's first unit only: later units read its plausible (wrong) bases, and the softmax stays
 # on its usual path. With bit 5 the tag scan goes too.
@@ -167,14 +155,31 @@ PREPASS2_GAAC = {
     "gaac_loads_only": {"balance": (), "skip": 3},
 }
 
+# Session 22 (`--set cta_merge`): the one-warp kernel's splits merged per CTA and (row, kv-head) in shared memory
+# before they leave (plan(cta_merge=True)): one partial per CTA and group (about nsplit / 12 + 1 per group instead of
+# nsplit), so the partial bytes written and the combine's loads shrink about 12-fold; the combine then merges a
+# handful of partials per block (also with 4 warps per block). The bits change with the merge order: each variant is
+# checked against the twin planned alike. Also the combine's loads from running pointers (now the only combine code,
+# `--set combine_lean` of session 21: 0.3-0.7 us less at five shapes, the same bits).
+CTA_MERGE_GAAC = {
+    "gaac": {"balance": ()},
+    "gaac_cta_merge": {"balance": (), "cta_merge": True},
+    "gaac_cta_merge_cw4": {"balance": (), "cta_merge": True, "combine_warps": 4},
+}
+CTA_MERGE_TWIN = {
+    "twin": {"balance": ()},
+    "twin_cta_merge": {"balance": (), "cta_merge": True},
+    "twin_cta_merge_cw4": {"balance": (), "cta_merge": True, "combine_warps": 4},
+}
+
 
 def main():
     args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json",
-                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "combine_lean", "prepass2"))
-    if args.set == "prepass2":
+                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge"))
+    if args.set == "cta_merge":
+        run_probe(args, CTA_MERGE_GAAC, CTA_MERGE_TWIN, ("gaac", "gaac_cta_merge"), "warps_probe.py")
+    elif args.set == "prepass2":
         run_probe(args, PREPASS2_GAAC, ISSUE_TWIN, (), "warps_probe.py")
-    elif args.set == "combine_lean":
-        run_probe(args, COMBINE_LEAN_GAAC, COMBINE_LEAN_TWIN, (), "warps_probe.py")
     elif args.set == "combine":
         run_probe(args, COMBINE_GAAC, COMBINE_TWIN, (), "warps_probe.py")
     elif args.set == "staged_o":

@@ -58,6 +58,11 @@ BALANCE = RANK_PACE if os.environ.get("GAAC_HF_CUDA_BALANCE") == "1" else None
 # do not change. On by default since session 17 (H200, benchmarks/results/balance_probe_s17.json: 1.0-1.3 us less per
 # call at every probed shape, compressed KV and twin alike); GAAC_HF_CUDA_PDL=0 turns it off for the process.
 PDL = os.environ.get("GAAC_HF_CUDA_PDL", "1") != "0"
+# The one-warp kernel's splits merged per CTA and (row, kv-head) before they leave the SM (`plan(cta_merge=True)`,
+# kernel option GAAC_CTA_MERGE): one partial per CTA and group instead of one per split, so the partial bytes written
+# and the combine's loads shrink about GAAC_WARPS-fold. The merge order changes the bits: compressed KV and its twin
+# planned alike still match. Session 22: measured next (off until then); GAAC_HF_CUDA_CTA_MERGE=1 turns it on.
+CTA_MERGE = os.environ.get("GAAC_HF_CUDA_CTA_MERGE", "0") == "1"
 # CTA size of the one-warp kernel at one tile per head where `plan` is given none: SPLIT_WARPS warps in one CTA per SM
 # (the same splits as 3 CTAs of 4 warps, and the same bits), where shared memory holds such a CTA; else 4 warps, 3 CTAs
 # per SM. The warp schedulers favour an SM's older CTAs (see RANK_PACE): one CTA per SM has no older CTA, and its warps
@@ -117,10 +122,19 @@ class DecodePlan:
     split_cum: tuple = ()  # `plan(balance=...)`: cumulative split weights per row, [batch * (nsplit + 1)]
     combine_warps: int = COMBINE_WARPS
     pdl: bool = False  # programmatic dependent launch (`plan(pdl=True)`)
+    cta_merge: bool = False  # `plan(cta_merge=True)`: one partial per CTA and (row, kv-head)
 
     @property
     def items(self) -> int:
         return self.batch * self.kv_heads * self.nsplit
+
+    @property
+    def parts(self) -> int:
+        """Partial results the split kernel writes: one per split, or with `cta_merge` at most nsplit // warps + 2
+        per (row, kv-head) (the CTAs a group's consecutive splits can span; the kernel's cta_parts_cap)."""
+        if self.cta_merge:
+            return self.batch * self.kv_heads * (self.nsplit // self.warps + 2)
+        return self.items
 
     @property
     def splits_per_cta(self) -> int:
@@ -156,7 +170,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
          swizzle: bool | None = None, v_words: int | None = None, dense_slots: bool | None = None,
          ws: int | None = None, defines: tuple[str, ...] = (),
          buf_bytes: int | None = None, balance: tuple[int, ...] | None = None,
-         combine_warps: int | None = None, pdl: bool | None = None) -> DecodePlan:
+         combine_warps: int | None = None, pdl: bool | None = None,
+         cta_merge: bool | None = None) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
@@ -195,7 +210,9 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     `combine_warps` (benchmarks, measured next): warps per block of the combine kernel (default 16; warp w merges
     splits w, w + combine_warps, ... then the warps merge in order, so the bits depend on it: plan compressed KV and its
     twin alike). At 121 registers a 16-warp block fills an SM's register file, so 4x64K's 512 blocks run in 4 waves.
-    `pdl` (None: `PDL`): programmatic dependent launch of both kernels (see `PDL`; the same bits)."""
+    `pdl` (None: `PDL`): programmatic dependent launch of both kernels (see `PDL`; the same bits).
+    `cta_merge` (None: `CTA_MERGE`; the one-warp kernel without `balance`): the splits of each CTA merged per (row,
+    kv-head) in shared memory before they leave (see `CTA_MERGE`; the bits depend on it: plan the twin alike)."""
     pdl = PDL if pdl is None else bool(pdl)
     if balance is None and head_dim <= 128:  # one tile per head: the process-wide default (before the kernel choice)
         balance = BALANCE
@@ -223,6 +240,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     extra = tuple(f"-D{d}" for d in defines)
     if ws and buf_bytes is not None:
         raise ValueError("buf_bytes is a one-warp kernel option (ws=0)")
+    if cta_merge and ws:
+        raise ValueError("cta_merge merges the one-warp kernel's splits (ws=0)")
     if ws:
         return _with_pdl(_plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, slot_bytes=slot_bytes,
                                   plain=plain, nsplit=nsplit, ws=ws, stages=2 * ws if stages is None else stages,
@@ -273,8 +292,22 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         nsplit = _default_nsplit(batch, kv_heads, max_tokens, device, tiles)
     options, cum = _balanced(options, batch, kv_heads, nsplit, device, balance)
     options, cw = _combine_option(options, combine_warps)
+    merge = _cta_merge(cta_merge, bool(cum), stages * 2 * tiles * buf, head_dim)
+    if merge:
+        options += ("-DGAAC_CTA_MERGE=1",)
     return _with_pdl(DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes,
-                                options, split_cum=cum, combine_warps=cw), pdl)
+                                options, split_cum=cum, combine_warps=cw, cta_merge=merge), pdl)
+
+
+def _cta_merge(asked: bool | None, balanced: bool, ring_bytes: int, head_dim: int) -> bool:
+    """Whether a one-warp plan merges its CTAs' splits: asked, or the process default where it applies. The kernel
+    stages a warp's output rows and statistics in its drained ring (MAX_GROUP_HEADS x head_dim fp32 and 16 floats)."""
+    if asked and balanced:
+        raise ValueError("cta_merge needs consecutive splits per CTA: not with balance (heads interleaved by warp)")
+    merge = (CTA_MERGE and not balanced) if asked is None else bool(asked)
+    if merge and ring_bytes < 4 * (MAX_GROUP_HEADS * head_dim + 16):
+        raise ValueError(f"cta_merge stages a warp's partial in its ring: {ring_bytes} bytes are too few")
+    return merge
 
 
 def _smem_optin(device) -> int:
@@ -433,8 +466,8 @@ def _run(p: DecodePlan, query, kv_len, mask, scale, fill, combine_too: bool = Tr
         raise ValueError("kv_len must be an int32 tensor [batch] on the query's device")
     query = query.contiguous()
     dev = query.device
-    part_o = torch.empty(p.items * p.rep * d, dtype=torch.float32, device=dev)
-    part_ml = torch.empty(p.items * p.rep * 2, dtype=torch.float32, device=dev)
+    part_o = torch.empty(p.parts * p.rep * d, dtype=torch.float32, device=dev)
+    part_ml = torch.empty(p.parts * p.rep * 2, dtype=torch.float32, device=dev)
     out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=dev)
     prm = _Params()
     prm.q, prm.kv_len, prm.part_o, prm.part_ml, prm.out = (query.data_ptr(), kv_len.data_ptr(), part_o.data_ptr(),

@@ -226,8 +226,9 @@ def test_plan_of_the_warp_specialized_kernel():
                                     (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_FAST_ISSUE=0"),
                                     (64, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_FAST_ISSUE=0"),
                                     (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_STAGED_O=0"),
-                                    (128, 1, 1, "GAAC_WARPS=12", "GAAC_COMBINE_LEAN=1",
-                                     "GAAC_COMBINE_MIN_BLOCKS=2")])
+                                    (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_CTA_MERGE=1"),
+                                    (64, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_CTA_MERGE=1"),
+                                    (128, 1, 2, "GAAC_WARPS=12", "GAAC_CTA_MERGE=1"), (64, 1, 0, "GAAC_CTA_MERGE=1")])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     """The sm_90a build of every head_dim-64/128 variant, at the plan's register cap (12 warps per SM: 3 CTAs of 4
     warps, or one of 12), keeps its state in registers: no stack, no local memory."""
@@ -567,3 +568,59 @@ def test_combine_over_many_splits_and_empty_ones():
         assert torch.equal(bits(got), bits(twin)), nsplit
         ref = reference_attention(q.cpu(), k.cpu(), v.cpu(), kv_len.cpu(), None, scale)
         assert ((got.cpu().double() - ref).norm() / ref.norm()).item() < 1e-2, nsplit
+
+
+@gpu
+@pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[1], GPU_CASES[6], GPU_CASES[8], GPU_CASES[9]],
+                         ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
+def test_cta_merge_equals_the_twin_planned_alike(case):
+    """plan(cta_merge=True): each CTA merges its splits per (row, kv-head) before they leave, so CTAs that span two
+    or more groups (split counts that are not multiples of the warps per CTA, 4- and 12-warp CTAs, a CTA of fewer
+    live warps at the end, empty splits) write one partial per group. Compressed KV (formats 1 and 3) and its twin
+    planned alike give the same bits, close to the fp64 reference and to the unmerged kernel, and the same bits again
+    as three back-to-back calls in one CUDA graph."""
+    b, h, nrep, _, d, _, _, _ = case
+    (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case)
+    for nsplit, warps in ((1, None), (5, None), (13, None), (3, 4), (7, 4), (None, None), (40, None)):
+        kw = {"nsplit": nsplit, "ws": 0} if warps is None else {"nsplit": nsplit, "ws": 0, "warps": warps}
+        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, cta_merge=True, **kw)
+        kw["nsplit"] = pc.nsplit
+        assert pc.cta_merge and "-DGAAC_CTA_MERGE=1" in pc.options and pc.parts <= max(pc.items, 3 * b * h)
+        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, cta_merge=True, **kw)
+        got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
+        twin = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
+        assert torch.equal(bits(got), bits(twin)), (pc.nsplit, pc.warps)
+        unmerged = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout,
+                                    plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes,
+                                         cta_merge=False, **kw))
+        assert (got.float() - unmerged.float()).abs().max().item() <= 2 ** -6 * unmerged.float().abs().max().item()
+        err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, (err, pc.nsplit, pc.warps)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            again = [plain_decode_attention(q, k, v, kv_len, mask, scale, pp) for _ in range(3)]
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(bits(a), bits(twin)) for a in again), (pc.nsplit, pc.warps)
+    if d in (64, 128):  # format version 2 (the kernel's format 3), as the caches store it on Hopper
+        (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case, 2)
+        for nsplit in (3, None):
+            pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, ws=0, format_version=3,
+                      nsplit=nsplit, cta_merge=True)
+            pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, ws=0, nsplit=pc.nsplit, cta_merge=True)
+            got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
+            assert torch.equal(bits(got), bits(plain_decode_attention(q, k, v, kv_len, mask, scale, pp))), nsplit
+
+
+def test_cta_merge_option():
+    """plan(cta_merge=...): the kernel option and the partials' count, refused with the warp-specialized kernel and
+    with rank-balanced splits (they interleave the heads warp by warp)."""
+    p = plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, ws=0, warps=12, cta_merge=True)
+    assert p.cta_merge and "-DGAAC_CTA_MERGE=1" in p.options and p.parts == 2 * 8 * (33 // 12 + 2)
+    off = plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, ws=0, warps=12, cta_merge=False)
+    assert not off.cta_merge and off.parts == off.items and not any("CTA_MERGE" in o for o in off.options)
+    with pytest.raises(ValueError, match="ws=0"):
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, ws=3, cta_merge=True)
+    with pytest.raises(ValueError, match="balance"):
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, ws=0, cta_merge=True, balance=RANK_PACE)

@@ -19,8 +19,7 @@
 #     --set next (benchmarks/device/ncu_quick_h200.sh returns in about a minute).
 #   `... captured` (session 20; ran in session 21): the captured GAAC step and its twin at 64K / 128K.
 #   Session 21 ran `captured`, `prepass`, `pipelined` (twice), `clocks`, `staged` (results benchmarks/results/*_s21*).
-#   First next session: `lean` (the combine in one wave at 64/8: GAAC_COMBINE_LEAN + GAAC_COMBINE_MIN_BLOCKS=2; then
-#   the prepass bound with plausible scratch, GAAC_SKIP bit 6).
+#   Session 22 ran `lean` (its combine options are gone since: the lean loads became the only combine), then `merge`.
 #   `... fence` (session 20): the GPU tests of the kernels, head dims and eager generate, then
 #     benchmarks/device/ws_race_probe.py over every configuration (32 of them: each should print 'bad': 0).
 #   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
@@ -152,12 +151,12 @@ if [ "$MODE" = staged ]; then  # session 21: partial outputs by 16-byte stores (
     tests/test_gaac_gpu_generate.py -k "(gpu or cuda) and not compiles and not sass" 2>&1 \
     | tee "$OUT/gpu_tests_staged.log" | tail -4
 fi
-if [ "$MODE" = lean ]; then  # prepared in session 21, not yet run: the combine in one wave at 64/8 (the same bits)
-  timeout ${PROBE_TIMEOUT:-150} python3 benchmarks/warps_probe.py --set combine_lean --real-kv .bench/real_kv_2k.safetensors \
-    --shapes ${SHAPES:-5,1,0,3,2} --out "$OUT/warps_probe_combine_lean.json" 2>&1 | tee "$OUT/warps_probe_combine_lean.log" | tail -8
-  # then the prepass bound without garbage scores (GAAC_SKIP bit 6: the prepass on a split's first unit only)
-  timeout ${PREPASS_TIMEOUT:-150} python3 benchmarks/warps_probe.py --set prepass2 --real-kv .bench/real_kv_2k.safetensors \
-    --shapes ${SHAPES2:-1,2,4,5,3} --out "$OUT/warps_probe_prepass2.json" 2>&1 | tee "$OUT/warps_probe_prepass2.log" | tail -8
+if [ "$MODE" = merge ]; then  # session 22: the CUDA kernel's GPU tests (the lean combine is now the only one; the
+  # new CTA merge against its twin and the reference), then warps_probe.py --set cta_merge at six shapes
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q tests/test_gaac_cuda_ops.py -k "not compiles and not sass" 2>&1 \
+    | tee "$OUT/gpu_tests_merge.log" | tail -4
+  timeout ${PROBE_TIMEOUT:-330} python3 benchmarks/warps_probe.py --set cta_merge --real-kv .bench/real_kv_2k.safetensors \
+    --shapes ${SHAPES:-1,5,0,3,2,4} --out "$OUT/warps_probe_cta_merge.json" 2>&1 | tee "$OUT/warps_probe_cta_merge.log" | tail -9
 fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)

@@ -32,9 +32,8 @@
 // swizzled BF16 rows), VT_WORDS (V words per vector load), GAAC_DENSE_SLOT (compressed KV: slots staged as stored),
 // GAAC_WS (the warp-specialized kernel's consumer warps), GAAC_BALANCE (splits weighted by Params::split_cum),
 // GAAC_FAST_ISSUE (compressed KV staged as stored: the common unit's copies issued by lane 0 alone), GAAC_STAGED_O
-// (the one-warp kernel's partial outputs staged in shared memory and written as 16-byte stores), GAAC_COMBINE_LEAN /
-// GAAC_COMBINE_MIN_BLOCKS (the combine's loads from running pointers / its register cap; session 21, not measured
-// yet, off), and for the benchmarks GAAC_SKIP (leave-one-stage-out breakdown; bit 0: no tensor-core math, bit 1: no reconstruction; format 3 only: bit 2 no code bit 2 of 4-bit
+// (the one-warp kernel's partial outputs staged in shared memory and written as 16-byte stores), GAAC_CTA_MERGE (the
+// one-warp kernel's splits merged per CTA and group before they leave the SM; session 22), and for the benchmarks GAAC_SKIP (leave-one-stage-out breakdown; bit 0: no tensor-core math, bit 1: no reconstruction; format 3 only: bit 2 no code bit 2 of 4-bit
 // groups, bit 3 no raw-group patch; bit 4: no prepass, the tiles read stale scratch; bit 5: no tag scan either, offsets
 // 0 and no raw group; bit 6: the prepass on a split's first unit only, later units read its plausible but wrong
 // scratch: bounds for a slot format whose lanes own their groups), GAAC_TRACE (globaltimer stamps,
@@ -77,6 +76,10 @@
 #ifndef GAAC_WS  // consumer warps of the warp-specialized kernel gaac_decode_ws (0: that kernel is not built)
 #define GAAC_WS 0
 #endif
+#ifndef GAAC_CTA_MERGE  // the one-warp kernel's splits merged per CTA before they leave (1: each CTA writes one partial
+#define GAAC_CTA_MERGE 0  // per (row, kv-head) it holds, and the combine merges those) or one partial per split (0)
+#endif
+#define CTA_MERGE (GAAC_CTA_MERGE && !GAAC_WS && !GAAC_BALANCE)  // (GAAC_BALANCE interleaves the heads warp by warp)
 // The one-warp kernel over plain KV (the twin at head_dim 256, or when asked for): K and V of a stage on their own
 // barriers, each re-issued as soon as its tile is read (measured faster for the twin, slower for compressed KV:
 // benchmarks/results/attention_cuda.md, session 7). A warp-specialized build's one-warp kernel is never launched and
@@ -935,6 +938,76 @@ __device__ __forceinline__ void write_o_staged(const Params& p, int item, int g,
   for (int i = 4 * g + t; i < p.rep * (D / 4); i += 32) to[i] = from[i];
 }
 
+// GAAC_CTA_MERGE: the splits of group grp = b * heads + hk are items grp * nsplit .. + nsplit - 1, warp w of CTA c
+// holds item c * GAAC_WARPS + w, so the group's partials are those of CTAs first_cta .. last_cta, at rows
+// grp * cta_parts_cap + (c - first_cta) (the launcher allocates batch * heads * cta_parts_cap of them).
+__device__ __forceinline__ int first_cta(const Params& p, int grp) { return (int)((i64)grp * p.nsplit / GAAC_WARPS); }
+__device__ __forceinline__ int last_cta(const Params& p, int grp) {
+  return (int)(((i64)grp + 1) * p.nsplit - 1) / GAAC_WARPS;
+}
+__device__ __forceinline__ int cta_parts_cap(const Params& p) { return p.nsplit / GAAC_WARPS + 2; }
+
+// GAAC_CTA_MERGE: the CTA's live warps (items below the total) merge their splits per group before anything leaves
+// the SM. Each warp puts its unnormalized output rows (rep x D fp32, row order) and per head (max, denominator) in
+// its drained ring; after a named barrier over the live warps, the CTA's threads merge each group's warps in warp
+// order, four channels per thread, and write one partial per group with 16-byte stores: the combine then reads
+// about nsplit / GAAC_WARPS + 1 partials per group instead of nsplit. The same code for compressed KV and its twin,
+// so the same bits.
+__device__ __forceinline__ void cta_merge(const Params& p, u8* smem, int warp, int lane, int g, int t,
+                                          const float (&m)[2], float (&l)[2], const float (&o)[TILES][NVM][4]) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {  // the thread's token sums over g, as write_ml does
+    l[j] += __shfl_xor_sync(0xffffffffu, l[j], 4);
+    l[j] += __shfl_xor_sync(0xffffffffu, l[j], 8);
+    l[j] += __shfl_xor_sync(0xffffffffu, l[j], 16);
+  }
+  constexpr int ML = 8 * D;  // a warp's statistics after its (at most 8) output rows
+  float* mine = reinterpret_cast<float*>(smem + warp * p.warp_bytes + HDR);
+  __syncwarp();  // every lane is past its last read of the ring
+  o_pairs(p, g, t, o, [&](int head, int ch, float x, float y) {
+    *reinterpret_cast<float2*>(mine + head * D + ch) = make_float2(x, y);
+  });
+#pragma unroll
+  for (int c = 0; c < 2; ++c)
+    if (g == 0 && 2 * t + c < p.rep) *reinterpret_cast<float2*>(mine + ML + 2 * (2 * t + c)) = make_float2(m[c], l[c]);
+  const int item0 = blockIdx.x * GAAC_WARPS;
+  const int live = min(GAAC_WARPS, p.batch * p.heads * p.nsplit - item0);
+  asm volatile("bar.sync 1, %0;" ::"r"(32 * live) : "memory");
+  const int g0 = item0 / p.nsplit, g1 = (item0 + live - 1) / p.nsplit;
+  const int rows4 = p.rep * (D / 4);
+#pragma unroll 1
+  for (int grp = g0; grp <= g1; ++grp) {
+    const int wa = max(grp * p.nsplit - item0, 0), wb = min((grp + 1) * p.nsplit - item0, live);
+    const i64 part = (i64)grp * cta_parts_cap(p) + (blockIdx.x - first_cta(p, grp));
+#pragma unroll 1
+    for (int e = warp * 32 + lane; e < rows4; e += 32 * live) {
+      const int head = e / (D / 4), c4 = e % (D / 4);
+      float mx = NEG_INF;
+#pragma unroll 1
+      for (int w = wa; w < wb; ++w)
+        mx = fmaxf(mx, reinterpret_cast<const float*>(smem + w * p.warp_bytes + HDR)[ML + 2 * head]);
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      float den = 0.f;
+      if (mx != NEG_INF) {
+#pragma unroll 1
+        for (int w = wa; w < wb; ++w) {  // warps in order
+          const float* at = reinterpret_cast<const float*>(smem + w * p.warp_bytes + HDR);
+          const float2 st = *reinterpret_cast<const float2*>(at + ML + 2 * head);
+          const float sc = exp2_(st.x - mx);
+          den += st.y * sc;
+          const float4 x = *reinterpret_cast<const float4*>(at + head * D + 4 * c4);
+          acc.x += x.x * sc;
+          acc.y += x.y * sc;
+          acc.z += x.z * sc;
+          acc.w += x.w * sc;
+        }
+      }
+      reinterpret_cast<float4*>(p.part_o + (part * p.rep + head) * D)[c4] = acc;
+      if (c4 == 0) reinterpret_cast<float2*>(p.part_ml)[part * p.rep + head] = make_float2(mx, den);
+    }
+  }
+}
+
 // Query fragments of kv-head hk of row b (operand B of the score mma): column g = query head g; k pairs (c0, c2),
 // (c1, c3) of word w = t*NKS + s (channels 4w..4w+3), as the K fragments pair them.
 __device__ __forceinline__ void load_query(const Params& p, int b, int hk, int g, int t, u32 (&qb)[TILES][NKS][2]) {
@@ -1299,10 +1372,14 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #endif
   }
 
-  // partial results of this split
+  // partial results of this split, or (GAAC_CTA_MERGE) of the CTA's splits of each group
+#if CTA_MERGE
+  cta_merge(p, smem, warp, lane, g, t, m, l, o);
+#else
   write_ml(p, item, g, t, m, l);
   if (GAAC_STAGED_O) write_o_staged(p, item, g, t, o, reinterpret_cast<float*>(ring));  // (every unit waited for)
   else write_o(p, item, g, t, o);
+#endif
   if (GAAC_TRACE && lane == 0) p.trace[4 * item + 2] = gtimer();
 }
 
@@ -1556,14 +1633,7 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
 #endif
 #define COMBINE_WARPS GAAC_COMBINE_WARPS
 #define COMBINE_UNROLL 16
-#ifndef GAAC_COMBINE_MIN_BLOCKS  // (benchmark option) combine blocks that must fit on one SM: the register cap
-#define GAAC_COMBINE_MIN_BLOCKS 1
-#endif
-#ifndef GAAC_COMBINE_LEAN
-#define GAAC_COMBINE_LEAN 0
-#endif
-extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32, GAAC_COMBINE_MIN_BLOCKS)
-    gaac_combine(const Params p) {
+extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) gaac_combine(const Params p) {
   __shared__ float red[COMBINE_WARPS][2];
   __shared__ float part[COMBINE_WARPS][32];
   grid_dependency_wait();  // the split kernel's partials
@@ -1574,36 +1644,32 @@ extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32, GAAC_COMBINE_MI
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int ch = 32 * chunk + lane;
   if (GAAC_TRACE && threadIdx.x == 0) p.trace[4 * (i64)p.batch * p.heads * p.nsplit + blockIdx.x] = gtimer();
-  const i64 item0 = ((i64)b * p.heads + hk) * p.nsplit;
+  const int grp = b * p.heads + hk;
+#if CTA_MERGE  // one partial per CTA that held splits of (b, hk), in CTA order
+  const i64 item0 = (i64)grp * cta_parts_cap(p);
+  const int nparts = last_cta(p, grp) - first_cta(p, grp) + 1;
+#else
+  const i64 item0 = (i64)grp * p.nsplit;
+  const int nparts = p.nsplit;
+#endif
   float mw = NEG_INF, acc = 0.f, den = 0.f;
-  for (int s0 = warp; s0 < p.nsplit; s0 += COMBINE_WARPS * COMBINE_UNROLL) {
+  for (int s0 = warp; s0 < nparts; s0 += COMBINE_WARPS * COMBINE_UNROLL) {
     float ml[COMBINE_UNROLL][2], po[COMBINE_UNROLL];
-#if GAAC_COMBINE_LEAN  // (benchmark option, session 21) the same loads from two running pointers and one float2 per
-    // split's statistics: fewer live address registers (121 registers at the default: one 16-warp block per SM)
-    {
+    {  // the partials' loads from two running pointers, one float2 per partial's statistics (90 registers; one
+      // 16-warp block per SM took 121 with an index per load: 0.3-0.7 us slower, session 22)
       const i64 row0 = (item0 + s0) * p.rep + r, step = (i64)COMBINE_WARPS * p.rep;
       const float2* mp = reinterpret_cast<const float2*>(p.part_ml) + row0;
       const float* op = p.part_o + row0 * D + ch;
 #pragma unroll
       for (int k = 0; k < COMBINE_UNROLL; ++k) {
-        const bool in = s0 + k * COMBINE_WARPS < p.nsplit;
+        const bool in = s0 + k * COMBINE_WARPS < nparts;
         const float2 x = in ? mp[k * step] : make_float2(NEG_INF, 0.f);
         ml[k][0] = x.x;
         ml[k][1] = x.y;
         po[k] = in ? op[k * step * D] : 0.f;
       }
     }
-#else
-#pragma unroll
-    for (int k = 0; k < COMBINE_UNROLL; ++k) {
-      const int s = s0 + k * COMBINE_WARPS;
-      const i64 row = (item0 + min(s, p.nsplit - 1)) * p.rep + r;
-      ml[k][0] = s < p.nsplit ? p.part_ml[2 * row] : NEG_INF;
-      ml[k][1] = p.part_ml[2 * row + 1];
-      po[k] = p.part_o[row * D + ch];
-    }
-#endif
-    float mx = mw;
+  float mx = mw;
 #pragma unroll
     for (int k = 0; k < COMBINE_UNROLL; ++k) mx = fmaxf(mx, ml[k][0]);
     if (mx != NEG_INF) {  // warp-uniform: every lane reads the same splits' statistics
