@@ -172,11 +172,24 @@ CTA_MERGE_TWIN = {
     "twin_cta_merge_cw4": {"balance": (), "cta_merge": True, "combine_warps": 4},
 }
 
+# Session 22 (`--set merge_rule`): the plan's default merges where the unmerged combine takes more than one round of
+# loads or more blocks than SMs (`gaac_cuda.decode_attention.CTA_MERGE`); against the same plans without the merge.
+MERGE_RULE_GAAC = {
+    "gaac": {"balance": ()},
+    "gaac_no_merge": {"balance": (), "cta_merge": False},
+}
+MERGE_RULE_TWIN = {
+    "twin": {"balance": ()},
+    "twin_no_merge": {"balance": (), "cta_merge": False},
+}
+
 
 def main():
     args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json",
-                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge"))
-    if args.set == "cta_merge":
+                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge", "merge_rule"))
+    if args.set == "merge_rule":
+        run_probe(args, MERGE_RULE_GAAC, MERGE_RULE_TWIN, (), "warps_probe.py")
+    elif args.set == "cta_merge":
         run_probe(args, CTA_MERGE_GAAC, CTA_MERGE_TWIN, ("gaac", "gaac_cta_merge"), "warps_probe.py")
     elif args.set == "prepass2":
         run_probe(args, PREPASS2_GAAC, ISSUE_TWIN, (), "warps_probe.py")

@@ -60,9 +60,16 @@ BALANCE = RANK_PACE if os.environ.get("GAAC_HF_CUDA_BALANCE") == "1" else None
 PDL = os.environ.get("GAAC_HF_CUDA_PDL", "1") != "0"
 # The one-warp kernel's splits merged per CTA and (row, kv-head) before they leave the SM (`plan(cta_merge=True)`,
 # kernel option GAAC_CTA_MERGE): one partial per CTA and group instead of one per split, so the partial bytes written
-# and the combine's loads shrink about GAAC_WARPS-fold. The merge order changes the bits: compressed KV and its twin
-# planned alike still match. Session 22: measured next (off until then); GAAC_HF_CUDA_CTA_MERGE=1 turns it on.
-CTA_MERGE = os.environ.get("GAAC_HF_CUDA_CTA_MERGE", "0") == "1"
+# and the combine's loads shrink about GAAC_WARPS-fold, at the price of the merge on the last CTA's critical path.
+# The merge order changes the bits: compressed KV and its twin planned alike still match. Measured on the H200 in
+# session 22 (benchmarks/results/warps_probe_cta_merge_s22.json, GAAC / twin us without -> with): faster where the
+# combine ran in more than one round of loads (9/3/64 1x64K, 528 splits per group: 22.6 -> 21.6 / 20.0 -> 18.2) or
+# in more than one wave of blocks (64/8 1x64K, 256 blocks: 66.7 -> 66.4 / 75.2 -> 73.4; 4x64K, 512: 245.2 -> 244.0 /
+# 259.3 -> 256.8), slower where it did neither (1x64K 61.1 -> 62.2, 1x128K 112.5 -> 114.0, 1x16K 25.0 -> 25.3). So
+# the default (CTA_MERGE = None) merges exactly there, a function of the shape and the SM count alone (compressed KV
+# and its twin decide alike); GAAC_HF_CUDA_CTA_MERGE=1 / 0 forces it on / off for the process.
+CTA_MERGE = {"1": True, "0": False}.get(os.environ.get("GAAC_HF_CUDA_CTA_MERGE", ""))
+COMBINE_UNROLL = 16  # partials per combine warp and round of loads (the kernel's COMBINE_UNROLL)
 # CTA size of the one-warp kernel at one tile per head where `plan` is given none: SPLIT_WARPS warps in one CTA per SM
 # (the same splits as 3 CTAs of 4 warps, and the same bits), where shared memory holds such a CTA; else 4 warps, 3 CTAs
 # per SM. The warp schedulers favour an SM's older CTAs (see RANK_PACE): one CTA per SM has no older CTA, and its warps
@@ -207,12 +214,12 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     per split, and the one-warp kernel interleaves the kv heads warp by warp, so a row's splits lie in CTAs of every
     launch rank. The table depends on the shape, the SM count and the weights only: compressed KV and its twin
     planned with the same `balance` split alike (the same bits), on either kernel.
-    `combine_warps` (benchmarks, measured next): warps per block of the combine kernel (default 16; warp w merges
-    splits w, w + combine_warps, ... then the warps merge in order, so the bits depend on it: plan compressed KV and its
-    twin alike). At 121 registers a 16-warp block fills an SM's register file, so 4x64K's 512 blocks run in 4 waves.
+    `combine_warps` (benchmarks): warps per block of the combine kernel (default 16; warp w merges partials w,
+    w + combine_warps, ... then the warps merge in order, so the bits depend on it: plan compressed KV and its twin
+    alike). At 82 registers two 16-warp blocks do not fit an SM's register file: one block per SM.
     `pdl` (None: `PDL`): programmatic dependent launch of both kernels (see `PDL`; the same bits).
-    `cta_merge` (None: `CTA_MERGE`; the one-warp kernel without `balance`): the splits of each CTA merged per (row,
-    kv-head) in shared memory before they leave (see `CTA_MERGE`; the bits depend on it: plan the twin alike)."""
+    `cta_merge` (None: `CTA_MERGE`'s rule; the one-warp kernel without `balance`): the splits of each CTA merged per
+    (row, kv-head) in shared memory before they leave (see `CTA_MERGE`; the bits depend on it: plan the twin alike)."""
     pdl = PDL if pdl is None else bool(pdl)
     if balance is None and head_dim <= 128:  # one tile per head: the process-wide default (before the kernel choice)
         balance = BALANCE
@@ -292,19 +299,31 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         nsplit = _default_nsplit(batch, kv_heads, max_tokens, device, tiles)
     options, cum = _balanced(options, batch, kv_heads, nsplit, device, balance)
     options, cw = _combine_option(options, combine_warps)
-    merge = _cta_merge(cta_merge, bool(cum), stages * 2 * tiles * buf, head_dim)
+    merge = _cta_merge(cta_merge, bool(cum), stages * 2 * tiles * buf, head_dim,
+                       _merge_pays(batch, kv_heads * rep, head_dim, nsplit, cw, device))
     if merge:
         options += ("-DGAAC_CTA_MERGE=1",)
     return _with_pdl(DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes,
                                 options, split_cum=cum, combine_warps=cw, cta_merge=merge), pdl)
 
 
-def _cta_merge(asked: bool | None, balanced: bool, ring_bytes: int, head_dim: int) -> bool:
-    """Whether a one-warp plan merges its CTAs' splits: asked, or the process default where it applies. The kernel
-    stages a warp's output rows and statistics in its drained ring (MAX_GROUP_HEADS x head_dim fp32 and 16 floats)."""
+def _merge_pays(batch: int, q_heads: int, head_dim: int, nsplit: int, combine_warps: int, device) -> bool:
+    """`CTA_MERGE`'s rule: the unmerged combine would take more than one round of loads per warp, or more blocks (one
+    per row, query head and 32 channels) than the GPU has SMs (one 16-warp block fills an SM's registers)."""
+    return nsplit > combine_warps * COMBINE_UNROLL or batch * q_heads * (head_dim // 32) > _sm_count(device)
+
+
+def _cta_merge(asked: bool | None, balanced: bool, ring_bytes: int, head_dim: int, pays: bool) -> bool:
+    """Whether a one-warp plan merges its CTAs' splits: asked, or the process default (`CTA_MERGE`; None: where it
+    pays) without `balance`. The kernel stages a warp's output rows and statistics in its drained ring
+    (MAX_GROUP_HEADS x head_dim fp32 and 16 floats)."""
     if asked and balanced:
         raise ValueError("cta_merge needs consecutive splits per CTA: not with balance (heads interleaved by warp)")
-    merge = (CTA_MERGE and not balanced) if asked is None else bool(asked)
+    if asked is None:
+        asked = pays if CTA_MERGE is None else CTA_MERGE
+        merge = asked and not balanced
+    else:
+        merge = bool(asked)
     if merge and ring_bytes < 4 * (MAX_GROUP_HEADS * head_dim + 16):
         raise ValueError(f"cta_merge stages a warp's partial in its ring: {ring_bytes} bytes are too few")
     return merge

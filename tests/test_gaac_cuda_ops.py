@@ -405,9 +405,12 @@ def test_warp_specialized_compressed_equals_plain_twin(case):
         pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit)
         assert pc.ws == 0
         got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
-        twin = plain_decode_attention(q, k, v, kv_len, mask, scale)  # the default twin plan: warp-specialized
+        twin = plain_decode_attention(q, k, v, kv_len, mask, scale)  # the default twin plan
         if nsplit is None:
             assert torch.equal(bits(got), bits(twin)), "default plans: compressed != twin"
+        # the warp-specialized kernel writes a partial per split: the one-warp kernel's bits without the CTA merge
+        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, cta_merge=False)
+        got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
         for ws, stages, dense in ((WS_TWIN, 2 * WS_TWIN, True), (2, 2, True), (3, 9, False), (11, 22, False),
                                   (4, 8, True)):
             pw = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=pc.nsplit, ws=ws,
@@ -437,7 +440,8 @@ def test_format_2_slots_equal_plain_twin(case):
     for nsplit, ws in ((1, 0), (3, 0), (None, 0), (6, 6), (5, 5)):
         pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, ws=ws,
                   format_version=3)
-        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, ws=0)
+        # (the warp-specialized kernel writes a partial per split: its twin without the CTA merge)
+        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, ws=0, cta_merge=False if ws else None)
         got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
         twin = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
         assert torch.equal(bits(got), bits(twin)), f"format 2 != twin (nsplit {pc.nsplit}, ws {ws})"
@@ -546,7 +550,7 @@ def test_fragment_order_prototype_equals_plain_twin(d):
     for nsplit, ws, defines in cases:  # defines: the overlay's tile-code variants, the issue path
         pc = plan(b, h, nrep, d, s, "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, ws=ws, format_version=3,
                   defines=defines)
-        pp = plan(b, h, nrep, d, s, "cuda", plain=True, nsplit=nsplit, ws=0)
+        pp = plan(b, h, nrep, d, s, "cuda", plain=True, nsplit=nsplit, ws=0, cta_merge=pc.cta_merge)
         got = decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, d ** -0.5, layout, pc)
         twin = plain_decode_attention(q, k, v, kv_len, None, d ** -0.5, pp)
         assert torch.equal(bits(got), bits(twin)), (nsplit, ws, defines)
@@ -620,6 +624,13 @@ def test_cta_merge_option():
     assert p.cta_merge and "-DGAAC_CTA_MERGE=1" in p.options and p.parts == 2 * 8 * (33 // 12 + 2)
     off = plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, ws=0, warps=12, cta_merge=False)
     assert not off.cta_merge and off.parts == off.items and not any("CTA_MERGE" in o for o in off.options)
+    # the default where it pays (an H200's 132 SMs, the one-wave split counts): more than one round of the combine's
+    # loads (9/3/64 1x64K: 528 splits per group) or more combine blocks than SMs (64/8 1x64K, 4x64K), not at 1x64K
+    for (b, h, r, d, n), want in (((1, 8, 4, 128, 198), False), ((1, 8, 8, 128, 198), True),
+                                  ((4, 8, 4, 128, 49), True), ((1, 3, 3, 64, 528), True), ((1, 3, 3, 64, 256), False)):
+        for plain in (False, True):
+            assert plan(b, h, r, d, 65536, "cpu", nsplit=n, ws=0, plain=plain).cta_merge is want, (b, h, r, d, n)
+    assert not plan(1, 8, 8, 128, 65536, "cpu", nsplit=198, ws=0, balance=RANK_PACE).cta_merge
     with pytest.raises(ValueError, match="ws=0"):
         plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, ws=3, cta_merge=True)
     with pytest.raises(ValueError, match="balance"):

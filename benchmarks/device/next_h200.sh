@@ -158,6 +158,14 @@ if [ "$MODE" = merge ]; then  # session 22: the CUDA kernel's GPU tests (the lea
   timeout ${PROBE_TIMEOUT:-330} python3 benchmarks/warps_probe.py --set cta_merge --real-kv .bench/real_kv_2k.safetensors \
     --shapes ${SHAPES:-1,5,0,3,2,4} --out "$OUT/warps_probe_cta_merge.json" 2>&1 | tee "$OUT/warps_probe_cta_merge.log" | tail -9
 fi
+if [ "$MODE" = rule ]; then  # session 22: the merge where it pays as the plans' default: the GPU tests of the kernel,
+  # head dims and generate, then the default against the unmerged plans at the shapes it changes (and 1x64K)
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q tests/test_gaac_cuda_ops.py tests/test_gaac_head_dims.py \
+    tests/test_gaac_gpu_generate.py -k "(gpu or cuda or cta_merge) and not compiles and not sass" 2>&1 \
+    | tee "$OUT/gpu_tests_rule.log" | tail -4
+  timeout ${PROBE_TIMEOUT:-200} python3 benchmarks/warps_probe.py --set merge_rule --real-kv .bench/real_kv_2k.safetensors \
+    --shapes ${SHAPES:-5,3,2,1} --out "$OUT/warps_probe_merge_rule.json" 2>&1 | tee "$OUT/warps_probe_merge_rule.log" | tail -6
+fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)
   timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q tests/test_gaac_gpu_generate.py tests/test_gaac_head_dims.py \
