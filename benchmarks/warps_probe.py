@@ -183,11 +183,27 @@ MERGE_RULE_TWIN = {
     "twin_no_merge": {"balance": (), "cta_merge": False},
 }
 
+# Session 22 (`--set mask`): in the captured step every layer passes a padding mask (all ones at batch 1), and the
+# kernel read its bytes in the softmax, a global load per unit on the critical path; now they are loaded with the
+# unit's copies. The same bits as without a mask; GAAC_MASK_LATE=1 is the old placement.
+MASK_GAAC = {
+    "gaac": {"balance": ()},
+    "gaac_mask": {"balance": (), "mask": True},
+    "gaac_mask_late": {"balance": (), "mask": True, "defines": ("GAAC_MASK_LATE=1",)},
+}
+MASK_TWIN = {
+    "twin": {"balance": ()},
+    "twin_mask": {"balance": (), "mask": True},
+    "twin_mask_late": {"balance": (), "mask": True, "defines": ("GAAC_MASK_LATE=1",)},
+}
+
 
 def main():
     args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json",
-                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge", "merge_rule"))
-    if args.set == "merge_rule":
+                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge", "merge_rule", "mask"))
+    if args.set == "mask":
+        run_probe(args, MASK_GAAC, MASK_TWIN, (), "warps_probe.py")
+    elif args.set == "merge_rule":
         run_probe(args, MERGE_RULE_GAAC, MERGE_RULE_TWIN, (), "warps_probe.py")
     elif args.set == "cta_merge":
         run_probe(args, CTA_MERGE_GAAC, CTA_MERGE_TWIN, ("gaac", "gaac_cta_merge"), "warps_probe.py")

@@ -166,6 +166,17 @@ if [ "$MODE" = rule ]; then  # session 22: the merge where it pays as the plans'
   timeout ${PROBE_TIMEOUT:-200} python3 benchmarks/warps_probe.py --set merge_rule --real-kv .bench/real_kv_2k.safetensors \
     --shapes ${SHAPES:-5,3,2,1} --out "$OUT/warps_probe_merge_rule.json" 2>&1 | tee "$OUT/warps_probe_merge_rule.log" | tail -6
 fi
+if [ "$MODE" = mask ]; then  # session 22: the padding mask's bytes loaded with the unit's copies: the GPU tests with
+  # masks, the kernel with an all-ones mask (as the captured step passes) against no mask and the old placement, then
+  # the captured pair at 64K / 128K (issue 13)
+  timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q tests/test_gaac_cuda_ops.py -k \
+    "cuda_compressed_equals_plain_twin or format_2_slots or cta_merge_equals" 2>&1 | tee "$OUT/gpu_tests_mask.log" | tail -3
+  timeout ${PROBE_TIMEOUT:-200} python3 benchmarks/warps_probe.py --set mask --real-kv .bench/real_kv_2k.safetensors \
+    --shapes ${SHAPES:-1,4,5,0} --out "$OUT/warps_probe_mask.json" 2>&1 | tee "$OUT/warps_probe_mask.log" | tail -6
+  timeout ${GEN_TIMEOUT:-200} python3 benchmarks/generate.py --contexts ${CONTEXTS:-65536 131072} --steps 10 \
+    --warmup 3 --eager-steps 3 --reps 10 --variants captured captured-twin --skip-module-guards \
+    --out "$OUT/generate_mask.json" 2>&1 | tee "$OUT/generate_mask.log" | grep -E "pipelined|ms/step|lossless|\| " | tail -14
+fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)
   timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q tests/test_gaac_gpu_generate.py tests/test_gaac_head_dims.py \

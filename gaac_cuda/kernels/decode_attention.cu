@@ -831,18 +831,35 @@ __device__ __forceinline__ u32 transpose8x8(u32 x) {  // an 8x8 b16 fragment (ro
 // Online softmax (base 2) of heads 2t, 2t+1 over one unit's 16 tokens (thread: tokens g, g + 8; reduced over g):
 // running max m and this thread's sum l updated, the factors alpha that rescale the output, and P^T as operand B of
 // the output mma (k = tokens, n = head g) from the S^T layout (row = token g, columns = heads 2t, 2t+1).
-__device__ __forceinline__ void softmax_unit(const float (&sc2)[2][4], float qk_scale, int valid, const u8* mrow,
-                                             int u, int g, float (&m)[2], float (&l)[2], float (&alpha)[2],
+// A padding mask's bytes of tokens g and g + 8 of a unit (0: masked; tokens past `valid` read as masked, never
+// loaded). The one-warp kernel loads them when it issues the unit's copies, so the softmax never waits on a global
+// load (in the captured step every layer gets a mask: a load per unit on the critical path cost ~5 us at 64K).
+#ifndef GAAC_MASK_LATE  // (benchmark option, session 22) the mask bytes loaded in the softmax, as before session 22
+#define GAAC_MASK_LATE 0
+#endif
+struct UnitMask {
+  u32 a, b;
+};
+__device__ __forceinline__ UnitMask unit_mask(const u8* mrow, int u, int g, int valid) {
+  UnitMask mk = {1u, 1u};
+  if (mrow) {
+    mk.a = g < valid ? (u32)mrow[16 * u + g] : 0u;
+    mk.b = g + 8 < valid ? (u32)mrow[16 * u + g + 8] : 0u;
+  }
+  return mk;
+}
+__device__ __forceinline__ void softmax_unit(const float (&sc2)[2][4], float qk_scale, int valid, bool masked,
+                                             UnitMask mk, int g, float (&m)[2], float (&l)[2], float (&alpha)[2],
                                              u32 (&pb)[2]) {
   float x[4];
 #pragma unroll
   for (int c = 0; c < 4; ++c) x[c] = (sc2[0][c] + sc2[1][c]) * qk_scale;
-  if (valid < 16 || mrow) {  // the tail or a padding mask (warp-uniform): mask the scores
+  if (valid < 16 || masked) {  // the tail or a padding mask (warp-uniform): mask the scores
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int tok = g + 8 * (c >> 1);
       bool ok = tok < valid;
-      if (mrow) ok = ok && mrow[16 * u + tok] != 0;
+      if (masked) ok = ok && ((c >> 1) ? mk.b : mk.a) != 0;
       if (!ok) x[c] = NEG_INF;
     }
   }
@@ -1283,19 +1300,33 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   // consumes its unit j. SPLITBAR: the prologue issues units 0 .. STAGES - 1 and iteration j re-issues the
   // K (V) half of its stage with unit j + STAGES as soon as its K (V) tile is read, so a stage's K copies are in
   // flight while its V tile is still being consumed.
+  // the mask bytes of the units in the ring, oldest first, loaded as their copies are issued (padding masks only)
+  UnitMask mq[GAAC_STAGES];
+  auto queue_mask = [&](int i, int j) {  // mq[i] = the mask bytes of the split's j-th unit
+    if (mrow) mq[i] = unit_mask(mrow, u0 + j, g, u0 + j >= nb ? tl : 16);
+  };
+#pragma unroll
+  for (int i = 0; i < GAAC_STAGES; ++i) mq[i] = {1u, 1u};
 #if SPLITBAR
-  for (int i = 0; i < GAAC_STAGES && i < n; ++i) {
-    issue_half(u0 + i, i, ent, 0);
-    issue_half(u0 + i, i, ent, 1);
-    load_entries(i + 1, ent);
+#pragma unroll
+  for (int i = 0; i < GAAC_STAGES; ++i) {
+    if (i < n) {
+      issue_half(u0 + i, i, ent, 0);
+      issue_half(u0 + i, i, ent, 1);
+      load_entries(i + 1, ent);
+      queue_mask(i, i);
+    }
   }
   for (int j = 0; j < n; ++j) {
 #else
   for (int j = -(GAAC_STAGES - 1); j < n; ++j) {
     const int next = j + GAAC_STAGES - 1;
+#pragma unroll
+    for (int i = 0; i + 1 < GAAC_STAGES; ++i) mq[i] = mq[i + 1];
     if (next < n) {
       issue(u0 + next, next % GAAC_STAGES, ent);
       load_entries(next + 1, ent);
+      queue_mask(GAAC_STAGES - 1, next);
     }
     if (j < 0) continue;
 #endif
@@ -1351,7 +1382,8 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     // online softmax (base 2) of heads 2t, 2t+1 over the 16 tokens, then the output rescaled if the max moved
     u32 pb[2];
     float alpha[2];
-    softmax_unit(sc2, p.qk_scale, valid, mrow, u, g, m, l, alpha, pb);
+    softmax_unit(sc2, p.qk_scale, valid, mrow != nullptr, GAAC_MASK_LATE ? unit_mask(mrow, u, g, valid) : mq[0], g, m,
+                 l, alpha, pb);
     rescale_o(o, alpha);
 #pragma unroll
     for (int T = 0; T < TILES; ++T) {
@@ -1369,6 +1401,9 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     __syncwarp();
 #if SPLITBAR
     reissue_v(j, st);
+#pragma unroll
+    for (int i = 0; i + 1 < GAAC_STAGES; ++i) mq[i] = mq[i + 1];
+    if (j + GAAC_STAGES < n) queue_mask(GAAC_STAGES - 1, j + GAAC_STAGES);
 #endif
   }
 
@@ -1418,7 +1453,7 @@ __device__ __forceinline__ void ws_unit(const Params& p, const u8* kbuf, const u
   }
   u32 pb[2];
   float alpha[2];
-  softmax_unit(sc2, p.qk_scale, valid, mrow, u, g, m, l, alpha, pb);
+  softmax_unit(sc2, p.qk_scale, valid, mrow != nullptr, unit_mask(mrow, u, g, valid), g, m, l, alpha, pb);
   rescale_o(o, alpha);
   if (DECODE && (slots & 2)) {
     prepass<true>(p, vbuf, scr, b3[1][0], b4[1][0], lane, tv);
