@@ -33,8 +33,10 @@
 // GAAC_WS (the warp-specialized kernel's consumer warps), GAAC_BALANCE (splits weighted by Params::split_cum),
 // GAAC_FAST_ISSUE (compressed KV staged as stored: the common unit's copies issued by lane 0 alone), GAAC_STAGED_O
 // (the one-warp kernel's partial outputs staged in shared memory and written as 16-byte stores), GAAC_CTA_MERGE (the
-// one-warp kernel's splits merged per CTA and group before they leave the SM; session 22), and for the benchmarks GAAC_SKIP (leave-one-stage-out breakdown; bit 0: no tensor-core math, bit 1: no reconstruction; format 3 only: bit 2 no code bit 2 of 4-bit
-// groups, bit 3 no raw-group patch; bit 4: no prepass, the tiles read stale scratch; bit 5: no tag scan either, offsets
+// one-warp kernel's splits merged per CTA and group before they leave the SM; session 22), and for the benchmarks
+// GAAC_MASK_LATE (a padding mask's bytes loaded in the softmax, as before session 22, not with the copies), GAAC_SKIP
+// (leave-one-stage-out breakdown; bit 0: no tensor-core math, bit 1: no reconstruction; format 3 only: bit 2 no code
+// bit 2 of 4-bit groups, bit 3 no raw-group patch; bit 4: no prepass, the tiles read stale scratch; bit 5: no tag scan either, offsets
 // 0 and no raw group; bit 6: the prepass on a split's first unit only, later units read its plausible but wrong
 // scratch: bounds for a slot format whose lanes own their groups), GAAC_TRACE (globaltimer stamps,
 // benchmarks/cuda_stream_probe.py) and GAAC_FORMAT (1: format version 1; 3: format version 2 as stored, in fragment
@@ -897,13 +899,16 @@ __device__ __forceinline__ void rescale_o(float (&o)[TILES][NVM][4], const float
 }
 
 // Partial results of split `item`: max and denominator of each head (the thread's sums reduced over g) ...
-__device__ __forceinline__ void write_ml(const Params& p, int item, int g, int t, const float (&m)[2], float (&l)[2]) {
+__device__ __forceinline__ void sum_over_g(float (&l)[2]) {  // a thread's token sums -> its heads' sums
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     l[j] += __shfl_xor_sync(0xffffffffu, l[j], 4);
     l[j] += __shfl_xor_sync(0xffffffffu, l[j], 8);
     l[j] += __shfl_xor_sync(0xffffffffu, l[j], 16);
   }
+}
+__device__ __forceinline__ void write_ml(const Params& p, int item, int g, int t, const float (&m)[2], float (&l)[2]) {
+  sum_over_g(l);
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
     const int head = 2 * t + c;
@@ -972,12 +977,7 @@ __device__ __forceinline__ int cta_parts_cap(const Params& p) { return p.nsplit 
 // so the same bits.
 __device__ __forceinline__ void cta_merge(const Params& p, u8* smem, int warp, int lane, int g, int t,
                                           const float (&m)[2], float (&l)[2], const float (&o)[TILES][NVM][4]) {
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {  // the thread's token sums over g, as write_ml does
-    l[j] += __shfl_xor_sync(0xffffffffu, l[j], 4);
-    l[j] += __shfl_xor_sync(0xffffffffu, l[j], 8);
-    l[j] += __shfl_xor_sync(0xffffffffu, l[j], 16);
-  }
+  sum_over_g(l);
   constexpr int ML = 8 * D;  // a warp's statistics after its (at most 8) output rows
   float* mine = reinterpret_cast<float*>(smem + warp * p.warp_bytes + HDR);
   __syncwarp();  // every lane is past its last read of the ring
