@@ -197,11 +197,28 @@ MASK_TWIN = {
     "twin_mask_late": {"balance": (), "mask": True, "defines": ("GAAC_MASK_LATE=1",)},
 }
 
+# Prepared in session 22 (`--set fused`, not yet run): the combine inside the split kernel (plan(fused_combine=True),
+# with the CTA merge): the last CTA of each group merges the group's partials into the output, no combine kernel and
+# no kernel boundary before the output. Against the default and the CTA merge alone; checked against the twin
+# planned alike.
+FUSED_GAAC = {
+    "gaac": {"balance": ()},
+    "gaac_cta_merge": {"balance": (), "cta_merge": True},
+    "gaac_fused": {"balance": (), "cta_merge": True, "fused_combine": True},
+}
+FUSED_TWIN = {
+    "twin": {"balance": ()},
+    "twin_cta_merge": {"balance": (), "cta_merge": True},
+    "twin_fused": {"balance": (), "cta_merge": True, "fused_combine": True},
+}
+
 
 def main():
     args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json",
-                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge", "merge_rule", "mask"))
-    if args.set == "mask":
+                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge", "merge_rule", "mask", "fused"))
+    if args.set == "fused":
+        run_probe(args, FUSED_GAAC, FUSED_TWIN, ("gaac_fused",), "warps_probe.py")
+    elif args.set == "mask":
         run_probe(args, MASK_GAAC, MASK_TWIN, (), "warps_probe.py")
     elif args.set == "merge_rule":
         run_probe(args, MERGE_RULE_GAAC, MERGE_RULE_TWIN, (), "warps_probe.py")

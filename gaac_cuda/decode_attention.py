@@ -70,6 +70,12 @@ PDL = os.environ.get("GAAC_HF_CUDA_PDL", "1") != "0"
 # and its twin decide alike); GAAC_HF_CUDA_CTA_MERGE=1 / 0 forces it on / off for the process.
 CTA_MERGE = {"1": True, "0": False}.get(os.environ.get("GAAC_HF_CUDA_CTA_MERGE", ""))
 COMBINE_UNROLL = 16  # partials per combine warp and round of loads (the kernel's COMBINE_UNROLL)
+# The combine inside the split kernel (`plan(fused_combine=True)`, with the CTA merge; kernel option
+# GAAC_FUSED_COMBINE): the last CTA of each (row, kv-head) group to finish merges the group's partials into the output,
+# so a call is one kernel. CTAs count themselves done on a per-device int32 buffer that the last one resets
+# (`_counters`): launches on one device must not overlap (one stream at a time, as for any shared workspace).
+# Prepared in session 22, not yet measured: off unless GAAC_HF_CUDA_FUSED_COMBINE=1.
+FUSED_COMBINE = os.environ.get("GAAC_HF_CUDA_FUSED_COMBINE", "0") == "1"
 # CTA size of the one-warp kernel at one tile per head where `plan` is given none: SPLIT_WARPS warps in one CTA per SM
 # (the same splits as 3 CTAs of 4 warps, and the same bits), where shared memory holds such a CTA; else 4 warps, 3 CTAs
 # per SM. The warp schedulers favour an SM's older CTAs (see RANK_PACE): one CTA per SM has no older CTA, and its warps
@@ -87,7 +93,7 @@ class _Params(ctypes.Structure):  # mirrors `struct Params` in the kernel source
                 + [(n, ctypes.c_longlong) for n in ("slot_bytes", "table_sb", "kv_sb", "kv_sh", "kv_ss", "mask_sb")]
                 + [(n, ctypes.c_int) for n in ("batch", "heads", "rep", "nsplit", "spare1", "buf_bytes", "warp_bytes",
                                                "planes_off", "tags_off", "esc_off")]
-                + [("qk_scale", ctypes.c_float)])
+                + [("qk_scale", ctypes.c_float), ("counters", ctypes.c_void_p)])
 
 
 @functools.lru_cache(maxsize=1)
@@ -130,6 +136,7 @@ class DecodePlan:
     combine_warps: int = COMBINE_WARPS
     pdl: bool = False  # programmatic dependent launch (`plan(pdl=True)`)
     cta_merge: bool = False  # `plan(cta_merge=True)`: one partial per CTA and (row, kv-head)
+    fused_combine: bool = False  # `plan(fused_combine=True)`: no combine kernel
 
     @property
     def items(self) -> int:
@@ -178,7 +185,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
          ws: int | None = None, defines: tuple[str, ...] = (),
          buf_bytes: int | None = None, balance: tuple[int, ...] | None = None,
          combine_warps: int | None = None, pdl: bool | None = None,
-         cta_merge: bool | None = None) -> DecodePlan:
+         cta_merge: bool | None = None, fused_combine: bool | None = None) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
@@ -219,7 +226,9 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     alike). At 82 registers two 16-warp blocks do not fit an SM's register file: one block per SM.
     `pdl` (None: `PDL`): programmatic dependent launch of both kernels (see `PDL`; the same bits).
     `cta_merge` (None: `CTA_MERGE`'s rule; the one-warp kernel without `balance`): the splits of each CTA merged per
-    (row, kv-head) in shared memory before they leave (see `CTA_MERGE`; the bits depend on it: plan the twin alike)."""
+    (row, kv-head) in shared memory before they leave (see `CTA_MERGE`; the bits depend on it: plan the twin alike).
+    `fused_combine` (None: `FUSED_COMBINE` where the plan merges per CTA): the last CTA of each group writes the
+    output, no combine kernel (see `FUSED_COMBINE`; needs `cta_merge`; the bits depend on it)."""
     pdl = PDL if pdl is None else bool(pdl)
     if balance is None and head_dim <= 128:  # one tile per head: the process-wide default (before the kernel choice)
         balance = BALANCE
@@ -247,8 +256,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     extra = tuple(f"-D{d}" for d in defines)
     if ws and buf_bytes is not None:
         raise ValueError("buf_bytes is a one-warp kernel option (ws=0)")
-    if cta_merge and ws:
-        raise ValueError("cta_merge merges the one-warp kernel's splits (ws=0)")
+    if (cta_merge or fused_combine) and ws:
+        raise ValueError("cta_merge and fused_combine are the one-warp kernel's (ws=0)")
     if ws:
         return _with_pdl(_plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, slot_bytes=slot_bytes,
                                   plain=plain, nsplit=nsplit, ws=ws, stages=2 * ws if stages is None else stages,
@@ -301,10 +310,13 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     options, cw = _combine_option(options, combine_warps)
     merge = _cta_merge(cta_merge, bool(cum), stages * 2 * tiles * buf, head_dim,
                        _merge_pays(batch, kv_heads * rep, head_dim, nsplit, cw, device))
+    if fused_combine and not merge:
+        raise ValueError("fused_combine merges the CTAs' partials: it needs cta_merge")
+    fused = bool(merge and (FUSED_COMBINE if fused_combine is None else fused_combine))
     if merge:
-        options += ("-DGAAC_CTA_MERGE=1",)
+        options += ("-DGAAC_CTA_MERGE=1",) + (("-DGAAC_FUSED_COMBINE=1",) if fused else ())
     return _with_pdl(DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes,
-                                options, split_cum=cum, combine_warps=cw, cta_merge=merge), pdl)
+                                options, split_cum=cum, combine_warps=cw, cta_merge=merge, fused_combine=fused), pdl)
 
 
 def _merge_pays(batch: int, q_heads: int, head_dim: int, nsplit: int, combine_warps: int, device) -> bool:
@@ -316,7 +328,7 @@ def _merge_pays(batch: int, q_heads: int, head_dim: int, nsplit: int, combine_wa
 def _cta_merge(asked: bool | None, balanced: bool, ring_bytes: int, head_dim: int, pays: bool) -> bool:
     """Whether a one-warp plan merges its CTAs' splits: asked, or the process default (`CTA_MERGE`; None: where it
     pays) without `balance`. The kernel stages a warp's output rows and statistics in its drained ring
-    (MAX_GROUP_HEADS x head_dim fp32 and 16 floats)."""
+    (MAX_GROUP_HEADS x head_dim fp32, 16 floats and the fused combine's flags)."""
     if asked and balanced:
         raise ValueError("cta_merge needs consecutive splits per CTA: not with balance (heads interleaved by warp)")
     if asked is None:
@@ -324,7 +336,7 @@ def _cta_merge(asked: bool | None, balanced: bool, ring_bytes: int, head_dim: in
         merge = asked and not balanced
     else:
         merge = bool(asked)
-    if merge and ring_bytes < 4 * (MAX_GROUP_HEADS * head_dim + 16):
+    if merge and ring_bytes < 4 * (MAX_GROUP_HEADS * head_dim + 32):
         raise ValueError(f"cta_merge stages a warp's partial in its ring: {ring_bytes} bytes are too few")
     return merge
 
@@ -396,6 +408,22 @@ def _split_cum_tensor(cum: tuple, device: torch.device) -> torch.Tensor:
                                "before capturing (its split table is copied to the GPU then)")
         table = _split_tables[key] = torch.tensor(cum, dtype=torch.int32, device=device)
     return table
+
+
+_counter_buffers: dict = {}  # device -> the counters of fused-combine launches; every buffer ever made stays alive
+# (a captured graph keeps the pointer it was captured with)
+
+
+def _counters(n: int, device: torch.device) -> torch.Tensor:
+    """At least `n` int32 zeros on `device` for `FUSED_COMBINE` launches, made once (and grown, never inside a graph
+    capture: launch a plan of the largest batch x kv-heads once before capturing). The kernel leaves them zero."""
+    bufs = _counter_buffers.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"a fused-combine decode plan needs {n} counters on {device} and its first launch is "
+                               "inside a CUDA graph capture: launch it once before capturing")
+        bufs.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 def _default_nsplit(batch, kv_heads, max_tokens, device, tiles=1) -> int:
@@ -504,12 +532,14 @@ def _run(p: DecodePlan, query, kv_len, mask, scale, fill, combine_too: bool = Tr
         prm.trace = trace.data_ptr()
     if p.split_cum:  # cached per table and device: made once, outside any graph capture that replays it
         prm.split_cum = _split_cum_tensor(p.split_cum, dev).data_ptr()
+    if p.fused_combine:
+        prm.counters = _counters(p.batch * p.kv_heads, dev).data_ptr()
     keep = fill(prm)  # tensors the launch reads must outlive it
     split_kernel, combine = p.kernels(dev)
     # the launches go to the kernels' context: switch devices only when another one is current
     with torch.cuda.device(dev) if dev.index != torch.cuda.current_device() else contextlib.nullcontext():
         split_kernel.launch(p.grid, p.warps * 32, p.smem, prm, pdl=p.pdl)
-        if combine_too:  # a block per (row, query head, 32 channels)
+        if combine_too and not p.fused_combine:  # a block per (row, query head, 32 channels)
             combine.launch(b * hq * (d // 32), 32 * p.combine_warps, 0, prm, pdl=p.pdl)
     del keep
     return out

@@ -228,7 +228,10 @@ def test_plan_of_the_warp_specialized_kernel():
                                     (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_STAGED_O=0"),
                                     (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_CTA_MERGE=1"),
                                     (64, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_CTA_MERGE=1"),
-                                    (128, 1, 2, "GAAC_WARPS=12", "GAAC_CTA_MERGE=1"), (64, 1, 0, "GAAC_CTA_MERGE=1")])
+                                    (128, 1, 2, "GAAC_WARPS=12", "GAAC_CTA_MERGE=1"), (64, 1, 0, "GAAC_CTA_MERGE=1"),
+                                    (128, 1, 6, "GAAC_WARPS=12", "GAAC_CTA_MERGE=1", "GAAC_FUSED_COMBINE=1"),
+                                    (64, 1, 2, "GAAC_WARPS=12", "GAAC_CTA_MERGE=1", "GAAC_FUSED_COMBINE=1"),
+                                    (64, 1, 0, "GAAC_CTA_MERGE=1", "GAAC_FUSED_COMBINE=1")])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     """The sm_90a build of every head_dim-64/128 variant, at the plan's register cap (12 warps per SM: 3 CTAs of 4
     warps, or one of 12), keeps its state in registers: no stack, no local memory."""
@@ -633,5 +636,49 @@ def test_cta_merge_option():
     assert not plan(1, 8, 8, 128, 65536, "cpu", nsplit=198, ws=0, balance=RANK_PACE).cta_merge
     with pytest.raises(ValueError, match="ws=0"):
         plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, ws=3, cta_merge=True)
+    # the combine in the split kernel: only with the merge, off by default
+    fused = plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, ws=0, cta_merge=True, fused_combine=True)
+    assert fused.fused_combine and "-DGAAC_FUSED_COMBINE=1" in fused.options
+    assert not p.fused_combine and not any("FUSED" in o for o in p.options)
+    with pytest.raises(ValueError, match="needs cta_merge"):
+        plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, ws=0, cta_merge=False, fused_combine=True)
+    with pytest.raises(ValueError, match="ws=0"):
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, ws=3, fused_combine=True)
     with pytest.raises(ValueError, match="balance"):
         plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, ws=0, cta_merge=True, balance=RANK_PACE)
+
+
+@gpu
+@pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[1], GPU_CASES[6], GPU_CASES[8], GPU_CASES[9]],
+                         ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
+def test_fused_combine_equals_the_twin_planned_alike(case):
+    """plan(fused_combine=True): the last CTA of each (row, kv-head) group merges the group's partials into the output
+    (no combine kernel). CTAs holding several groups (1-split groups in 4-warp CTAs: up to four last-CTA merges in
+    one CTA), groups over many CTAs, empty splits: compressed KV and its twin planned alike give the same bits, close
+    to the fp64 reference and to the combine kernel's output; three calls in one CUDA graph, replayed twice, give the
+    same bits each time (the counters reset themselves)."""
+    b, h, nrep, _, d, _, _, _ = case
+    (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case)
+    for nsplit, warps in ((1, 4), (1, None), (5, None), (13, None), (3, 4), (None, None), (40, None)):
+        kw = {"nsplit": nsplit, "ws": 0, "cta_merge": True} | ({} if warps is None else {"warps": warps})
+        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, fused_combine=True, **kw)
+        kw["nsplit"] = pc.nsplit
+        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, fused_combine=True, **kw)
+        got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
+        twin = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
+        assert torch.equal(bits(got), bits(twin)), (pc.nsplit, pc.warps)
+        kernel = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout,
+                                  plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes,
+                                       fused_combine=False, **kw))
+        assert (got.float() - kernel.float()).abs().max().item() <= 2 ** -6 * kernel.float().abs().max().item()
+        err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, (err, pc.nsplit, pc.warps)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            again = [decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
+                     for _ in range(3)]
+        for _ in range(2):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(bits(a), bits(got)) for a in again), (pc.nsplit, pc.warps)

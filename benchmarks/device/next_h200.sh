@@ -19,7 +19,8 @@
 #     --set next (benchmarks/device/ncu_quick_h200.sh returns in about a minute).
 #   `... captured` (session 20; ran in session 21): the captured GAAC step and its twin at 64K / 128K.
 #   Session 21 ran `captured`, `prepass`, `pipelined` (twice), `clocks`, `staged` (results benchmarks/results/*_s21*).
-#   Session 22 ran `lean` (its combine options are gone since: the lean loads became the only combine), then `merge`.
+#   Session 22 ran `lean` (its combine options are gone since: the lean loads became the only combine), `merge`,
+#   `rule`, `pipelined`, `mask` and `tests`. First next session: `fused` (the combine inside the split kernel).
 #   `... fence` (session 20): the GPU tests of the kernels, head dims and eager generate, then
 #     benchmarks/device/ws_race_probe.py over every configuration (32 of them: each should print 'bad': 0).
 #   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
@@ -176,6 +177,19 @@ if [ "$MODE" = mask ]; then  # session 22: the padding mask's bytes loaded with 
   timeout ${GEN_TIMEOUT:-200} python3 benchmarks/generate.py --contexts ${CONTEXTS:-65536 131072} --steps 10 \
     --warmup 3 --eager-steps 3 --reps 10 --variants captured captured-twin --skip-module-guards \
     --out "$OUT/generate_mask.json" 2>&1 | tee "$OUT/generate_mask.log" | grep -E "pipelined|ms/step|lossless|\| " | tail -14
+fi
+if [ "$MODE" = fused ]; then  # prepared in session 22, not yet run: the combine inside the split kernel (the last CTA
+  # of each group merges; plan(fused_combine=True)): its GPU tests, the kernel against the CTA merge alone and the
+  # default at six shapes, then the captured pair at 64K with every plan fused (GAAC_HF_CUDA_CTA_MERGE=1
+  # GAAC_HF_CUDA_FUSED_COMBINE=1) if the probe says so
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q tests/test_gaac_cuda_ops.py -k "fused or cta_merge" 2>&1 \
+    | tee "$OUT/gpu_tests_fused.log" | tail -3
+  timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/warps_probe.py --set fused --real-kv .bench/real_kv_2k.safetensors \
+    --shapes ${SHAPES:-1,4,5,0,3,2} --out "$OUT/warps_probe_fused.json" 2>&1 | tee "$OUT/warps_probe_fused.log" | tail -8
+  GAAC_HF_CUDA_CTA_MERGE=1 GAAC_HF_CUDA_FUSED_COMBINE=1 timeout ${GEN_TIMEOUT:-150} python3 benchmarks/generate.py \
+    --contexts ${CONTEXTS:-65536} --steps 10 --warmup 3 --eager-steps 3 --reps 10 --variants captured captured-twin \
+    --skip-module-guards --out "$OUT/generate_fused.json" 2>&1 | tee "$OUT/generate_fused.log" \
+    | grep -E "pipelined|ms/step|lossless|\| " | tail -8
 fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)

@@ -82,6 +82,10 @@
 #define GAAC_CTA_MERGE 0  // per (row, kv-head) it holds, and the combine merges those) or one partial per split (0)
 #endif
 #define CTA_MERGE (GAAC_CTA_MERGE && !GAAC_WS && !GAAC_BALANCE)  // (GAAC_BALANCE interleaves the heads warp by warp)
+#ifndef GAAC_FUSED_COMBINE  // with GAAC_CTA_MERGE: the last CTA of each group to finish merges the group's partials
+#define GAAC_FUSED_COMBINE 0  // into the output (1; no combine kernel) or the combine kernel does (0)
+#endif
+#define FUSED_COMBINE (GAAC_FUSED_COMBINE && CTA_MERGE)
 // The one-warp kernel over plain KV (the twin at head_dim 256, or when asked for): K and V of a stage on their own
 // barriers, each re-issued as soon as its tile is read (measured faster for the twin, slower for compressed KV:
 // benchmarks/results/attention_cuda.md, session 7). A warp-specialized build's one-warp kernel is never launched and
@@ -146,6 +150,7 @@ struct Params {
   int warp_bytes;      // shared memory per warp
   int planes_off, tags_off, esc_off;  // slot layout (format.py)
   float qk_scale;      // softmax scale * log2(e)
+  int* counters;       // GAAC_FUSED_COMBINE: [B * H] CTAs of each group done (zero between launches: self-resetting)
 };
 
 __device__ __forceinline__ unsigned long long gtimer() {
@@ -969,6 +974,88 @@ __device__ __forceinline__ int last_cta(const Params& p, int grp) {
 }
 __device__ __forceinline__ int cta_parts_cap(const Params& p) { return p.nsplit / GAAC_WARPS + 2; }
 
+#if FUSED_COMBINE
+// GAAC_FUSED_COMBINE: after its partials of groups g0 .. g1 are written, the CTA counts itself done for each of them
+// (one lane of warp 0 per group, an atomic on Params::counters after a fence); the CTA that completes a group's count
+// resets it and merges the group's partials, in CTA order, into the BF16 output: out[b, hk rep + head, ch] for every
+// head and channel, four channels per thread, FUSED_UNROLL partials per round of loads with all of them in flight.
+#define FUSED_UNROLL 8
+__device__ __forceinline__ void fused_combine(const Params& p, u8* smem, int warp, int lane, int live, int g0, int g1) {
+  __threadfence();  // this CTA's partials are visible before its count is
+  u32* flag = reinterpret_cast<u32*>(smem + HDR) + 8 * D + 16;  // warp 0's ring, past its staged rows and statistics
+  asm volatile("bar.sync 1, %0;" ::"r"(32 * live) : "memory");
+  if (warp == 0) {
+    bool last = false;
+    if (lane <= g1 - g0) {
+      const int grp = g0 + lane;
+      const int parts = last_cta(p, grp) - first_cta(p, grp) + 1;
+      last = atomicAdd(p.counters + grp, 1) == parts - 1;
+      if (last) p.counters[grp] = 0;  // every CTA of the group has counted: ready for the next launch
+    }
+    const u32 bits = __ballot_sync(0xffffffffu, last);
+    if (lane == 0) *flag = bits;
+  }
+  asm volatile("bar.sync 1, %0;" ::"r"(32 * live) : "memory");
+  const u32 bits = *flag;
+  if (!bits) return;
+  __threadfence();  // the other CTAs' partials, after their counts
+  const int rows4 = p.rep * (D / 4);
+#pragma unroll 1
+  for (int i = 0; i <= g1 - g0; ++i) {
+    if (!((bits >> i) & 1)) continue;
+    const int grp = g0 + i;
+    const int parts = last_cta(p, grp) - first_cta(p, grp) + 1;
+    const i64 part0 = (i64)grp * cta_parts_cap(p);
+#pragma unroll 1
+    for (int e = warp * 32 + lane; e < rows4; e += 32 * live) {
+      const int head = e / (D / 4), c4 = e % (D / 4);
+      float mw = NEG_INF, den = 0.f;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 1
+      for (int s0 = 0; s0 < parts; s0 += FUSED_UNROLL) {
+        float2 ml[FUSED_UNROLL];
+        float4 po[FUSED_UNROLL];
+#pragma unroll
+        for (int k = 0; k < FUSED_UNROLL; ++k) {
+          const bool in = s0 + k < parts;
+          const i64 row = (part0 + s0 + k) * p.rep + head;
+          ml[k] = in ? __ldcg(reinterpret_cast<const float2*>(p.part_ml) + row) : make_float2(NEG_INF, 0.f);
+          po[k] = in ? __ldcg(reinterpret_cast<const float4*>(p.part_o + row * D) + c4) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+        float mx = mw;
+#pragma unroll
+        for (int k = 0; k < FUSED_UNROLL; ++k) mx = fmaxf(mx, ml[k].x);
+        if (mx != NEG_INF) {
+          const float a = exp2_(mw - mx);
+          den *= a;
+          acc.x *= a;
+          acc.y *= a;
+          acc.z *= a;
+          acc.w *= a;
+#pragma unroll
+          for (int k = 0; k < FUSED_UNROLL; ++k) {  // partials in CTA order
+            const float w = exp2_(ml[k].x - mx);
+            den += ml[k].y * w;
+            acc.x += po[k].x * w;
+            acc.y += po[k].y * w;
+            acc.z += po[k].z * w;
+            acc.w += po[k].w * w;
+          }
+          mw = mx;
+        }
+      }
+      const bool any = den > 0.f;  // (as the combine kernel: a / l, or 0 for a row that attends to nothing)
+      u32 lo, hi;
+      asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(lo) : "f"(any ? acc.y / den : 0.f), "f"(any ? acc.x / den : 0.f));
+      asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(hi) : "f"(any ? acc.w / den : 0.f), "f"(any ? acc.z / den : 0.f));
+      const int b = grp / p.heads, hk = grp % p.heads;
+      u16* out = p.out + ((i64)b * p.heads * p.rep + (i64)hk * p.rep + head) * D + 4 * c4;
+      *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
+    }
+  }
+}
+#endif
+
 // GAAC_CTA_MERGE: the CTA's live warps (items below the total) merge their splits per group before anything leaves
 // the SM. Each warp puts its unnormalized output rows (rep x D fp32, row order) and per head (max, denominator) in
 // its drained ring; after a named barrier over the live warps, the CTA's threads merge each group's warps in warp
@@ -1023,6 +1110,9 @@ __device__ __forceinline__ void cta_merge(const Params& p, u8* smem, int warp, i
       if (c4 == 0) reinterpret_cast<float2*>(p.part_ml)[part * p.rep + head] = make_float2(mx, den);
     }
   }
+#if FUSED_COMBINE
+  fused_combine(p, smem, warp, lane, live, g0, g1);
+#endif
 }
 
 // Query fragments of kv-head hk of row b (operand B of the score mma): column g = query head g; k pairs (c0, c2),
