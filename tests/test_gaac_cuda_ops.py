@@ -682,3 +682,24 @@ def test_fused_combine_equals_the_twin_planned_alike(case):
             graph.replay()
             torch.cuda.synchronize()
             assert all(torch.equal(bits(a), bits(got)) for a in again), (pc.nsplit, pc.warps)
+
+
+def test_cta_merge_partials_fit_the_plans_allocation():
+    """The kernel's CTA-merge indexing (kernel: first_cta / last_cta / cta_parts_cap): split s of group grp is item
+    grp * nsplit + s, held by CTA item // warps; the group's partials are rows grp * cap + (cta - first CTA). Every
+    group's CTAs fit in `cap` rows (so `DecodePlan.parts` rows suffice), every (CTA, group) pair gets its own row, and
+    every CTA holds at most `warps` groups (the fused combine's one flag bit per group of a CTA)."""
+    for warps in (4, 12):
+        for nsplit in list(range(1, 60)) + [197, 198, 264, 528, 997]:
+            groups = 7
+            p = plan(1, groups, 4, 128, 65536, "cpu", nsplit=nsplit, ws=0, warps=warps, cta_merge=True)
+            cap = p.parts // groups
+            rows, per_cta = set(), {}
+            for item in range(groups * nsplit):
+                grp, cta = item // nsplit, item // warps
+                first, last = grp * nsplit // warps, ((grp + 1) * nsplit - 1) // warps
+                assert first <= cta <= last < first + cap, (warps, nsplit, grp, cta)
+                rows.add(grp * cap + cta - first)
+                per_cta.setdefault(cta, set()).add(grp)
+            assert len(rows) == sum(len(g) for g in per_cta.values()) and max(rows) < p.parts
+            assert max(len(g) for g in per_cta.values()) <= warps
