@@ -577,6 +577,37 @@ def test_combine_over_many_splits_and_empty_ones():
         assert ((got.cpu().double() - ref).norm() / ref.norm()).item() < 1e-2, nsplit
 
 
+def _option_equals_twin(case, option: dict, baseline: dict, splits):
+    """Plans of `case` with `option` (the one-warp kernel, each (nsplit, warps) of `splits`): compressed KV and its
+    twin planned alike give the same bits, close to the plan with `baseline` instead and to the fp64 reference; three
+    calls in one CUDA graph, replayed twice, give the same bits each time. Yields each compressed plan."""
+    b, h, nrep, _, d, _, _, _ = case
+    (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case)
+    for nsplit, warps in splits:
+        kw = {"nsplit": nsplit, "ws": 0} | ({} if warps is None else {"warps": warps})
+        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, **kw, **option)
+        kw["nsplit"] = pc.nsplit
+        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, **kw, **option)
+        got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
+        twin = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
+        assert torch.equal(bits(got), bits(twin)), (pc.nsplit, pc.warps)
+        other = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout,
+                                 plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, **kw, **baseline))
+        assert (got.float() - other.float()).abs().max().item() <= 2 ** -6 * other.float().abs().max().item()
+        err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, (err, pc.nsplit, pc.warps)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            again = [decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
+                     for _ in range(3)]
+        for _ in range(2):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(bits(x), bits(got)) for x in again), (pc.nsplit, pc.warps)
+        yield pc
+
+
 @gpu
 @pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[1], GPU_CASES[6], GPU_CASES[8], GPU_CASES[9]],
                          ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
@@ -587,29 +618,9 @@ def test_cta_merge_equals_the_twin_planned_alike(case):
     planned alike give the same bits, close to the fp64 reference and to the unmerged kernel, and the same bits again
     as three back-to-back calls in one CUDA graph."""
     b, h, nrep, _, d, _, _, _ = case
-    (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case)
-    for nsplit, warps in ((1, None), (5, None), (13, None), (3, 4), (7, 4), (None, None), (40, None)):
-        kw = {"nsplit": nsplit, "ws": 0} if warps is None else {"nsplit": nsplit, "ws": 0, "warps": warps}
-        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, cta_merge=True, **kw)
-        kw["nsplit"] = pc.nsplit
+    for pc in _option_equals_twin(case, {"cta_merge": True}, {"cta_merge": False},
+                                  ((1, None), (5, None), (13, None), (3, 4), (7, 4), (None, None), (40, None))):
         assert pc.cta_merge and "-DGAAC_CTA_MERGE=1" in pc.options and pc.parts <= max(pc.items, 3 * b * h)
-        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, cta_merge=True, **kw)
-        got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
-        twin = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
-        assert torch.equal(bits(got), bits(twin)), (pc.nsplit, pc.warps)
-        unmerged = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout,
-                                    plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes,
-                                         cta_merge=False, **kw))
-        assert (got.float() - unmerged.float()).abs().max().item() <= 2 ** -6 * unmerged.float().abs().max().item()
-        err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
-        assert err < 1e-2, (err, pc.nsplit, pc.warps)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            again = [plain_decode_attention(q, k, v, kv_len, mask, scale, pp) for _ in range(3)]
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(bits(a), bits(twin)) for a in again), (pc.nsplit, pc.warps)
     if d in (64, 128):  # format version 2 (the kernel's format 3), as the caches store it on Hopper
         (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case, 2)
         for nsplit in (3, None):
@@ -657,31 +668,10 @@ def test_fused_combine_equals_the_twin_planned_alike(case):
     one CTA), groups over many CTAs, empty splits: compressed KV and its twin planned alike give the same bits, close
     to the fp64 reference and to the combine kernel's output; three calls in one CUDA graph, replayed twice, give the
     same bits each time (the counters reset themselves)."""
-    b, h, nrep, _, d, _, _, _ = case
-    (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case)
-    for nsplit, warps in ((1, 4), (1, None), (5, None), (13, None), (3, 4), (None, None), (40, None)):
-        kw = {"nsplit": nsplit, "ws": 0, "cta_merge": True} | ({} if warps is None else {"warps": warps})
-        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, fused_combine=True, **kw)
-        kw["nsplit"] = pc.nsplit
-        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, fused_combine=True, **kw)
-        got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
-        twin = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
-        assert torch.equal(bits(got), bits(twin)), (pc.nsplit, pc.warps)
-        kernel = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout,
-                                  plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes,
-                                       fused_combine=False, **kw))
-        assert (got.float() - kernel.float()).abs().max().item() <= 2 ** -6 * kernel.float().abs().max().item()
-        err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
-        assert err < 1e-2, (err, pc.nsplit, pc.warps)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            again = [decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
-                     for _ in range(3)]
-        for _ in range(2):
-            graph.replay()
-            torch.cuda.synchronize()
-            assert all(torch.equal(bits(a), bits(got)) for a in again), (pc.nsplit, pc.warps)
+    for pc in _option_equals_twin(case, {"cta_merge": True, "fused_combine": True},
+                                  {"cta_merge": True, "fused_combine": False},
+                                  ((1, 4), (1, None), (5, None), (13, None), (3, 4), (None, None), (40, None))):
+        assert pc.fused_combine and "-DGAAC_FUSED_COMBINE=1" in pc.options
 
 
 def test_cta_merge_partials_fit_the_plans_allocation():
