@@ -150,9 +150,10 @@ def main():
             pc = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, format_version=fmt,
                                 nsplit=nsplit, **kw)
             got = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout, pc)
-            want = twin if nsplit == pp.nsplit else gaac_cuda.plain_decode_attention(
+            # (the twin planned alike: the warp-specialized kernel writes a partial per split, no CTA merge)
+            want = twin if nsplit == pp.nsplit and pc.cta_merge == pp.cta_merge else gaac_cuda.plain_decode_attention(
                 q, k, v, kv_len, None, scale, gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, nsplit=nsplit,
-                                                             ws=0))
+                                                             ws=0, cta_merge=pc.cta_merge))
             bufs = [packed] + [tuple(x.clone() for x in packed) for _ in range(args.buffers - 1)]
 
             def run(i, pc=pc, layout=layout, bufs=bufs, skip_plan=None):
