@@ -835,9 +835,6 @@ __device__ __forceinline__ u32 transpose8x8(u32 x) {  // an 8x8 b16 fragment (ro
   return r;
 }
 
-// Online softmax (base 2) of heads 2t, 2t+1 over one unit's 16 tokens (thread: tokens g, g + 8; reduced over g):
-// running max m and this thread's sum l updated, the factors alpha that rescale the output, and P^T as operand B of
-// the output mma (k = tokens, n = head g) from the S^T layout (row = token g, columns = heads 2t, 2t+1).
 // A padding mask's bytes of tokens g and g + 8 of a unit (0: masked; tokens past `valid` read as masked, never
 // loaded). The one-warp kernel loads them when it issues the unit's copies, so the softmax never waits on a global
 // load (in the captured step every layer gets a mask: a load per unit on the critical path cost ~5 us at 64K).
@@ -855,6 +852,9 @@ __device__ __forceinline__ UnitMask unit_mask(const u8* mrow, int u, int g, int 
   }
   return mk;
 }
+// Online softmax (base 2) of heads 2t, 2t+1 over one unit's 16 tokens (thread: tokens g, g + 8; reduced over g):
+// running max m and this thread's sum l updated, the factors alpha that rescale the output, and P^T as operand B of
+// the output mma (k = tokens, n = head g) from the S^T layout (row = token g, columns = heads 2t, 2t+1).
 __device__ __forceinline__ void softmax_unit(const float (&sc2)[2][4], float qk_scale, int valid, bool masked,
                                              UnitMask mk, int g, float (&m)[2], float (&l)[2], float (&alpha)[2],
                                              u32 (&pb)[2]) {
@@ -965,6 +965,13 @@ __device__ __forceinline__ void write_o_staged(const Params& p, int item, int g,
   for (int i = 4 * g + t; i < p.rep * (D / 4); i += 32) to[i] = from[i];
 }
 
+__device__ __forceinline__ void add_scaled(float4& acc, const float4& x, float w) {  // acc += x w
+  acc.x += x.x * w;
+  acc.y += x.y * w;
+  acc.z += x.z * w;
+  acc.w += x.w * w;
+}
+
 // GAAC_CTA_MERGE: the splits of group grp = b * heads + hk are items grp * nsplit .. + nsplit - 1, warp w of CTA c
 // holds item c * GAAC_WARPS + w, so the group's partials are those of CTAs first_cta .. last_cta, at rows
 // grp * cta_parts_cap + (c - first_cta) (the launcher allocates batch * heads * cta_parts_cap of them).
@@ -1028,18 +1035,12 @@ __device__ __forceinline__ void fused_combine(const Params& p, u8* smem, int war
         if (mx != NEG_INF) {
           const float a = exp2_(mw - mx);
           den *= a;
-          acc.x *= a;
-          acc.y *= a;
-          acc.z *= a;
-          acc.w *= a;
+          acc = make_float4(acc.x * a, acc.y * a, acc.z * a, acc.w * a);
 #pragma unroll
           for (int k = 0; k < FUSED_UNROLL; ++k) {  // partials in CTA order
             const float w = exp2_(ml[k].x - mx);
             den += ml[k].y * w;
-            acc.x += po[k].x * w;
-            acc.y += po[k].y * w;
-            acc.z += po[k].z * w;
-            acc.w += po[k].w * w;
+            add_scaled(acc, po[k], w);
           }
           mw = mx;
         }
@@ -1099,11 +1100,7 @@ __device__ __forceinline__ void cta_merge(const Params& p, u8* smem, int warp, i
           const float2 st = *reinterpret_cast<const float2*>(at + ML + 2 * head);
           const float sc = exp2_(st.x - mx);
           den += st.y * sc;
-          const float4 x = *reinterpret_cast<const float4*>(at + head * D + 4 * c4);
-          acc.x += x.x * sc;
-          acc.y += x.y * sc;
-          acc.z += x.z * sc;
-          acc.w += x.w * sc;
+          add_scaled(acc, *reinterpret_cast<const float4*>(at + head * D + 4 * c4), sc);
         }
       }
       reinterpret_cast<float4*>(p.part_o + (part * p.rep + head) * D)[c4] = acc;
@@ -1780,8 +1777,8 @@ extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) gaac_combine(co
   float mw = NEG_INF, acc = 0.f, den = 0.f;
   for (int s0 = warp; s0 < nparts; s0 += COMBINE_WARPS * COMBINE_UNROLL) {
     float ml[COMBINE_UNROLL][2], po[COMBINE_UNROLL];
-    {  // the partials' loads from two running pointers, one float2 per partial's statistics (90 registers; one
-      // 16-warp block per SM took 121 with an index per load: 0.3-0.7 us slower, session 22)
+    {  // the partials' loads from two running pointers, one float2 per partial's statistics (82 registers; an index
+      // per load took 121 and was 0.3-0.7 us slower, session 22)
       const i64 row0 = (item0 + s0) * p.rep + r, step = (i64)COMBINE_WARPS * p.rep;
       const float2* mp = reinterpret_cast<const float2*>(p.part_ml) + row0;
       const float* op = p.part_o + row0 * D + ch;
@@ -1794,7 +1791,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) gaac_combine(co
         po[k] = in ? op[k * step * D] : 0.f;
       }
     }
-  float mx = mw;
+    float mx = mw;
 #pragma unroll
     for (int k = 0; k < COMBINE_UNROLL; ++k) mx = fmaxf(mx, ml[k][0]);
     if (mx != NEG_INF) {  // warp-uniform: every lane reads the same splits' statistics
