@@ -212,11 +212,32 @@ FUSED_TWIN = {
     "twin_fused": {"balance": (), "cta_merge": True, "fused_combine": True},
 }
 
+# Session 23 (`--set fused2`): the fused combine's last CTA in fewer rounds of dependent loads: 16 or 24 partials per
+# round (GAAC_FUSED_UNROLL; session 22's build: 8), or the CTA's threads in sets of rep * D / 4, each set over a share
+# of the partials, merged in order through shared memory (GAAC_FUSED_SETS). Each checked against its twin planned alike.
+_FUSED = {"balance": (), "cta_merge": True, "fused_combine": True}
+FUSED2_GAAC = {
+    "gaac": {"balance": ()},
+    "gaac_fused": _FUSED,
+    "gaac_fused_u16": {**_FUSED, "defines": ("GAAC_FUSED_UNROLL=16",)},
+    "gaac_fused_u24": {**_FUSED, "defines": ("GAAC_FUSED_UNROLL=24",)},
+    "gaac_fused_sets": {**_FUSED, "defines": ("GAAC_FUSED_SETS=1",)},
+    "gaac_fused_sets_u16": {**_FUSED, "defines": ("GAAC_FUSED_SETS=1", "GAAC_FUSED_UNROLL=16")},
+}
+FUSED2_TWIN = {
+    "twin": {"balance": ()},
+    "twin_fused": _FUSED,
+    "twin_fused_u16": {**_FUSED, "defines": ("GAAC_FUSED_UNROLL=16",)},
+    "twin_fused_sets": {**_FUSED, "defines": ("GAAC_FUSED_SETS=1",)},
+}
+
 
 def main():
     args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json",
-                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge", "merge_rule", "mask", "fused"))
-    if args.set == "fused":
+                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge", "merge_rule", "mask", "fused", "fused2"))
+    if args.set == "fused2":
+        run_probe(args, FUSED2_GAAC, FUSED2_TWIN, (), "warps_probe.py")
+    elif args.set == "fused":
         run_probe(args, FUSED_GAAC, FUSED_TWIN, ("gaac_fused",), "warps_probe.py")
     elif args.set == "mask":
         run_probe(args, MASK_GAAC, MASK_TWIN, (), "warps_probe.py")

@@ -660,15 +660,18 @@ def test_cta_merge_option():
 
 
 @gpu
+@pytest.mark.parametrize("defines", [(), ("GAAC_FUSED_SETS=1",), ("GAAC_FUSED_UNROLL=3",)],
+                         ids=["default", "sets", "unroll3"])
 @pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[1], GPU_CASES[6], GPU_CASES[8], GPU_CASES[9]],
                          ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
-def test_fused_combine_equals_the_twin_planned_alike(case):
+def test_fused_combine_equals_the_twin_planned_alike(case, defines):
     """plan(fused_combine=True): the last CTA of each (row, kv-head) group merges the group's partials into the output
     (no combine kernel). CTAs holding several groups (1-split groups in 4-warp CTAs: up to four last-CTA merges in
     one CTA), groups over many CTAs, empty splits: compressed KV and its twin planned alike give the same bits, close
     to the fp64 reference and to the combine kernel's output; three calls in one CUDA graph, replayed twice, give the
-    same bits each time (the counters reset themselves)."""
-    for pc in _option_equals_twin(case, {"cta_merge": True, "fused_combine": True},
+    same bits each time (the counters reset themselves). Also with the partials merged by sets of threads
+    (GAAC_FUSED_SETS) and with rounds of 3 loads (GAAC_FUSED_UNROLL=3: a partial round at the end)."""
+    for pc in _option_equals_twin(case, {"cta_merge": True, "fused_combine": True, "defines": defines},
                                   {"cta_merge": True, "fused_combine": False},
                                   ((1, 4), (1, None), (5, None), (13, None), (3, 4), (None, None), (40, None))):
         assert pc.fused_combine and "-DGAAC_FUSED_COMBINE=1" in pc.options
