@@ -151,9 +151,11 @@ def main():
                                 nsplit=nsplit, **kw)
             got = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout, pc)
             # (the twin planned alike: the warp-specialized kernel writes a partial per split, no CTA merge)
-            want = twin if nsplit == pp.nsplit and pc.cta_merge == pp.cta_merge else gaac_cuda.plain_decode_attention(
+            alike = (pc.cta_merge, pc.fused_combine) == (pp.cta_merge, pp.fused_combine)
+            want = twin if nsplit == pp.nsplit and alike else gaac_cuda.plain_decode_attention(
                 q, k, v, kv_len, None, scale, gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, nsplit=nsplit,
-                                                             ws=0, cta_merge=pc.cta_merge))
+                                                             ws=0, cta_merge=pc.cta_merge,
+                                                             fused_combine=pc.fused_combine))
             bufs = [packed] + [tuple(x.clone() for x in packed) for _ in range(args.buffers - 1)]
 
             def run(i, pc=pc, layout=layout, bufs=bufs, skip_plan=None):

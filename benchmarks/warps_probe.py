@@ -163,13 +163,13 @@ PREPASS2_GAAC = {
 # `--set combine_lean` of session 21: 0.3-0.7 us less at five shapes, the same bits).
 CTA_MERGE_GAAC = {
     "gaac": {"balance": ()},
-    "gaac_cta_merge": {"balance": (), "cta_merge": True},
-    "gaac_cta_merge_cw4": {"balance": (), "cta_merge": True, "combine_warps": 4},
+    "gaac_cta_merge": {"balance": (), "cta_merge": True, "fused_combine": False},
+    "gaac_cta_merge_cw4": {"balance": (), "cta_merge": True, "combine_warps": 4, "fused_combine": False},
 }
 CTA_MERGE_TWIN = {
     "twin": {"balance": ()},
-    "twin_cta_merge": {"balance": (), "cta_merge": True},
-    "twin_cta_merge_cw4": {"balance": (), "cta_merge": True, "combine_warps": 4},
+    "twin_cta_merge": {"balance": (), "cta_merge": True, "fused_combine": False},
+    "twin_cta_merge_cw4": {"balance": (), "cta_merge": True, "combine_warps": 4, "fused_combine": False},
 }
 
 # Session 22 (`--set merge_rule`): the plan's default merges where the unmerged combine takes more than one round of
@@ -197,47 +197,28 @@ MASK_TWIN = {
     "twin_mask_late": {"balance": (), "mask": True, "defines": ("GAAC_MASK_LATE=1",)},
 }
 
-# Prepared in session 22 (`--set fused`, not yet run): the combine inside the split kernel (plan(fused_combine=True),
-# with the CTA merge): the last CTA of each group merges the group's partials into the output, no combine kernel and
-# no kernel boundary before the output. Against the default and the CTA merge alone; checked against the twin
-# planned alike.
+# Prepared in session 22, run in session 23 (`--set fused`): the combine inside the split kernel
+# (plan(fused_combine=True), with the CTA merge): the last CTA of each group merges the group's partials into the
+# output, no combine kernel and no kernel boundary before the output. Against the default and the CTA merge alone;
+# checked against the twin planned alike.
 FUSED_GAAC = {
     "gaac": {"balance": ()},
-    "gaac_cta_merge": {"balance": (), "cta_merge": True},
+    "gaac_cta_merge": {"balance": (), "cta_merge": True, "fused_combine": False},
     "gaac_fused": {"balance": (), "cta_merge": True, "fused_combine": True},
 }
 FUSED_TWIN = {
     "twin": {"balance": ()},
-    "twin_cta_merge": {"balance": (), "cta_merge": True},
+    "twin_cta_merge": {"balance": (), "cta_merge": True, "fused_combine": False},
     "twin_fused": {"balance": (), "cta_merge": True, "fused_combine": True},
 }
 
-# Session 23 (`--set fused2`): the fused combine's last CTA in fewer rounds of dependent loads: 16 or 24 partials per
-# round (GAAC_FUSED_UNROLL; session 22's build: 8), or the CTA's threads in sets of rep * D / 4, each set over a share
-# of the partials, merged in order through shared memory (GAAC_FUSED_SETS). Each checked against its twin planned alike.
-_FUSED = {"balance": (), "cta_merge": True, "fused_combine": True}
-FUSED2_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_fused": _FUSED,
-    "gaac_fused_u16": {**_FUSED, "defines": ("GAAC_FUSED_UNROLL=16",)},
-    "gaac_fused_u24": {**_FUSED, "defines": ("GAAC_FUSED_UNROLL=24",)},
-    "gaac_fused_sets": {**_FUSED, "defines": ("GAAC_FUSED_SETS=1",)},
-    "gaac_fused_sets_u16": {**_FUSED, "defines": ("GAAC_FUSED_SETS=1", "GAAC_FUSED_UNROLL=16")},
-}
-FUSED2_TWIN = {
-    "twin": {"balance": ()},
-    "twin_fused": _FUSED,
-    "twin_fused_u16": {**_FUSED, "defines": ("GAAC_FUSED_UNROLL=16",)},
-    "twin_fused_sets": {**_FUSED, "defines": ("GAAC_FUSED_SETS=1",)},
-}
-
+# Session 23 also ran `--set fused2` (16 / 24 partials per round of the fused combine's loads, and sets of threads
+# each over a share of the partials): slower, removed with their kernel options (git history: commit f2e92a0).
 
 def main():
     args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json",
-                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge", "merge_rule", "mask", "fused", "fused2"))
-    if args.set == "fused2":
-        run_probe(args, FUSED2_GAAC, FUSED2_TWIN, (), "warps_probe.py")
-    elif args.set == "fused":
+                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge", "merge_rule", "mask", "fused"))
+    if args.set == "fused":
         run_probe(args, FUSED_GAAC, FUSED_TWIN, ("gaac_fused",), "warps_probe.py")
     elif args.set == "mask":
         run_probe(args, MASK_GAAC, MASK_TWIN, (), "warps_probe.py")

@@ -74,8 +74,15 @@ COMBINE_UNROLL = 16  # partials per combine warp and round of loads (the kernel'
 # GAAC_FUSED_COMBINE): the last CTA of each (row, kv-head) group to finish merges the group's partials into the output,
 # so a call is one kernel. CTAs count themselves done on a per-device int32 buffer that the last one resets
 # (`_counters`): launches on one device must not overlap (one stream at a time, as for any shared workspace).
-# Prepared in session 22, not yet measured: off unless GAAC_HF_CUDA_FUSED_COMBINE=1.
-FUSED_COMBINE = os.environ.get("GAAC_HF_CUDA_FUSED_COMBINE", "0") == "1"
+# Measured on the H200 in session 23 (benchmarks/results/warps_probe_fused_s23.json, warps_probe_fused2_s23.json;
+# GAAC / twin us, merged with the combine kernel -> fused): faster where the combine kernel's blocks (one per row,
+# query head and 32 channels) outnumber the SMs — 64/8 1x64K (256 blocks) 66.6 -> 64.7 / 72.7 -> 70.9 and again
+# 66.2 -> 64.3 / 73.0 -> 70.9 (default unmerged 66.5), 4x64K (512) 234.6 -> 232.9 / 247.8 -> 245.5 — and slower where
+# a group's rows keep few of the last CTA's threads busy while the combine kernel spreads them (9/3/64 1x64K, 18
+# blocks: 21.3 -> 23.3 / 18.3 -> 19.5), no faster at 1x64K / 1x128K / 1x16K (128 / 128 / 128 blocks, merged or not).
+# So the default (FUSED_COMBINE = None) fuses where the plan merges and those blocks outnumber the SMs (`_fused_pays`;
+# compressed KV and its twin decide alike); GAAC_HF_CUDA_FUSED_COMBINE=1 / 0 forces it on / off (where merged).
+FUSED_COMBINE = {"1": True, "0": False}.get(os.environ.get("GAAC_HF_CUDA_FUSED_COMBINE", ""))
 # CTA size of the one-warp kernel at one tile per head where `plan` is given none: SPLIT_WARPS warps in one CTA per SM
 # (the same splits as 3 CTAs of 4 warps, and the same bits), where shared memory holds such a CTA; else 4 warps, 3 CTAs
 # per SM. The warp schedulers favour an SM's older CTAs (see RANK_PACE): one CTA per SM has no older CTA, and its warps
@@ -227,8 +234,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     `pdl` (None: `PDL`): programmatic dependent launch of both kernels (see `PDL`; the same bits).
     `cta_merge` (None: `CTA_MERGE`'s rule; the one-warp kernel without `balance`): the splits of each CTA merged per
     (row, kv-head) in shared memory before they leave (see `CTA_MERGE`; the bits depend on it: plan the twin alike).
-    `fused_combine` (None: `FUSED_COMBINE` where the plan merges per CTA): the last CTA of each group writes the
-    output, no combine kernel (see `FUSED_COMBINE`; needs `cta_merge`; the bits depend on it)."""
+    `fused_combine` (None: `FUSED_COMBINE`'s rule where the plan merges per CTA): the last CTA of each group writes
+    the output, no combine kernel (see `FUSED_COMBINE`; needs `cta_merge`; the bits depend on it)."""
     pdl = PDL if pdl is None else bool(pdl)
     if balance is None and head_dim <= 128:  # one tile per head: the process-wide default (before the kernel choice)
         balance = BALANCE
@@ -312,7 +319,12 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
                        _merge_pays(batch, kv_heads * rep, head_dim, nsplit, cw, device))
     if fused_combine and not merge:
         raise ValueError("fused_combine merges the CTAs' partials: it needs cta_merge")
-    fused = bool(merge and (FUSED_COMBINE if fused_combine is None else fused_combine))
+    if fused_combine is None:
+        fused_combine = (_fused_pays(batch, kv_heads * rep, head_dim, device) if FUSED_COMBINE is None
+                         else FUSED_COMBINE)
+    fused = bool(merge and fused_combine)
+    if fused and torch.device(device).type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        _counters(batch * kv_heads, device)  # made with the plan, so a first launch inside a graph capture finds them
     if merge:
         options += ("-DGAAC_CTA_MERGE=1",) + (("-DGAAC_FUSED_COMBINE=1",) if fused else ())
     return _with_pdl(DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes,
@@ -323,6 +335,12 @@ def _merge_pays(batch: int, q_heads: int, head_dim: int, nsplit: int, combine_wa
     """`CTA_MERGE`'s rule: the unmerged combine would take more than one round of loads per warp, or more blocks (one
     per row, query head and 32 channels) than the GPU has SMs (one 16-warp block fills an SM's registers)."""
     return nsplit > combine_warps * COMBINE_UNROLL or batch * q_heads * (head_dim // 32) > _sm_count(device)
+
+
+def _fused_pays(batch: int, q_heads: int, head_dim: int, device) -> bool:
+    """`FUSED_COMBINE`'s rule (where the plan merges per CTA): the combine kernel would launch more blocks (one per
+    row, query head and 32 channels) than the GPU has SMs."""
+    return batch * q_heads * (head_dim // 32) > _sm_count(device)
 
 
 def _cta_merge(asked: bool | None, balanced: bool, ring_bytes: int, head_dim: int, pays: bool) -> bool:
@@ -416,7 +434,11 @@ _counter_buffers: dict = {}  # device -> the counters of fused-combine launches;
 
 def _counters(n: int, device: torch.device) -> torch.Tensor:
     """At least `n` int32 zeros on `device` for `FUSED_COMBINE` launches, made once (and grown, never inside a graph
-    capture: launch a plan of the largest batch x kv-heads once before capturing). The kernel leaves them zero."""
+    capture: `plan` makes them outside one; else launch a plan of the largest batch x kv-heads once before
+    capturing). The kernel leaves them zero."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     bufs = _counter_buffers.setdefault(device, [])
     if not bufs or bufs[-1].numel() < n:
         if torch.cuda.is_current_stream_capturing():

@@ -647,10 +647,18 @@ def test_cta_merge_option():
     assert not plan(1, 8, 8, 128, 65536, "cpu", nsplit=198, ws=0, balance=RANK_PACE).cta_merge
     with pytest.raises(ValueError, match="ws=0"):
         plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, ws=3, cta_merge=True)
-    # the combine in the split kernel: only with the merge, off by default
+    # the combine in the split kernel: only with the merge; by default where the combine kernel's blocks (row x query
+    # head x 32 channels) outnumber the SMs (64/8 1x64K: 256, 4x64K: 512), not at 9/3/64 (18: merged, not fused)
     fused = plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, ws=0, cta_merge=True, fused_combine=True)
     assert fused.fused_combine and "-DGAAC_FUSED_COMBINE=1" in fused.options
-    assert not p.fused_combine and not any("FUSED" in o for o in p.options)
+    assert not plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, ws=0, cta_merge=True, fused_combine=False).fused_combine
+    small = plan(1, 2, 4, 128, 65536, "cpu", nsplit=33, ws=0, warps=12, cta_merge=True)  # 32 blocks
+    assert small.cta_merge and not small.fused_combine and not any("FUSED" in o for o in small.options)
+    for (b, h, r, d, n), want in (((1, 8, 8, 128, 198), True), ((4, 8, 4, 128, 49), True), ((1, 3, 3, 64, 528), False),
+                                  ((1, 8, 4, 128, 198), False)):
+        for plain in (False, True):
+            pl = plan(b, h, r, d, 65536, "cpu", nsplit=n, ws=0, plain=plain)
+            assert pl.fused_combine is want and ("-DGAAC_FUSED_COMBINE=1" in pl.options) is want, (b, h, r, d, n)
     with pytest.raises(ValueError, match="needs cta_merge"):
         plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, ws=0, cta_merge=False, fused_combine=True)
     with pytest.raises(ValueError, match="ws=0"):
@@ -660,18 +668,15 @@ def test_cta_merge_option():
 
 
 @gpu
-@pytest.mark.parametrize("defines", [(), ("GAAC_FUSED_SETS=1",), ("GAAC_FUSED_UNROLL=3",)],
-                         ids=["default", "sets", "unroll3"])
 @pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[1], GPU_CASES[6], GPU_CASES[8], GPU_CASES[9]],
                          ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
-def test_fused_combine_equals_the_twin_planned_alike(case, defines):
+def test_fused_combine_equals_the_twin_planned_alike(case):
     """plan(fused_combine=True): the last CTA of each (row, kv-head) group merges the group's partials into the output
     (no combine kernel). CTAs holding several groups (1-split groups in 4-warp CTAs: up to four last-CTA merges in
     one CTA), groups over many CTAs, empty splits: compressed KV and its twin planned alike give the same bits, close
     to the fp64 reference and to the combine kernel's output; three calls in one CUDA graph, replayed twice, give the
-    same bits each time (the counters reset themselves). Also with the partials merged by sets of threads
-    (GAAC_FUSED_SETS) and with rounds of 3 loads (GAAC_FUSED_UNROLL=3: a partial round at the end)."""
-    for pc in _option_equals_twin(case, {"cta_merge": True, "fused_combine": True, "defines": defines},
+    same bits each time (the counters reset themselves)."""
+    for pc in _option_equals_twin(case, {"cta_merge": True, "fused_combine": True},
                                   {"cta_merge": True, "fused_combine": False},
                                   ((1, 4), (1, None), (5, None), (13, None), (3, 4), (None, None), (40, None))):
         assert pc.fused_combine and "-DGAAC_FUSED_COMBINE=1" in pc.options

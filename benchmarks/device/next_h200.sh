@@ -20,7 +20,8 @@
 #   `... captured` (session 20; ran in session 21): the captured GAAC step and its twin at 64K / 128K.
 #   Session 21 ran `captured`, `prepass`, `pipelined` (twice), `clocks`, `staged` (results benchmarks/results/*_s21*).
 #   Session 22 ran `lean` (its combine options are gone since: the lean loads became the only combine), `merge`,
-#   `rule`, `pipelined`, `mask` and `tests`. Session 23: `fused` (the combine inside the split kernel), `fused2`.
+#   `rule`, `pipelined`, `mask` and `tests`. Session 23: `fused` (the combine inside the split kernel), `fused2` (its
+#   load rounds; removed since).
 #   `... fence` (session 20): the GPU tests of the kernels, head dims and eager generate, then
 #     benchmarks/device/ws_race_probe.py over every configuration (32 of them: each should print 'bad': 0).
 #   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
@@ -190,13 +191,6 @@ if [ "$MODE" = fused ]; then  # prepared in session 22, not yet run: the combine
     --contexts ${CONTEXTS:-65536} --steps 10 --warmup 3 --eager-steps 3 --reps 10 --variants captured captured-twin \
     --skip-module-guards --out "$OUT/generate_fused.json" 2>&1 | tee "$OUT/generate_fused.log" \
     | grep -E "pipelined|ms/step|lossless|\| " | tail -8
-fi
-if [ "$MODE" = fused2 ]; then  # session 23: the fused combine in fewer rounds of dependent loads (16 / 24 partials per
-  # round, or sets of threads each over a share of the partials): its GPU bit tests, then the probe at six shapes
-  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q tests/test_gaac_cuda_ops.py -k "fused" 2>&1 \
-    | tee "$OUT/gpu_tests_fused2.log" | tail -3
-  timeout ${PROBE_TIMEOUT:-330} python3 benchmarks/warps_probe.py --set fused2 --real-kv .bench/real_kv_2k.safetensors \
-    --shapes ${SHAPES:-1,4,5,0,3,2} --out "$OUT/warps_probe_fused2.json" 2>&1 | tee "$OUT/warps_probe_fused2.log" | tail -8
 fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)

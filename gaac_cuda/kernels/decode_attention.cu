@@ -985,26 +985,21 @@ __device__ __forceinline__ int cta_parts_cap(const Params& p) { return p.nsplit 
 // GAAC_FUSED_COMBINE: after its partials of groups g0 .. g1 are written, the CTA counts itself done for each of them
 // (one lane of warp 0 per group, an atomic on Params::counters after a fence); the CTA that completes a group's count
 // resets it and merges the group's partials, in CTA order, into the BF16 output: out[b, hk rep + head, ch] for every
-// head and channel, four channels per thread, GAAC_FUSED_UNROLL partials per round of loads with all of them in flight.
-#ifndef GAAC_FUSED_UNROLL
-#define GAAC_FUSED_UNROLL 8
-#endif
-#define FUSED_UNROLL GAAC_FUSED_UNROLL
-#ifndef GAAC_FUSED_SETS  // 1: the CTA's threads in sets of rep * D / 4, each set merging a share of the partials, the
-#define GAAC_FUSED_SETS 0  // sets then merged in order through shared memory (0: one set, every thread a round of loads
-#endif                     // per FUSED_UNROLL partials)
-#define FUSED_SETS (GAAC_FUSED_SETS && GAAC_WARPS > 1)
-// partials s_begin .. s_end - 1 of a group (rows part0 + s) merged into the running (mw, den, acc) of one head's
-// channels 4 c4 .. 4 c4 + 3, in partial order, FUSED_UNROLL loads per round all in flight
-__device__ __forceinline__ void merge_parts(const Params& p, i64 part0, int s_begin, int s_end, int head, int c4,
-                                            float& mw, float& den, float4& acc) {
+// head and channel, four channels per thread, FUSED_UNROLL partials per round of loads with all of them in flight.
+// (16 or 24 partials per round, and sets of threads each over a share of the partials merged in order through shared
+// memory, were slower: session 23, benchmarks/results/warps_probe_fused2_s23.json; git history: commit f2e92a0)
+#define FUSED_UNROLL 8
+// a group's partials (rows part0 .. part0 + parts - 1) merged into the running (mw, den, acc) of one head's channels
+// 4 c4 .. 4 c4 + 3, in partial order, FUSED_UNROLL loads per round all in flight
+__device__ __forceinline__ void merge_parts(const Params& p, i64 part0, int parts, int head, int c4, float& mw,
+                                            float& den, float4& acc) {
 #pragma unroll 1
-  for (int s0 = s_begin; s0 < s_end; s0 += FUSED_UNROLL) {
+  for (int s0 = 0; s0 < parts; s0 += FUSED_UNROLL) {
     float2 ml[FUSED_UNROLL];
     float4 po[FUSED_UNROLL];
 #pragma unroll
     for (int k = 0; k < FUSED_UNROLL; ++k) {
-      const bool in = s0 + k < s_end;
+      const bool in = s0 + k < parts;
       const i64 row = (part0 + s0 + k) * p.rep + head;
       ml[k] = in ? __ldcg(reinterpret_cast<const float2*>(p.part_ml) + row) : make_float2(NEG_INF, 0.f);
       po[k] = in ? __ldcg(reinterpret_cast<const float4*>(p.part_o + row * D) + c4) : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -1059,60 +1054,18 @@ __device__ __forceinline__ void fused_combine(const Params& p, u8* smem, int war
   if (!bits) return;
   __threadfence();  // the other CTAs' partials, after their counts
   const int rows4 = p.rep * (D / 4);
-#if FUSED_SETS  // sets of rows4 threads, each over a consecutive share of the partials, merged in set order after
-  const int nsets = rows4 <= 32 * live ? 32 * live / rows4 : 1;  // a barrier (through the warps' drained rings)
-#else
-  constexpr int nsets = 1;
-#endif
 #pragma unroll 1
   for (int i = 0; i <= g1 - g0; ++i) {
     if (!((bits >> i) & 1)) continue;
     const int grp = g0 + i;
     const int parts = last_cta(p, grp) - first_cta(p, grp) + 1;
     const i64 part0 = (i64)grp * cta_parts_cap(p);
-#if FUSED_SETS
-    if (nsets > 1) {
-      const int tid = warp * 32 + lane, set = tid / rows4, e = tid % rows4;
-      const int head = e / (D / 4), c4 = e % (D / 4);
-      // thread x's set result: (float4 acc, float2 (max, den)) in the first 768 bytes of its warp's drained ring
-      auto acc_at = [&](int x) { return reinterpret_cast<float4*>(smem + (x >> 5) * p.warp_bytes + HDR) + (x & 31); };
-      auto ml_at = [&](int x) {
-        return reinterpret_cast<float2*>(smem + (x >> 5) * p.warp_bytes + HDR + 512) + (x & 31);
-      };
-      if (set < nsets) {
-        const int per = (parts + nsets - 1) / nsets;
-        float mw = NEG_INF, den = 0.f;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        merge_parts(p, part0, min(parts, set * per), min(parts, (set + 1) * per), head, c4, mw, den, acc);
-        *acc_at(tid) = acc;
-        *ml_at(tid) = make_float2(mw, den);
-      }
-      asm volatile("bar.sync 1, %0;" ::"r"(32 * live) : "memory");
-      if (set == 0) {  // the sets in order
-        float mx = NEG_INF;
-        for (int k = 0; k < nsets; ++k) mx = fmaxf(mx, ml_at(k * rows4 + e)->x);
-        float den = 0.f;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (mx != NEG_INF) {
-          for (int k = 0; k < nsets; ++k) {
-            const float2 ml = *ml_at(k * rows4 + e);
-            const float w = exp2_(ml.x - mx);
-            den += ml.y * w;
-            add_scaled(acc, *acc_at(k * rows4 + e), w);
-          }
-        }
-        store_out(p, grp, head, c4, acc, den);
-      }
-      asm volatile("bar.sync 1, %0;" ::"r"(32 * live) : "memory");  // the staging is free for the next group
-      continue;
-    }
-#endif
 #pragma unroll 1
     for (int e = warp * 32 + lane; e < rows4; e += 32 * live) {
       const int head = e / (D / 4), c4 = e % (D / 4);
       float mw = NEG_INF, den = 0.f;
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-      merge_parts(p, part0, 0, parts, head, c4, mw, den, acc);
+      merge_parts(p, part0, parts, head, c4, mw, den, acc);
       store_out(p, grp, head, c4, acc, den);
     }
   }
