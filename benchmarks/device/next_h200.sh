@@ -192,6 +192,18 @@ if [ "$MODE" = fused ]; then  # prepared in session 22, not yet run: the combine
     --skip-module-guards --out "$OUT/generate_fused.json" 2>&1 | tee "$OUT/generate_fused.log" \
     | grep -E "pipelined|ms/step|lossless|\| " | tail -8
 fi
+if [ "$MODE" = verify23 ]; then  # session 23: the GPU tests after the fused combine became a default (64/8, 4x64K and
+  # other shapes whose combine kernel would launch more blocks than SMs); PART=1: kernels, head dims, eager generate;
+  # PART=2: static cache, generate, captured step, compile settings
+  if [ "${PART:-1}" = 1 ]; then
+    timeout ${TEST_TIMEOUT:-560} python3 -m pytest -q tests/test_gaac_gpu_generate.py tests/test_gaac_head_dims.py \
+      tests/test_gaac_cuda_ops.py -k "(gpu or cuda) and not compiles and not sass" 2>&1 | tee "$OUT/gpu_tests_verify23_1.log" | tail -4
+  else
+    timeout ${TEST_TIMEOUT:-560} python3 -m pytest -q tests/test_gaac_gpu_static_cache.py tests/test_gaac_gpu_generate.py \
+      tests/test_gaac_captured_step.py tests/test_gaac_compile_settings.py -k "gpu" 2>&1 \
+      | tee "$OUT/gpu_tests_verify23_2.log" | tail -5
+  fi
+fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)
   timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q tests/test_gaac_gpu_generate.py tests/test_gaac_head_dims.py \
