@@ -214,11 +214,24 @@ FUSED_TWIN = {
 
 # Session 23 also ran `--set fused2` (16 / 24 partials per round of the fused combine's loads, and sets of threads
 # each over a share of the partials): slower, removed with their kernel options (git history: commit f2e92a0).
+# Session 23 (`--set const`): the ring layout and the slot size compiled in (plan(const_layout=True)): the same bits
+# (checked against the default twin), fewer instructions for offsets and copy sizes.
+CONST_GAAC = {
+    "gaac": {"balance": ()},
+    "gaac_const": {"balance": (), "const_layout": True},
+}
+CONST_TWIN = {
+    "twin": {"balance": ()},
+    "twin_const": {"balance": (), "const_layout": True},
+}
+
 
 def main():
     args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json",
-                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge", "merge_rule", "mask", "fused"))
-    if args.set == "fused":
+                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge", "merge_rule", "mask", "fused", "const"))
+    if args.set == "const":
+        run_probe(args, CONST_GAAC, CONST_TWIN, (), "warps_probe.py")
+    elif args.set == "fused":
         run_probe(args, FUSED_GAAC, FUSED_TWIN, ("gaac_fused",), "warps_probe.py")
     elif args.set == "mask":
         run_probe(args, MASK_GAAC, MASK_TWIN, (), "warps_probe.py")

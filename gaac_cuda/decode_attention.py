@@ -83,6 +83,13 @@ COMBINE_UNROLL = 16  # partials per combine warp and round of loads (the kernel'
 # So the default (FUSED_COMBINE = None) fuses where the plan merges and those blocks outnumber the SMs (`_fused_pays`;
 # compressed KV and its twin decide alike); GAAC_HF_CUDA_FUSED_COMBINE=1 / 0 forces it on / off (where merged).
 FUSED_COMBINE = {"1": True, "0": False}.get(os.environ.get("GAAC_HF_CUDA_FUSED_COMBINE", ""))
+# The one-warp kernel's shared-memory layout (ring buffer and per-warp bytes) and, for compressed KV, the slot size as
+# compile-time constants (`plan(const_layout=True)`, kernel defines GAAC_BUF_BYTES / GAAC_WARP_BYTES /
+# GAAC_SLOT_BYTES): the offsets fold into the shared-memory loads and the copies' sizes into immediates (the sm_90a
+# build of the 1x64K plan: 2,992 SASS instructions against 3,096, the same registers; the same bits). A plan then
+# serves slots of its own size only (the launcher refuses others). Session 23: off until measured on the H200;
+# GAAC_HF_CUDA_CONST_LAYOUT=1 turns it on.
+CONST_LAYOUT = os.environ.get("GAAC_HF_CUDA_CONST_LAYOUT", "0") == "1"
 # CTA size of the one-warp kernel at one tile per head where `plan` is given none: SPLIT_WARPS warps in one CTA per SM
 # (the same splits as 3 CTAs of 4 warps, and the same bits), where shared memory holds such a CTA; else 4 warps, 3 CTAs
 # per SM. The warp schedulers favour an SM's older CTAs (see RANK_PACE): one CTA per SM has no older CTA, and its warps
@@ -144,6 +151,7 @@ class DecodePlan:
     pdl: bool = False  # programmatic dependent launch (`plan(pdl=True)`)
     cta_merge: bool = False  # `plan(cta_merge=True)`: one partial per CTA and (row, kv-head)
     fused_combine: bool = False  # `plan(fused_combine=True)`: no combine kernel
+    slot_bytes: int = 0  # `plan(const_layout=True)`, compressed KV: the slot size compiled in (0: read at launch)
 
     @property
     def items(self) -> int:
@@ -192,7 +200,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
          ws: int | None = None, defines: tuple[str, ...] = (),
          buf_bytes: int | None = None, balance: tuple[int, ...] | None = None,
          combine_warps: int | None = None, pdl: bool | None = None,
-         cta_merge: bool | None = None, fused_combine: bool | None = None) -> DecodePlan:
+         cta_merge: bool | None = None, fused_combine: bool | None = None,
+         const_layout: bool | None = None) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
@@ -235,7 +244,9 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     `cta_merge` (None: `CTA_MERGE`'s rule; the one-warp kernel without `balance`): the splits of each CTA merged per
     (row, kv-head) in shared memory before they leave (see `CTA_MERGE`; the bits depend on it: plan the twin alike).
     `fused_combine` (None: `FUSED_COMBINE`'s rule where the plan merges per CTA): the last CTA of each group writes
-    the output, no combine kernel (see `FUSED_COMBINE`; needs `cta_merge`; the bits depend on it)."""
+    the output, no combine kernel (see `FUSED_COMBINE`; needs `cta_merge`; the bits depend on it).
+    `const_layout` (None: `CONST_LAYOUT`; the one-warp kernel): the ring layout and the slot size compiled in (see
+    `CONST_LAYOUT`; the same bits; compressed KV needs `slot_bytes`)."""
     pdl = PDL if pdl is None else bool(pdl)
     if balance is None and head_dim <= 128:  # one tile per head: the process-wide default (before the kernel choice)
         balance = BALANCE
@@ -263,8 +274,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     extra = tuple(f"-D{d}" for d in defines)
     if ws and buf_bytes is not None:
         raise ValueError("buf_bytes is a one-warp kernel option (ws=0)")
-    if (cta_merge or fused_combine) and ws:
-        raise ValueError("cta_merge and fused_combine are the one-warp kernel's (ws=0)")
+    if (cta_merge or fused_combine or const_layout) and ws:
+        raise ValueError("cta_merge, fused_combine and const_layout are the one-warp kernel's (ws=0)")
     if ws:
         return _with_pdl(_plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, slot_bytes=slot_bytes,
                                   plain=plain, nsplit=nsplit, ws=ws, stages=2 * ws if stages is None else stages,
@@ -327,8 +338,16 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         _counters(batch * kv_heads, device)  # made with the plan, so a first launch inside a graph capture finds them
     if merge:
         options += ("-DGAAC_CTA_MERGE=1",) + (("-DGAAC_FUSED_COMBINE=1",) if fused else ())
+    if const_layout and not plain and slot_bytes <= 0:
+        raise ValueError("const_layout compiles the slot size in: plan compressed KV with its slot_bytes")
+    # (the process default applies where the plan knows the slot size)
+    const = (CONST_LAYOUT and (plain or slot_bytes > 0)) if const_layout is None else bool(const_layout)
+    if const:
+        options += (f"-DGAAC_BUF_BYTES={buf}", f"-DGAAC_WARP_BYTES={warp_bytes}")
+        options += () if plain else (f"-DGAAC_SLOT_BYTES={slot_bytes}",)
     return _with_pdl(DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes,
-                                options, split_cum=cum, combine_warps=cw, cta_merge=merge, fused_combine=fused), pdl)
+                                options, split_cum=cum, combine_warps=cw, cta_merge=merge, fused_combine=fused,
+                                slot_bytes=slot_bytes if const and not plain else 0), pdl)
 
 
 def _merge_pays(batch: int, q_heads: int, head_dim: int, nsplit: int, combine_warps: int, device) -> bool:
@@ -589,6 +608,9 @@ def decode_attention(query: torch.Tensor, slot_pool: torch.Tensor, raw_pool: tor
         plan_ = plan(b, h, hq // h, d, table.shape[1] * BLOCK + BLOCK, query.device, slot_bytes=layout.slot_bytes)
     if plan_.plain:
         raise ValueError("this plan is for plain KV")
+    if plan_.slot_bytes and plan_.slot_bytes != layout.slot_bytes:
+        raise ValueError(f"this plan has {plan_.slot_bytes}-byte slots compiled in (const_layout), the pool's are "
+                         f"{layout.slot_bytes}")
     if slot_pool.dtype != torch.uint8 or slot_pool.shape[-1] != layout.slot_bytes or not slot_pool.is_contiguous():
         raise ValueError(f"slot_pool must be contiguous uint8 [N, {layout.slot_bytes}]")
     if raw_pool.dtype != torch.bfloat16 or raw_pool.shape[1:] != (BLOCK, channels) or not raw_pool.is_contiguous():

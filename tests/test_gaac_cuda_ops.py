@@ -682,6 +682,51 @@ def test_fused_combine_equals_the_twin_planned_alike(case):
         assert pc.fused_combine and "-DGAAC_FUSED_COMBINE=1" in pc.options
 
 
+def test_const_layout_option():
+    """plan(const_layout=True): the ring layout (and for compressed KV the slot size) as kernel defines, recorded on
+    the plan; compressed KV needs its slot size; the warp-specialized kernel refuses it; the launcher refuses a pool
+    whose slots are not the plan's size before touching any tensor."""
+    pc = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, slot_bytes=2944, format_version=3, ws=0, const_layout=True)
+    assert pc.slot_bytes == 2944 and "-DGAAC_SLOT_BYTES=2944" in pc.options
+    assert f"-DGAAC_BUF_BYTES={pc.buf_bytes}" in pc.options and f"-DGAAC_WARP_BYTES={pc.warp_bytes}" in pc.options
+    pp = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, plain=True, ws=0, const_layout=True)
+    assert pp.slot_bytes == 0 and f"-DGAAC_BUF_BYTES={pp.buf_bytes}" in pp.options
+    assert not any("SLOT_BYTES" in o for o in pp.options)
+    off = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, slot_bytes=2944, format_version=3, ws=0, const_layout=False)
+    assert off.slot_bytes == 0 and not any("_BYTES=" in o for o in off.options)
+    with pytest.raises(ValueError, match="slot_bytes"):
+        plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, ws=0, const_layout=True)
+    with pytest.raises(ValueError, match="ws=0"):
+        plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, slot_bytes=2944, ws=6, const_layout=True)
+    other = TileLayout.of_slot_bytes(128, 2944 + 16)
+    q = torch.zeros(1, 32, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="2944-byte slots compiled in"):
+        decode_attention(q, torch.zeros(1, other.slot_bytes, dtype=torch.uint8), torch.zeros(0, 16, 128),
+                         torch.zeros(1, 1, 2, 8, 1, dtype=torch.int32), torch.zeros(1, 8, 16, 128),
+                         torch.zeros(1, 8, 16, 128), None, None, torch.ones(1, dtype=torch.int32), None, 1.0, other, pc)
+
+
+@gpu
+@pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[1], GPU_CASES[6], GPU_CASES[8], GPU_CASES[9]],
+                         ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
+def test_const_layout_equals_the_twin(case):
+    """plan(const_layout=True): the layout compiled in changes no bit — compressed KV equals its twin (both compiled
+    with their layouts), close to the fp64 reference and to the plan that reads the layout at launch, and CUDA-graph
+    replays repeat the bits; also on format version 2 (the kernel's format 3) as the caches store it on Hopper."""
+    b, h, nrep, _, d, _, _, _ = case
+    for pc in _option_equals_twin(case, {"const_layout": True}, {"const_layout": False},
+                                  ((1, None), (5, None), (3, 4), (None, None))):
+        assert pc.slot_bytes > 0 and any(o.startswith("-DGAAC_SLOT_BYTES=") for o in pc.options)
+    if d in (64, 128):
+        (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case, 2)
+        for nsplit in (3, None):
+            pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, ws=0, format_version=3,
+                      nsplit=nsplit, const_layout=True)
+            pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, ws=0, nsplit=pc.nsplit, const_layout=True)
+            got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
+            assert torch.equal(bits(got), bits(plain_decode_attention(q, k, v, kv_len, mask, scale, pp))), nsplit
+
+
 def test_cta_merge_partials_fit_the_plans_allocation():
     """The kernel's CTA-merge indexing (kernel: first_cta / last_cta / cta_parts_cap): split s of group grp is item
     grp * nsplit + s, held by CTA item // warps; the group's partials are rows grp * cap + (cta - first CTA). Every

@@ -153,6 +153,29 @@ struct Params {
   int* counters;       // GAAC_FUSED_COMBINE: [B * H] CTAs of each group done (zero between launches: self-resetting)
 };
 
+// GAAC_CONST_LAYOUT (`plan(const_layout=True)`): the plan's ring layout (GAAC_BUF_BYTES, GAAC_WARP_BYTES) and, for
+// compressed KV, its slot size (GAAC_SLOT_BYTES; the sections' offsets follow from C as in docs/format.md) as
+// compile-time constants, folded into shared-memory offsets and copy sizes; else read from Params (the launcher fills
+// both; it refuses a layout that is not the plan's)
+#ifdef GAAC_BUF_BYTES
+#define BUF_BYTES GAAC_BUF_BYTES
+#define WARP_BYTES GAAC_WARP_BYTES
+#else
+#define BUF_BYTES p.buf_bytes
+#define WARP_BYTES p.warp_bytes
+#endif
+#ifdef GAAC_SLOT_BYTES
+#define SLOT_BYTES ((i64)GAAC_SLOT_BYTES)
+#define PLANES_OFF (16 * C)
+#define TAGS_OFF (22 * C)
+#define ESC_OFF (22 * C + C / 2)
+#else
+#define SLOT_BYTES p.slot_bytes
+#define PLANES_OFF p.planes_off
+#define TAGS_OFF p.tags_off
+#define ESC_OFF p.esc_off
+#endif
+
 __device__ __forceinline__ unsigned long long gtimer() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
@@ -317,7 +340,7 @@ struct LaneTags {
   bool any_raw;  // any raw group in the tile (warp-uniform)
 };
 __device__ __forceinline__ void load_tags(const Params& p, const u8* slot, int lane, LaneTags& lt) {
-  const u8* tags = slot + SECTION_SHIFT + p.tags_off;
+  const u8* tags = slot + SECTION_SHIFT + TAGS_OFF;
   if (GPL == 8) {
     lt.wb = tags[lane];
     lt.rb = tags[G / 8 + lane];
@@ -351,7 +374,7 @@ __device__ __forceinline__ void scan_tags(LaneTags& k, LaneTags& v, int lane) {
 // k) of that window, by one byte permute per word. Reads stay in the buffer whatever the tags say.
 template <int NW>
 __device__ __forceinline__ void plane3_window(const Params& p, const u8* esc, u32 wb, int off, u32 (&p3)[NW]) {
-  const int o = min(off, p.buf_bytes - SECTION_SHIFT - p.esc_off - 12);
+  const int o = min(off, BUF_BYTES - SECTION_SHIFT - ESC_OFF - 12);
   const u32* wp = reinterpret_cast<const u32*>(esc + (o & ~3));
   const u32 sh = 8 * (o & 3);
   const u32 w0 = wp[0], w1 = wp[1], w2 = wp[2];
@@ -422,7 +445,7 @@ __device__ __forceinline__ u32 f3_ov(u32 x, int h) { return (h ? __funnelshift_r
 template <bool IS_V = false>
 __device__ __forceinline__ void prepass(const Params& p, const u8* slot, const Scratch& s, const u32 (&b3)[GPL / 4],
                                         const u32 (&b4)[GPL / 4], int lane, const LaneTags& lt) {
-  const u8* esc = slot + SECTION_SHIFT + p.esc_off;
+  const u8* esc = slot + SECTION_SHIFT + ESC_OFF;
   const u32 wb = lt.wb, rb = lt.rb;
   const int off = lt.off;
   u32 p3[GPL / 4];
@@ -430,7 +453,7 @@ __device__ __forceinline__ void prepass(const Params& p, const u8* slot, const S
     plane3_window(p, esc, wb, off, p3);
   } else {
     unsigned long long acc = 0;  // (a 64-bit word, not an array: dynamic indices would go to local memory)
-    const int esc_max = p.buf_bytes - SECTION_SHIFT - p.esc_off - 5;
+    const int esc_max = BUF_BYTES - SECTION_SHIFT - ESC_OFF - 5;
     for (u32 rem = wb; rem; rem &= rem - 1) {
       const int k = __ffs(rem) - 1;
       const u32 bl = (1u << k) - 1;
@@ -456,9 +479,9 @@ __device__ __forceinline__ void prepass(const Params& p, const u8* slot, const S
     if (lt.any_raw && !F3_OVERLAY) *reinterpret_cast<u32*>(s.raw + g0) = rm;
   }
   if (F3_OVERLAY) {
-    if (lt.any_raw) f3_overlay<IS_V>(esc, p.buf_bytes - SECTION_SHIFT - p.esc_off - 4, s, lane, lt);
+    if (lt.any_raw) f3_overlay<IS_V>(esc, BUF_BYTES - SECTION_SHIFT - ESC_OFF - 4, s, lane, lt);
   } else if (lt.any_raw) {  // planes 4..7 of raw groups: the 4 escape bytes after plane 3
-    const int esc_max = p.buf_bytes - SECTION_SHIFT - p.esc_off - 5;
+    const int esc_max = BUF_BYTES - SECTION_SHIFT - ESC_OFF - 5;
     unsigned long long hi[4] = {0, 0, 0, 0};
     for (u32 rem = rb; rem; rem &= rem - 1) {
       const int k = __ffs(rem) - 1;
@@ -500,7 +523,7 @@ struct GroupWords {
   u32 pl[8][N];
   u32 base[N];
   __device__ __forceinline__ GroupWords(const Params& p, const u8* slot, const Scratch& s, int g0) {
-    const u8* planes = slot + SECTION_SHIFT + p.planes_off;
+    const u8* planes = slot + SECTION_SHIFT + PLANES_OFF;
     ldv<N>(planes + g0, pl[0]);
     ldv<N>(planes + G + g0, pl[1]);
     ldv<N>(planes + 2 * G + g0, pl[2]);
@@ -560,7 +583,7 @@ __device__ __forceinline__ void f3_pair(u32 mw, u32 pw, u32 xa, u32 xb, u32 oa, 
   hb = f3_high<YB, RB>(mw, pw, bb) + ob + vb;
 }
 __device__ __forceinline__ void f3_words(const Params& p, const u8* buf, int lane, u32 (&mw)[C / 32], u32 (&pw)[C / 64]) {
-  const u8* words = buf + SECTION_SHIFT + p.planes_off + 4 * lane;
+  const u8* words = buf + SECTION_SHIFT + PLANES_OFF + 4 * lane;
 #pragma unroll
   for (int x = 0; x < C / 32; ++x) mw[x] = lds(words + 128 * x);
 #pragma unroll
@@ -1082,7 +1105,7 @@ __device__ __forceinline__ void cta_merge(const Params& p, u8* smem, int warp, i
                                           const float (&m)[2], float (&l)[2], const float (&o)[TILES][NVM][4]) {
   sum_over_g(l);
   constexpr int ML = 8 * D;  // a warp's statistics after its (at most 8) output rows
-  float* mine = reinterpret_cast<float*>(smem + warp * p.warp_bytes + HDR);
+  float* mine = reinterpret_cast<float*>(smem + warp * WARP_BYTES + HDR);
   __syncwarp();  // every lane is past its last read of the ring
   o_pairs(p, g, t, o, [&](int head, int ch, float x, float y) {
     *reinterpret_cast<float2*>(mine + head * D + ch) = make_float2(x, y);
@@ -1105,13 +1128,13 @@ __device__ __forceinline__ void cta_merge(const Params& p, u8* smem, int warp, i
       float mx = NEG_INF;
 #pragma unroll 1
       for (int w = wa; w < wb; ++w)
-        mx = fmaxf(mx, reinterpret_cast<const float*>(smem + w * p.warp_bytes + HDR)[ML + 2 * head]);
+        mx = fmaxf(mx, reinterpret_cast<const float*>(smem + w * WARP_BYTES + HDR)[ML + 2 * head]);
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
       float den = 0.f;
       if (mx != NEG_INF) {
 #pragma unroll 1
         for (int w = wa; w < wb; ++w) {  // warps in order
-          const float* at = reinterpret_cast<const float*>(smem + w * p.warp_bytes + HDR);
+          const float* at = reinterpret_cast<const float*>(smem + w * WARP_BYTES + HDR);
           const float2 st = *reinterpret_cast<const float2*>(at + ML + 2 * head);
           const float sc = exp2_(st.x - mx);
           den += st.y * sc;
@@ -1191,11 +1214,11 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #endif
 #endif
 
-  u8* ws = smem + warp * p.warp_bytes;
+  u8* ws = smem + warp * WARP_BYTES;
   const u32 bars = smem_u32(ws);
   u8* ring = ws + HDR;
   Scratch scr;  // bases, planes 3..7 and raw masks of the slot being read, after the ring
-  scratch_at(scr, ring + GAAC_STAGES * 2 * TILES * p.buf_bytes);
+  scratch_at(scr, ring + GAAC_STAGES * 2 * TILES * BUF_BYTES);
   if (lane == 0) {
 #pragma unroll
     for (int st = 0; st < (SPLITBAR ? 2 : 1) * GAAC_STAGES; ++st)
@@ -1294,10 +1317,10 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       if (lane == 0) kinds[ki] = 3u;
       fence_async();
       if (lane == 0) {
-        const u32 dst = smem_u32(ring + st * 2 * p.buf_bytes);
-        mbar_expect(bar, 2u * (u32)p.slot_bytes);
-        bulk_copy(dst, p.slots + (i64)e[0][0] * p.slot_bytes, (u32)p.slot_bytes, bar);
-        bulk_copy(dst + p.buf_bytes, p.slots + (i64)e[1][0] * p.slot_bytes, (u32)p.slot_bytes, bar);
+        const u32 dst = smem_u32(ring + st * 2 * BUF_BYTES);
+        mbar_expect(bar, 2u * (u32)SLOT_BYTES);
+        bulk_copy(dst, p.slots + (i64)e[0][0] * SLOT_BYTES, (u32)SLOT_BYTES, bar);
+        bulk_copy(dst + BUF_BYTES, p.slots + (i64)e[1][0] * SLOT_BYTES, (u32)SLOT_BYTES, bar);
       }
       mbar_arrive(bar);
       return;
@@ -1312,7 +1335,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #pragma unroll
       for (int T = 0; T < TILES; ++T) {
         if (!GAAC_PLAIN && !tail && e[kv][T] >= 0) {
-          bytes += (u32)(GAAC_DENSE_SLOT ? p.slot_bytes : p.slot_bytes - 16 * C);
+          bytes += (u32)(GAAC_DENSE_SLOT ? SLOT_BYTES : SLOT_BYTES - 16 * C);
           slots |= 1u << (kv * TILES + T);
         } else if (bulk_rows) {
           bytes += 32 * C;
@@ -1325,23 +1348,23 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     for (int kv = kv0; kv < kv1; ++kv)
 #pragma unroll
       for (int T = 0; T < TILES; ++T) {
-        u8* dst = ring + (st * 2 * TILES + kv * TILES + T) * p.buf_bytes;
+        u8* dst = ring + (st * 2 * TILES + kv * TILES + T) * BUF_BYTES;
         const int ent = e[kv][T];
         if (!GAAC_PLAIN && !tail && ent >= 0) {
-          const u8* src = p.slots + (i64)ent * p.slot_bytes;
+          const u8* src = p.slots + (i64)ent * SLOT_BYTES;
           // (one bulk copy per sign+mantissa row, 16 lanes, was tried: a bulk copy takes uniform operands, so the
           // compiler issues the 16 copies one lane at a time, ~8 instructions each)
           // (16-byte cp.async per lane, L2 prefetches ahead of the ring and an L2 evict_first hint were measured
           // slower in session 19: benchmarks/results/copy_path_probe_s19.json)
           if (GAAC_DENSE_SLOT) {  // the whole slot as stored (rows dense: 2-way conflicts in the fragment loads)
-            if (lane == kv * TILES + T) bulk_copy(smem_u32(dst), src, (u32)p.slot_bytes, bar);
+            if (lane == kv * TILES + T) bulk_copy(smem_u32(dst), src, (u32)SLOT_BYTES, bar);
           } else {
             const u8* sl = src + 16 * lane;
             const u32 dl = smem_u32(dst) + sm_lane;
 #pragma unroll
             for (int i = 0; i < C / 32; ++i) cp_async16(dl + i * SM_STEP, sl + 512 * i);
             if (lane == kv * TILES + T)
-              bulk_copy(smem_u32(dst + SM_SECTION), src + 16 * C, (u32)(p.slot_bytes - 16 * C), bar);
+              bulk_copy(smem_u32(dst + SM_SECTION), src + 16 * C, (u32)(SLOT_BYTES - 16 * C), bar);
           }
         } else if (bulk_rows) {
           const u8* src = GAAC_PLAIN ? reinterpret_cast<const u8*>(rows_src(kv, u, T)) : raw_src(ent);
@@ -1454,9 +1477,9 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     for (int T = 0; T < TILES; ++T) {
       tk[T].wb = tk[T].rb = tv[T].wb = tv[T].rb = 0;
       if (DECODE && (slots_here & ((1u << T) | (1u << (TILES + T))))) {
-        if ((slots_here >> T) & 1) load_tags(p, ring + (st * 2 * TILES + T) * p.buf_bytes, lane, tk[T]);
+        if ((slots_here >> T) & 1) load_tags(p, ring + (st * 2 * TILES + T) * BUF_BYTES, lane, tk[T]);
         if ((slots_here >> (TILES + T)) & 1)
-          load_tags(p, ring + (st * 2 * TILES + TILES + T) * p.buf_bytes, lane, tv[T]);
+          load_tags(p, ring + (st * 2 * TILES + TILES + T) * BUF_BYTES, lane, tv[T]);
         if (GAAC_SKIP & 32) tk[T].off = tv[T].off = 0, tk[T].any_raw = tv[T].any_raw = false;
         else scan_tags(tk[T], tv[T], lane);
       }
@@ -1466,7 +1489,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     float sc2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int T = 0; T < TILES; ++T) {
-      const u8* buf = ring + (st * 2 * TILES + T) * p.buf_bytes;
+      const u8* buf = ring + (st * 2 * TILES + T) * BUF_BYTES;
       if (DECODE && ((slots_here >> T) & 1)) {
         if (!(GAAC_SKIP & 16) && (!(GAAC_SKIP & 64) || j == 0))
           prepass(p, buf, scr, b3[0][T], b4[0][T], lane, tk[T]);
@@ -1489,7 +1512,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     rescale_o(o, alpha);
 #pragma unroll
     for (int T = 0; T < TILES; ++T) {
-      const u8* buf = ring + (st * 2 * TILES + TILES + T) * p.buf_bytes;
+      const u8* buf = ring + (st * 2 * TILES + TILES + T) * BUF_BYTES;
       if (DECODE && ((slots_here >> (TILES + T)) & 1)) {
         if (!(GAAC_SKIP & 16) && (!(GAAC_SKIP & 64) || j == 0))
           prepass<true>(p, buf, scr, b3[1][T], b4[1][T], lane, tv[T]);
@@ -1666,7 +1689,7 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
 #pragma unroll
       for (int kv = 0; kv < 2; ++kv) {
         if (!GAAC_PLAIN && !tail && e[kv] >= 0) {
-          bytes += (u32)(GAAC_DENSE_SLOT ? p.slot_bytes : p.slot_bytes - 16 * C);
+          bytes += (u32)(GAAC_DENSE_SLOT ? SLOT_BYTES : SLOT_BYTES - 16 * C);
           slots |= 1u << kv;
         } else if (!tail && (!GAAC_PLAIN || bulk_plain)) {
           bytes += 32 * C;
@@ -1682,19 +1705,19 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
       if (lane == 0) mbar_expect(bar, bytes);
 #pragma unroll
       for (int kv = 0; kv < 2; ++kv) {
-        u8* dst = ring + (st * 2 + kv) * p.buf_bytes;
+        u8* dst = ring + (st * 2 + kv) * BUF_BYTES;
         const u16* rows = (kv ? p.kv_v : p.kv_k) + (i64)b * p.kv_sb + (i64)hk * p.kv_sh +
                           (GAAC_PLAIN ? (i64)16 * u * p.kv_ss : 0);
         if (!GAAC_PLAIN && !tail && e[kv] >= 0) {
-          const u8* src = p.slots + (i64)e[kv] * p.slot_bytes;
+          const u8* src = p.slots + (i64)e[kv] * SLOT_BYTES;
           if (GAAC_DENSE_SLOT) {  // the slot as stored, one bulk copy
-            if (lane == kv) bulk_copy(smem_u32(dst), src, (u32)p.slot_bytes, bar);
+            if (lane == kv) bulk_copy(smem_u32(dst), src, (u32)SLOT_BYTES, bar);
           } else {  // sign+mantissa rows padded by 16-byte copies per lane, then the group section
             const u8* sl = src + 16 * lane;
             const u32 dl = smem_u32(dst) + sm_lane;
 #pragma unroll
             for (int i = 0; i < C / 32; ++i) cp_async16(dl + i * SM_STEP, sl + 512 * i);
-            if (lane == kv) bulk_copy(smem_u32(dst + SM_SECTION), src + 16 * C, (u32)(p.slot_bytes - 16 * C), bar);
+            if (lane == kv) bulk_copy(smem_u32(dst + SM_SECTION), src + 16 * C, (u32)(SLOT_BYTES - 16 * C), bar);
           }
         } else if (!tail && (!GAAC_PLAIN || bulk_plain)) {  // a raw tile, or a plain block of contiguous rows
           const void* src = GAAC_PLAIN ? static_cast<const void*>(rows)
@@ -1729,7 +1752,7 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
 
   // a consumer
   Scratch scr;
-  scratch_at(scr, ring + S * 2 * p.buf_bytes + warp * SCRATCH);
+  scratch_at(scr, ring + S * 2 * BUF_BYTES + warp * SCRATCH);
   u32 qb[TILES][NKS][2];
   load_query(p, b, hk, g, t, qb);
   u32 b3[2][TILES][GPL / 4], b4[2][TILES][GPL / 4];
@@ -1747,8 +1770,8 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
   for (int k = 0; k < n; ++k) {
     const int j = k * NC + warp, st = j % S, u = u0 + k;
     mbar_wait(full + 8 * st, (j / S) & 1);
-    const u8* kbuf = ring + st * 2 * p.buf_bytes;
-    ws_unit(p, kbuf, kbuf + p.buf_bytes, kinds[st], scr, lane, g, t, qb[0], b3, b4, u >= nb ? tl : 16,
+    const u8* kbuf = ring + st * 2 * BUF_BYTES;
+    ws_unit(p, kbuf, kbuf + BUF_BYTES, kinds[st], scr, lane, g, t, qb[0], b3, b4, u >= nb ? tl : 16,
             mrow, u, m, l, o);
     __syncwarp();  // every lane has read the stage
     if (lane == 0) mbar_arrive(empty + 8 * st);
