@@ -87,9 +87,12 @@ FUSED_COMBINE = {"1": True, "0": False}.get(os.environ.get("GAAC_HF_CUDA_FUSED_C
 # compile-time constants (`plan(const_layout=True)`, kernel defines GAAC_BUF_BYTES / GAAC_WARP_BYTES /
 # GAAC_SLOT_BYTES): the offsets fold into the shared-memory loads and the copies' sizes into immediates (the sm_90a
 # build of the 1x64K plan: 2,992 SASS instructions against 3,096, the same registers; the same bits). A plan then
-# serves slots of its own size only (the launcher refuses others). Session 23: off until measured on the H200;
-# GAAC_HF_CUDA_CONST_LAYOUT=1 turns it on.
-CONST_LAYOUT = os.environ.get("GAAC_HF_CUDA_CONST_LAYOUT", "0") == "1"
+# serves slots of its own size only (the launcher refuses others). Measured on the H200 in session 23
+# (benchmarks/results/warps_probe_const_s23.json, GAAC / twin us, read at launch -> compiled in): 1x64K 60.9 -> 60.6 /
+# 69.7 -> 69.5, 64/8 1x64K 65.1 -> 63.3 / 72.0 -> 70.5, 4x64K 230.5 -> 226.4 / 250.9 -> 250.9, 1x16K 24.7 -> 24.3 /
+# 24.7 -> 24.5, 9/3/64 1x64K 21.6 -> 20.8 / 18.5 -> 18.4, 1x128K 111.9 -> 111.8 / 130.2 -> 129.8; bit-identical. On
+# by default wherever the plan knows the slot size (plain KV always); GAAC_HF_CUDA_CONST_LAYOUT=0 turns it off.
+CONST_LAYOUT = os.environ.get("GAAC_HF_CUDA_CONST_LAYOUT", "1") != "0"
 # CTA size of the one-warp kernel at one tile per head where `plan` is given none: SPLIT_WARPS warps in one CTA per SM
 # (the same splits as 3 CTAs of 4 warps, and the same bits), where shared memory holds such a CTA; else 4 warps, 3 CTAs
 # per SM. The warp schedulers favour an SM's older CTAs (see RANK_PACE): one CTA per SM has no older CTA, and its warps
@@ -245,8 +248,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     (row, kv-head) in shared memory before they leave (see `CTA_MERGE`; the bits depend on it: plan the twin alike).
     `fused_combine` (None: `FUSED_COMBINE`'s rule where the plan merges per CTA): the last CTA of each group writes
     the output, no combine kernel (see `FUSED_COMBINE`; needs `cta_merge`; the bits depend on it).
-    `const_layout` (None: `CONST_LAYOUT`; the one-warp kernel): the ring layout and the slot size compiled in (see
-    `CONST_LAYOUT`; the same bits; compressed KV needs `slot_bytes`)."""
+    `const_layout` (None: `CONST_LAYOUT` where the slot size is known; the one-warp kernel): the ring layout and the
+    slot size compiled in (see `CONST_LAYOUT`; the same bits; compressed KV needs `slot_bytes`)."""
     pdl = PDL if pdl is None else bool(pdl)
     if balance is None and head_dim <= 128:  # one tile per head: the process-wide default (before the kernel choice)
         balance = BALANCE

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gaac_cuda import available, decode_attention, plain_decode_attention, plan
-from gaac_cuda.decode_attention import _SOURCE_FILE, PDL, RANK_PACE, SPLIT_WARPS, STATIC_SMEM, WS_TWIN, WS_TWIN_CTAS_PER_SM, split_table
+from gaac_cuda.decode_attention import _SOURCE_FILE, CONST_LAYOUT, PDL, RANK_PACE, SPLIT_WARPS, STATIC_SMEM, WS_TWIN, WS_TWIN_CTAS_PER_SM, split_table
 from gaac_hf.format import TileLayout
 from gaac_triton_cases import compress_kv, realistic_kv
 
@@ -692,6 +692,10 @@ def test_const_layout_option():
     pp = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, plain=True, ws=0, const_layout=True)
     assert pp.slot_bytes == 0 and f"-DGAAC_BUF_BYTES={pp.buf_bytes}" in pp.options
     assert not any("SLOT_BYTES" in o for o in pp.options)
+    # the default: compiled in wherever the plan knows the slot size (GAAC_HF_CUDA_CONST_LAYOUT=0: nowhere)
+    dflt = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, slot_bytes=2944, format_version=3, ws=0)
+    assert dflt.slot_bytes == (2944 if CONST_LAYOUT else 0)
+    assert plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, ws=0).slot_bytes == 0  # no slot size given: read at launch
     off = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, slot_bytes=2944, format_version=3, ws=0, const_layout=False)
     assert off.slot_bytes == 0 and not any("_BYTES=" in o for o in off.options)
     with pytest.raises(ValueError, match="slot_bytes"):
