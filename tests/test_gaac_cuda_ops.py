@@ -608,6 +608,21 @@ def _option_equals_twin(case, option: dict, baseline: dict, splits):
         yield pc
 
 
+def _format2_equals_twin(case, option: dict):
+    """At head_dim 64 / 128, format version 2 (the kernel's format 3) as the caches store it on Hopper: compressed KV
+    planned with `option` equals its twin planned alike, at 3 splits and at the shape's default."""
+    b, h, nrep, _, d, _, _, _ = case
+    if d not in (64, 128):
+        return
+    (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case, 2)
+    for nsplit in (3, None):
+        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, ws=0, format_version=3,
+                  nsplit=nsplit, **option)
+        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, ws=0, nsplit=pc.nsplit, **option)
+        got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
+        assert torch.equal(bits(got), bits(plain_decode_attention(q, k, v, kv_len, mask, scale, pp))), nsplit
+
+
 @gpu
 @pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[1], GPU_CASES[6], GPU_CASES[8], GPU_CASES[9]],
                          ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
@@ -617,18 +632,11 @@ def test_cta_merge_equals_the_twin_planned_alike(case):
     live warps at the end, empty splits) write one partial per group. Compressed KV (formats 1 and 3) and its twin
     planned alike give the same bits, close to the fp64 reference and to the unmerged kernel, and the same bits again
     as three back-to-back calls in one CUDA graph."""
-    b, h, nrep, _, d, _, _, _ = case
+    b, h = case[:2]
     for pc in _option_equals_twin(case, {"cta_merge": True}, {"cta_merge": False},
                                   ((1, None), (5, None), (13, None), (3, 4), (7, 4), (None, None), (40, None))):
         assert pc.cta_merge and "-DGAAC_CTA_MERGE=1" in pc.options and pc.parts <= max(pc.items, 3 * b * h)
-    if d in (64, 128):  # format version 2 (the kernel's format 3), as the caches store it on Hopper
-        (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case, 2)
-        for nsplit in (3, None):
-            pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, ws=0, format_version=3,
-                      nsplit=nsplit, cta_merge=True)
-            pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, ws=0, nsplit=pc.nsplit, cta_merge=True)
-            got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
-            assert torch.equal(bits(got), bits(plain_decode_attention(q, k, v, kv_len, mask, scale, pp))), nsplit
+    _format2_equals_twin(case, {"cta_merge": True})
 
 
 def test_cta_merge_option():
@@ -740,18 +748,10 @@ def test_const_layout_equals_the_twin(case):
     """plan(const_layout=True): the layout compiled in changes no bit — compressed KV equals its twin (both compiled
     with their layouts), close to the fp64 reference and to the plan that reads the layout at launch, and CUDA-graph
     replays repeat the bits; also on format version 2 (the kernel's format 3) as the caches store it on Hopper."""
-    b, h, nrep, _, d, _, _, _ = case
     for pc in _option_equals_twin(case, {"const_layout": True}, {"const_layout": False},
                                   ((1, None), (5, None), (3, 4), (None, None))):
         assert pc.slot_bytes > 0 and any(o.startswith("-DGAAC_SLOT_BYTES=") for o in pc.options)
-    if d in (64, 128):
-        (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case, 2)
-        for nsplit in (3, None):
-            pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, ws=0, format_version=3,
-                      nsplit=nsplit, const_layout=True)
-            pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, ws=0, nsplit=pc.nsplit, const_layout=True)
-            got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
-            assert torch.equal(bits(got), bits(plain_decode_attention(q, k, v, kv_len, mask, scale, pp))), nsplit
+    _format2_equals_twin(case, {"const_layout": True})
 
 
 def test_cta_merge_partials_fit_the_plans_allocation():
