@@ -346,7 +346,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         fused_combine = (_fused_pays(batch, kv_heads * rep, head_dim, device) if FUSED_COMBINE is None
                          else FUSED_COMBINE)
     fused = bool(merge and fused_combine)
-    if fused and torch.device(device).type == "cuda" and not torch.cuda.is_current_stream_capturing():
+    if (fused and torch.device(device).type == "cuda" and torch.cuda.is_available()
+            and not torch.cuda.is_current_stream_capturing()):
         _counters(batch * kv_heads, device)  # made with the plan, so a first launch inside a graph capture finds them
     if merge:
         options += ("-DGAAC_CTA_MERGE=1",) + (("-DGAAC_FUSED_COMBINE=1",) if fused else ())
