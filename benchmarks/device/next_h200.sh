@@ -224,6 +224,9 @@ if [ "$MODE" = heads ]; then  # prepared in session 23, not yet run: kv heads an
     --steps 10 --warmup 3 --eager-steps 3 --reps 10 --variants captured captured-twin --skip-module-guards \
     --out "$OUT/generate_heads.json" 2>&1 | grep -v "it/s\]" | tee "$OUT/generate_heads.log" \
     | grep -E "pipelined|ms/step|lossless|\| " | tail -12
+  # where a split's time goes at today's defaults (session 19's picture, refreshed: start, per unit, spread, combine)
+  timeout ${PHASES_TIMEOUT:-120} python3 benchmarks/split_phases_probe.py --real-kv .bench/real_kv_2k.safetensors \
+    --shapes 1 --out "$OUT/phases_heads.json" 2>&1 | tail -4
 fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)
