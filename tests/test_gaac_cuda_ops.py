@@ -718,6 +718,18 @@ def test_const_layout_option():
                          torch.zeros(1, 8, 16, 128), None, None, torch.ones(1, dtype=torch.int32), None, 1.0, other, pc)
 
 
+def test_const_layout_offsets_match_the_format():
+    """The kernel's compiled-in section offsets (GAAC_SLOT_BYTES: planes at 16 C, tags at 22 C, escapes at 22 C + C / 2)
+    are the format's (`TileLayout`) at the CUDA kernel's tile widths, for every escape capacity."""
+    src = open(_SOURCE_FILE).read()
+    for name, want in (("PLANES_OFF", "(16 * C)"), ("TAGS_OFF", "(22 * C)"), ("ESC_OFF", "(22 * C + C / 2)")):
+        assert f"#define {name} {want}" in src, name
+    for c in (64, 128):
+        for capacity in (0, 16, 64, 256):
+            lay = TileLayout(c, capacity)
+            assert (lay.planes_offset, lay.tags_offset, lay.escape_offset) == (16 * c, 22 * c, 22 * c + c // 2)
+
+
 def test_const_heads_option():
     """plan(const_heads=True): the plan's kv heads and group size as kernel defines (off by default until measured),
     refused with the warp-specialized kernel."""

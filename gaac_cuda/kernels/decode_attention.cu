@@ -153,10 +153,11 @@ struct Params {
   int* counters;       // GAAC_FUSED_COMBINE: [B * H] CTAs of each group done (zero between launches: self-resetting)
 };
 
-// GAAC_CONST_LAYOUT (`plan(const_layout=True)`): the plan's ring layout (GAAC_BUF_BYTES, GAAC_WARP_BYTES) and, for
-// compressed KV, its slot size (GAAC_SLOT_BYTES; the sections' offsets follow from C as in docs/format.md) as
-// compile-time constants, folded into shared-memory offsets and copy sizes; else read from Params (the launcher fills
-// both; it refuses a layout that is not the plan's)
+// `plan(const_layout=True)`: the plan's ring layout (GAAC_BUF_BYTES, GAAC_WARP_BYTES) and, for compressed KV, its
+// slot size (GAAC_SLOT_BYTES; the sections' offsets follow from C as in docs/format.md, checked against
+// gaac_hf.format.TileLayout by test_const_layout_offsets_match_the_format) as compile-time constants, folded into
+// shared-memory offsets and copy sizes; else read from Params (the launcher fills both; it refuses a pool whose slot
+// size is not the plan's)
 #ifdef GAAC_BUF_BYTES
 #define BUF_BYTES GAAC_BUF_BYTES
 #define WARP_BYTES GAAC_WARP_BYTES
