@@ -224,24 +224,12 @@ CONST_TWIN = {
     "twin": {"balance": ()},
     "twin_const": {"balance": (), "const_layout": True},
 }
-# Prepared in session 23 (`--set heads`, not yet run): the kv heads and group size compiled in as well
-# (plan(const_heads=True), 2,824 SASS instructions against 2,992 at 1x64K, 159 registers against 163).
-HEADS_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_heads": {"balance": (), "const_heads": True},
-}
-HEADS_TWIN = {
-    "twin": {"balance": ()},
-    "twin_heads": {"balance": (), "const_heads": True},
-}
 
 
 def main():
     args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json",
-                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge", "merge_rule", "mask", "fused", "const", "heads"))
-    if args.set == "heads":
-        run_probe(args, HEADS_GAAC, HEADS_TWIN, (), "warps_probe.py")
-    elif args.set == "const":
+                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge", "merge_rule", "mask", "fused", "const"))
+    if args.set == "const":
         run_probe(args, CONST_GAAC, CONST_TWIN, (), "warps_probe.py")
     elif args.set == "fused":
         run_probe(args, FUSED_GAAC, FUSED_TWIN, ("gaac_fused",), "warps_probe.py")

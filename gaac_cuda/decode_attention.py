@@ -93,13 +93,6 @@ FUSED_COMBINE = {"1": True, "0": False}.get(os.environ.get("GAAC_HF_CUDA_FUSED_C
 # 24.7 -> 24.5, 9/3/64 1x64K 21.6 -> 20.8 / 18.5 -> 18.4, 1x128K 111.9 -> 111.8 / 130.2 -> 129.8; bit-identical. On
 # by default wherever the plan knows the slot size (plain KV always); GAAC_HF_CUDA_CONST_LAYOUT=0 turns it off.
 CONST_LAYOUT = os.environ.get("GAAC_HF_CUDA_CONST_LAYOUT", "1") != "0"
-# The plan's kv heads and query heads per kv head compiled in too (`plan(const_heads=True)`, kernel defines
-# GAAC_HEADS / GAAC_REP; the launcher already refuses queries of another shape): the sm_90a build of the 1x64K plan
-# with its layout compiled in is 2,824 SASS instructions against 2,992, 159 registers against 163; the same bits.
-# Prepared in session 23, not yet measured: off unless GAAC_HF_CUDA_CONST_HEADS=1. (A model has one (heads, rep), so
-# this adds no compile per context length; the split count, which grows with the context in eager decoding, stays
-# a launch parameter.)
-CONST_HEADS = os.environ.get("GAAC_HF_CUDA_CONST_HEADS", "0") == "1"
 # CTA size of the one-warp kernel at one tile per head where `plan` is given none: SPLIT_WARPS warps in one CTA per SM
 # (the same splits as 3 CTAs of 4 warps, and the same bits), where shared memory holds such a CTA; else 4 warps, 3 CTAs
 # per SM. The warp schedulers favour an SM's older CTAs (see RANK_PACE): one CTA per SM has no older CTA, and its warps
@@ -211,7 +204,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
          buf_bytes: int | None = None, balance: tuple[int, ...] | None = None,
          combine_warps: int | None = None, pdl: bool | None = None,
          cta_merge: bool | None = None, fused_combine: bool | None = None,
-         const_layout: bool | None = None, const_heads: bool | None = None) -> DecodePlan:
+         const_layout: bool | None = None) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
@@ -256,9 +249,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     `fused_combine` (None: `FUSED_COMBINE`'s rule where the plan merges per CTA): the last CTA of each group writes
     the output, no combine kernel (see `FUSED_COMBINE`; needs `cta_merge`; the bits depend on it).
     `const_layout` (None: `CONST_LAYOUT` where the slot size is known; the one-warp kernel): the ring layout and the
-    slot size compiled in (see `CONST_LAYOUT`; the same bits; compressed KV needs `slot_bytes`).
-    `const_heads` (None: `CONST_HEADS`; the one-warp kernel): kv heads and query heads per kv head compiled in (see
-    `CONST_HEADS`; the same bits)."""
+    slot size compiled in (see `CONST_LAYOUT`; the same bits; compressed KV needs `slot_bytes`)."""
     pdl = PDL if pdl is None else bool(pdl)
     if balance is None and head_dim <= 128:  # one tile per head: the process-wide default (before the kernel choice)
         balance = BALANCE
@@ -286,8 +277,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     extra = tuple(f"-D{d}" for d in defines)
     if ws and buf_bytes is not None:
         raise ValueError("buf_bytes is a one-warp kernel option (ws=0)")
-    if (cta_merge or fused_combine or const_layout or const_heads) and ws:
-        raise ValueError("cta_merge, fused_combine, const_layout and const_heads are the one-warp kernel's (ws=0)")
+    if (cta_merge or fused_combine or const_layout) and ws:
+        raise ValueError("cta_merge, fused_combine and const_layout are the one-warp kernel's (ws=0)")
     if ws:
         return _with_pdl(_plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, slot_bytes=slot_bytes,
                                   plain=plain, nsplit=nsplit, ws=ws, stages=2 * ws if stages is None else stages,
@@ -358,8 +349,6 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     if const:
         options += (f"-DGAAC_BUF_BYTES={buf}", f"-DGAAC_WARP_BYTES={warp_bytes}")
         options += () if plain else (f"-DGAAC_SLOT_BYTES={slot_bytes}",)
-    if CONST_HEADS if const_heads is None else const_heads:
-        options += (f"-DGAAC_HEADS={kv_heads}", f"-DGAAC_REP={rep}")
     return _with_pdl(DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes,
                                 options, split_cum=cum, combine_warps=cw, cta_merge=merge, fused_combine=fused,
                                 slot_bytes=slot_bytes if const and not plain else 0), pdl)

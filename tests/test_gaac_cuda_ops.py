@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gaac_cuda import available, decode_attention, plain_decode_attention, plan
-from gaac_cuda.decode_attention import _SOURCE_FILE, CONST_HEADS, CONST_LAYOUT, PDL, RANK_PACE, SPLIT_WARPS, STATIC_SMEM, WS_TWIN, WS_TWIN_CTAS_PER_SM, split_table
+from gaac_cuda.decode_attention import _SOURCE_FILE, CONST_LAYOUT, PDL, RANK_PACE, SPLIT_WARPS, STATIC_SMEM, WS_TWIN, WS_TWIN_CTAS_PER_SM, split_table
 from gaac_hf.format import TileLayout
 from gaac_triton_cases import compress_kv, realistic_kv
 
@@ -728,29 +728,6 @@ def test_const_layout_offsets_match_the_format():
         for capacity in (0, 16, 64, 256):
             lay = TileLayout(c, capacity)
             assert (lay.planes_offset, lay.tags_offset, lay.escape_offset) == (16 * c, 22 * c, 22 * c + c // 2)
-
-
-def test_const_heads_option():
-    """plan(const_heads=True): the plan's kv heads and group size as kernel defines (off by default until measured),
-    refused with the warp-specialized kernel."""
-    p = plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, ws=0, const_heads=True)
-    assert "-DGAAC_HEADS=8" in p.options and "-DGAAC_REP=4" in p.options
-    if not CONST_HEADS:
-        assert not any("GAAC_HEADS" in o for o in plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, ws=0).options)
-    with pytest.raises(ValueError, match="ws=0"):
-        plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, ws=3, const_heads=True)
-
-
-@gpu
-@pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[1], GPU_CASES[6], GPU_CASES[8], GPU_CASES[9]],
-                         ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
-def test_const_heads_equals_the_twin(case):
-    """plan(const_heads=True), with the layout compiled in as by default: compressed KV equals its twin planned
-    alike, close to the fp64 reference and to the plan that reads heads and group size at launch; graph replays
-    repeat the bits."""
-    for pc in _option_equals_twin(case, {"const_heads": True}, {"const_heads": False},
-                                  ((1, None), (5, None), (3, 4), (None, None))):
-        assert f"-DGAAC_HEADS={pc.kv_heads}" in pc.options and f"-DGAAC_REP={pc.rep}" in pc.options
 
 
 @gpu

@@ -21,7 +21,7 @@
 #   Session 21 ran `captured`, `prepass`, `pipelined` (twice), `clocks`, `staged` (results benchmarks/results/*_s21*).
 #   Session 22 ran `lean` (its combine options are gone since: the lean loads became the only combine), `merge`,
 #   `rule`, `pipelined`, `mask` and `tests`. Session 23: `fused` (the combine inside the split kernel), `fused2` (its
-#   load rounds; removed since), `verify23`, `const`. First next session: `heads` (prepared).
+#   load rounds; removed since), `verify23`, `const`.
 #   `... fence` (session 20): the GPU tests of the kernels, head dims and eager generate, then
 #     benchmarks/device/ws_race_probe.py over every configuration (32 of them: each should print 'bad': 0).
 #   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
@@ -212,21 +212,6 @@ if [ "$MODE" = const ]; then  # session 23: the layout compiled in (plan(const_l
     --shapes ${SHAPES:-1,5,2,0,3,4} --out "$OUT/warps_probe_const.json" 2>&1 | tee "$OUT/warps_probe_const.log" | tail -9
   GAAC_HF_CUDA_CONST_LAYOUT=1 timeout ${GEN_TIMEOUT:-150} python3 -m pytest -q -x tests/test_gaac_gpu_generate.py \
     tests/test_gaac_head_dims.py -k "gpu or cuda" 2>&1 | tee "$OUT/gpu_tests_const_generate.log" | tail -3
-fi
-if [ "$MODE" = heads ]; then  # prepared in session 23, not yet run: kv heads and group size compiled in as well
-  # (plan(const_heads=True)): its GPU bit tests, the probe at six shapes, then the captured pair at 64K / 128K with it
-  # on for every plan (GAAC_HF_CUDA_CONST_HEADS=1)
-  timeout ${TEST_TIMEOUT:-120} python3 -m pytest -q tests/test_gaac_cuda_ops.py -k "const_heads" 2>&1 \
-    | tee "$OUT/gpu_tests_heads.log" | tail -3
-  timeout ${PROBE_TIMEOUT:-200} python3 benchmarks/warps_probe.py --set heads --real-kv .bench/real_kv_2k.safetensors \
-    --shapes ${SHAPES:-1,5,2,0,3,4} --out "$OUT/warps_probe_heads.json" 2>&1 | tee "$OUT/warps_probe_heads.log" | tail -9
-  GAAC_HF_CUDA_CONST_HEADS=1 timeout ${GEN_TIMEOUT:-200} python3 benchmarks/generate.py --contexts ${CONTEXTS:-65536 131072} \
-    --steps 10 --warmup 3 --eager-steps 3 --reps 10 --variants captured captured-twin --skip-module-guards \
-    --out "$OUT/generate_heads.json" 2>&1 | grep -v "it/s\]" | tee "$OUT/generate_heads.log" \
-    | grep -E "pipelined|ms/step|lossless|\| " | tail -12
-  # where a split's time goes at today's defaults (session 19's picture, refreshed: start, per unit, spread, combine)
-  timeout ${PHASES_TIMEOUT:-120} python3 benchmarks/split_phases_probe.py --real-kv .bench/real_kv_2k.safetensors \
-    --shapes 1 --out "$OUT/phases_heads.json" 2>&1 | tail -4
 fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)

@@ -177,16 +177,6 @@ struct Params {
 #define ESC_OFF p.esc_off
 #endif
 
-// GAAC_HEADS / GAAC_REP (`plan(const_heads=True)`): the plan's kv heads and query heads per kv head as compile-time
-// constants (the launcher passes the same values in Params and refuses queries of another shape)
-#ifdef GAAC_HEADS
-#define HEADS GAAC_HEADS
-#define REP GAAC_REP
-#else
-#define HEADS p.heads
-#define REP p.rep
-#endif
-
 __device__ __forceinline__ unsigned long long gtimer() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
@@ -951,8 +941,8 @@ __device__ __forceinline__ void write_ml(const Params& p, int item, int g, int t
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
     const int head = 2 * t + c;
-    if (head >= REP || g != 0) continue;
-    const i64 row = (i64)item * REP + head;
+    if (head >= p.rep || g != 0) continue;
+    const i64 row = (i64)item * p.rep + head;
     p.part_ml[2 * row] = m[c];
     p.part_ml[2 * row + 1] = l[c];
   }
@@ -965,7 +955,7 @@ __device__ __forceinline__ void o_pairs(const Params& p, int g, int t, const flo
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
     const int head = 2 * t + c;
-    if (head >= REP) continue;
+    if (head >= p.rep) continue;
 #pragma unroll
     for (int T = 0; T < TILES; ++T)
 #pragma unroll
@@ -975,7 +965,7 @@ __device__ __forceinline__ void o_pairs(const Params& p, int g, int t, const flo
 // from the fragments: per warp store instruction 4 bytes into each of 32 different sectors
 __device__ __forceinline__ void write_o(const Params& p, int item, int g, int t, const float (&o)[TILES][NVM][4]) {
   o_pairs(p, g, t, o, [&](int head, int ch, float x, float y) {
-    float* po = p.part_o + ((i64)item * REP + head) * D;
+    float* po = p.part_o + ((i64)item * p.rep + head) * D;
     po[ch] = x;
     po[ch + 1] = y;
   });
@@ -995,8 +985,8 @@ __device__ __forceinline__ void write_o_staged(const Params& p, int item, int g,
   });
   __syncwarp();
   const float4* from = reinterpret_cast<const float4*>(stage);
-  float4* to = reinterpret_cast<float4*>(p.part_o + (i64)item * REP * D);
-  for (int i = 4 * g + t; i < REP * (D / 4); i += 32) to[i] = from[i];
+  float4* to = reinterpret_cast<float4*>(p.part_o + (i64)item * p.rep * D);
+  for (int i = 4 * g + t; i < p.rep * (D / 4); i += 32) to[i] = from[i];
 }
 
 __device__ __forceinline__ void add_scaled(float4& acc, const float4& x, float w) {  // acc += x w
@@ -1034,7 +1024,7 @@ __device__ __forceinline__ void merge_parts(const Params& p, i64 part0, int part
 #pragma unroll
     for (int k = 0; k < FUSED_UNROLL; ++k) {
       const bool in = s0 + k < parts;
-      const i64 row = (part0 + s0 + k) * REP + head;
+      const i64 row = (part0 + s0 + k) * p.rep + head;
       ml[k] = in ? __ldcg(reinterpret_cast<const float2*>(p.part_ml) + row) : make_float2(NEG_INF, 0.f);
       po[k] = in ? __ldcg(reinterpret_cast<const float4*>(p.part_o + row * D) + c4) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
@@ -1063,8 +1053,8 @@ __device__ __forceinline__ void store_out(const Params& p, int grp, int head, in
   u32 lo, hi;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(lo) : "f"(any ? acc.y / den : 0.f), "f"(any ? acc.x / den : 0.f));
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(hi) : "f"(any ? acc.w / den : 0.f), "f"(any ? acc.z / den : 0.f));
-  const int b = grp / HEADS, hk = grp % HEADS;
-  u16* out = p.out + ((i64)b * HEADS * REP + (i64)hk * REP + head) * D + 4 * c4;
+  const int b = grp / p.heads, hk = grp % p.heads;
+  u16* out = p.out + ((i64)b * p.heads * p.rep + (i64)hk * p.rep + head) * D + 4 * c4;
   *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
 }
 
@@ -1087,7 +1077,7 @@ __device__ __forceinline__ void fused_combine(const Params& p, u8* smem, int war
   const u32 bits = *flag;
   if (!bits) return;
   __threadfence();  // the other CTAs' partials, after their counts
-  const int rows4 = REP * (D / 4);
+  const int rows4 = p.rep * (D / 4);
 #pragma unroll 1
   for (int i = 0; i <= g1 - g0; ++i) {
     if (!((bits >> i) & 1)) continue;
@@ -1123,12 +1113,12 @@ __device__ __forceinline__ void cta_merge(const Params& p, u8* smem, int warp, i
   });
 #pragma unroll
   for (int c = 0; c < 2; ++c)
-    if (g == 0 && 2 * t + c < REP) *reinterpret_cast<float2*>(mine + ML + 2 * (2 * t + c)) = make_float2(m[c], l[c]);
+    if (g == 0 && 2 * t + c < p.rep) *reinterpret_cast<float2*>(mine + ML + 2 * (2 * t + c)) = make_float2(m[c], l[c]);
   const int item0 = blockIdx.x * GAAC_WARPS;
-  const int live = min(GAAC_WARPS, p.batch * HEADS * p.nsplit - item0);
+  const int live = min(GAAC_WARPS, p.batch * p.heads * p.nsplit - item0);
   asm volatile("bar.sync 1, %0;" ::"r"(32 * live) : "memory");
   const int g0 = item0 / p.nsplit, g1 = (item0 + live - 1) / p.nsplit;
-  const int rows4 = REP * (D / 4);
+  const int rows4 = p.rep * (D / 4);
 #pragma unroll 1
   for (int grp = g0; grp <= g1; ++grp) {
     const int wa = max(grp * p.nsplit - item0, 0), wb = min((grp + 1) * p.nsplit - item0, live);
@@ -1152,8 +1142,8 @@ __device__ __forceinline__ void cta_merge(const Params& p, u8* smem, int warp, i
           add_scaled(acc, *reinterpret_cast<const float4*>(at + head * D + 4 * c4), sc);
         }
       }
-      reinterpret_cast<float4*>(p.part_o + (part * REP + head) * D)[c4] = acc;
-      if (c4 == 0) reinterpret_cast<float2*>(p.part_ml)[part * REP + head] = make_float2(mx, den);
+      reinterpret_cast<float4*>(p.part_o + (part * p.rep + head) * D)[c4] = acc;
+      if (c4 == 0) reinterpret_cast<float2*>(p.part_ml)[part * p.rep + head] = make_float2(mx, den);
     }
   }
 #if FUSED_COMBINE
@@ -1164,14 +1154,14 @@ __device__ __forceinline__ void cta_merge(const Params& p, u8* smem, int warp, i
 // Query fragments of kv-head hk of row b (operand B of the score mma): column g = query head g; k pairs (c0, c2),
 // (c1, c3) of word w = t*NKS + s (channels 4w..4w+3), as the K fragments pair them.
 __device__ __forceinline__ void load_query(const Params& p, int b, int hk, int g, int t, u32 (&qb)[TILES][NKS][2]) {
-  const u16* q0 = p.q + ((i64)b * HEADS * REP + (i64)hk * REP + g) * D;
+  const u16* q0 = p.q + ((i64)b * p.heads * p.rep + (i64)hk * p.rep + g) * D;
 #pragma unroll
   for (int T = 0; T < TILES; ++T)
 #pragma unroll
     for (int sl = 0; sl < NKS; ++sl) {
       const int ch = T * C + 4 * (t * NKS + sl);
-      const u32 q01 = g < REP ? *reinterpret_cast<const u32*>(q0 + ch) : 0u;
-      const u32 q23 = g < REP ? *reinterpret_cast<const u32*>(q0 + ch + 2) : 0u;
+      const u32 q01 = g < p.rep ? *reinterpret_cast<const u32*>(q0 + ch) : 0u;
+      const u32 q23 = g < p.rep ? *reinterpret_cast<const u32*>(q0 + ch + 2) : 0u;
       kpairs(q01, q23, qb[T][sl][0], qb[T][sl][1]);
     }
 }
@@ -1185,7 +1175,7 @@ __device__ __forceinline__ void load_bases(const Params& p, int hk, int lane, u3
     for (int T = 0; T < TILES; ++T)
 #pragma unroll
       for (int w = 0; w < GPL / 4; ++w) {
-        const i64 at = ((i64)kv * HEADS + hk) * D + T * C + (lane * GPL + 4 * w) % C;
+        const i64 at = ((i64)kv * p.heads + hk) * D + T * C + (lane * GPL + 4 * w) % C;
         // the byte-split formats code e >> 1 against the even windows: half of each base, once per split
         const u32 x3 = GAAC_PLAIN ? 0u : *reinterpret_cast<const u32*>(p.base3 + at);
         const u32 x4 = GAAC_PLAIN ? 0u : *reinterpret_cast<const u32*>(p.base4 + at);
@@ -1211,17 +1201,17 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   grid_dependency_wait();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int total = p.batch * HEADS * p.nsplit;
+  const int total = p.batch * p.heads * p.nsplit;
 #if GAAC_BALANCE  // the kv heads interleaved warp by warp: warp w takes head w % heads, split w / heads of its row
   const int w = blockIdx.x * GAAC_WARPS + warp;
   if (w >= total) return;
-  const int b = w / (HEADS * p.nsplit), hk = w % HEADS, split = (w / HEADS) % p.nsplit;
-  const int item = (b * HEADS + hk) * p.nsplit + split;  // where its partial goes
+  const int b = w / (p.heads * p.nsplit), hk = w % p.heads, split = (w / p.heads) % p.nsplit;
+  const int item = (b * p.heads + hk) * p.nsplit + split;  // where its partial goes
 #else
   const int item = blockIdx.x * GAAC_WARPS + warp;
   if (item >= total) return;
 #if GAAC_EARLY_INDEX  // the split's indices before the barrier set-up (2,592 SASS instructions against 2,856)
-  const int b = item / (HEADS * p.nsplit), hk = (item / p.nsplit) % HEADS, split = item % p.nsplit;
+  const int b = item / (p.heads * p.nsplit), hk = (item / p.nsplit) % p.heads, split = item % p.nsplit;
 #endif
 #endif
 
@@ -1240,7 +1230,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   u32 phases = 0;  // parity of each stage's barrier
 
 #if !GAAC_BALANCE && !GAAC_EARLY_INDEX
-  const int b = item / (HEADS * p.nsplit), hk = (item / p.nsplit) % HEADS, split = item % p.nsplit;
+  const int b = item / (p.heads * p.nsplit), hk = (item / p.nsplit) % p.heads, split = item % p.nsplit;
 #endif
   if (GAAC_TRACE && lane == 0) {
     u32 sm;
@@ -1269,7 +1259,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   // the lane's first sign+mantissa chunk in a slot's buffer (issue_kv's 16-byte copies)
   const u32 sm_lane = (lane / (C / 16)) * SM_ROW + 16 * (lane % (C / 16));
   const int* trow = p.table + (i64)b * p.table_sb;
-  const int tstride = 2 * HEADS * TILES;
+  const int tstride = 2 * p.heads * TILES;
   // rows of a BF16 tile: plain blocks at row 16u of the plain KV; the compressed tail at row 0 of the tail
   auto rows_src = [&](int kv, int u, int T) -> const u16* {
     const u16* base = kv ? p.kv_v : p.kv_k;
@@ -1284,7 +1274,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   // SPLITBAR K's at bars + 8 st, V's at bars + 8 (STAGES + st)
   volatile u32* kinds = reinterpret_cast<volatile u32*>(ws + 8 * (SPLITBAR ? 2 : 1) * GAAC_STAGES);
   auto entry = [&](int u, int kv, int T) -> int {
-    return (GAAC_PLAIN || u >= nb) ? 0 : trow[(i64)u * tstride + (kv * HEADS + hk) * TILES + T];
+    return (GAAC_PLAIN || u >= nb) ? 0 : trow[(i64)u * tstride + (kv * p.heads + hk) * TILES + T];
   };
   // kind of a tile: 1 = slot, 0 = BF16 rows (raw tile, plain block, tail)
   // Stage copies of unit u into ring stage st. A slot: its sign+mantissa rows by 16-byte cp.async into rows padded
@@ -1619,7 +1609,7 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int ctas = (p.nsplit + NC - 1) / NC;  // CTAs per (row, kv-head)
-  const int b = blockIdx.x / (HEADS * ctas), hk = (blockIdx.x / ctas) % HEADS, cs = blockIdx.x % ctas;
+  const int b = blockIdx.x / (p.heads * ctas), hk = (blockIdx.x / ctas) % p.heads, cs = blockIdx.x % ctas;
   const u32 full = smem_u32(smem), empty = full + 8 * S;
   volatile u32* kinds = reinterpret_cast<volatile u32*>(smem + 16 * S);
   u8* ring = smem + WS_HDR;
@@ -1657,7 +1647,7 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
 
   if (warp == NC) {  // the producer
     const int* trow = p.table + (i64)b * p.table_sb;
-    const int tstride = 2 * HEADS;
+    const int tstride = 2 * p.heads;
     constexpr int SM_STEP = (32 / (C / 16)) * SM_ROW;  // buffer bytes between a lane's sign+mantissa chunks
     constexpr int BF_ROWS = 32 / (C / 8);              // BF16 rows between a lane's chunks
     const u32 sm_lane = (lane / (C / 16)) * SM_ROW + 16 * (lane % (C / 16));
@@ -1674,7 +1664,7 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
       if (!GAAC_PLAIN && k < nw && u0w + k < nb) {
         const int* e = trow + (i64)(u0w + k) * tstride + hk;
         ek = e[0];
-        ev = e[HEADS];
+        ev = e[p.heads];
       }
     };
     int ek, ev, ek2, ev2;
@@ -1788,7 +1778,7 @@ extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) 
     if (lane == 0) mbar_arrive(empty + 8 * st);
   }
   if (cs * NC + warp >= p.nsplit) return;  // (the last CTA of a head may hold fewer splits)
-  const int item = (b * HEADS + hk) * p.nsplit + cs * NC + warp;
+  const int item = (b * p.heads + hk) * p.nsplit + cs * NC + warp;
   write_ml(p, item, g, t, m, l);
   write_o(p, item, g, t, o);
 }
@@ -1809,13 +1799,13 @@ extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) gaac_combine(co
   __shared__ float part[COMBINE_WARPS][32];
   grid_dependency_wait();  // the split kernel's partials
   constexpr int CHUNKS = D / 32;
-  const int chunk = blockIdx.x % CHUNKS, hq = (blockIdx.x / CHUNKS) % (HEADS * REP);
-  const int b = blockIdx.x / (CHUNKS * HEADS * REP);
-  const int hk = hq / REP, r = hq % REP;
+  const int chunk = blockIdx.x % CHUNKS, hq = (blockIdx.x / CHUNKS) % (p.heads * p.rep);
+  const int b = blockIdx.x / (CHUNKS * p.heads * p.rep);
+  const int hk = hq / p.rep, r = hq % p.rep;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int ch = 32 * chunk + lane;
-  if (GAAC_TRACE && threadIdx.x == 0) p.trace[4 * (i64)p.batch * HEADS * p.nsplit + blockIdx.x] = gtimer();
-  const int grp = b * HEADS + hk;
+  if (GAAC_TRACE && threadIdx.x == 0) p.trace[4 * (i64)p.batch * p.heads * p.nsplit + blockIdx.x] = gtimer();
+  const int grp = b * p.heads + hk;
 #if CTA_MERGE  // one partial per CTA that held splits of (b, hk), in CTA order
   const i64 item0 = (i64)grp * cta_parts_cap(p);
   const int nparts = last_cta(p, grp) - first_cta(p, grp) + 1;
@@ -1828,7 +1818,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) gaac_combine(co
     float ml[COMBINE_UNROLL][2], po[COMBINE_UNROLL];
     {  // the partials' loads from two running pointers, one float2 per partial's statistics (82 registers; an index
       // per load took 121 and was 0.3-0.7 us slower, session 22)
-      const i64 row0 = (item0 + s0) * REP + r, step = (i64)COMBINE_WARPS * REP;
+      const i64 row0 = (item0 + s0) * p.rep + r, step = (i64)COMBINE_WARPS * p.rep;
       const float2* mp = reinterpret_cast<const float2*>(p.part_ml) + row0;
       const float* op = p.part_o + row0 * D + ch;
 #pragma unroll
@@ -1875,6 +1865,6 @@ extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) gaac_combine(co
     const float y = l > 0.f ? a / l : 0.f;
     u16 bits;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(y));
-    p.out[((i64)b * HEADS * REP + hq) * D + ch] = bits;
+    p.out[((i64)b * p.heads * p.rep + hq) * D + ch] = bits;
   }
 }
