@@ -26,9 +26,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.balance_probe import run_probe  # noqa: E402
 from benchmarks.format_v2_probe import probe_args  # noqa: E402
 
-GAAC_VARIANTS = {"gaac": {"balance": ()}, "gaac_loads_only": {"balance": (), "skip": 3},
-                 # session 24: a split's second unit requested once its first has landed (same bits)
-                 "gaac_first_alone": {"balance": (), "defines": ("GAAC_FIRST_ALONE=1",)}}
+GAAC_VARIANTS = {"gaac": {"balance": ()}, "gaac_loads_only": {"balance": (), "skip": 3}}
 TWIN_VARIANTS = {"twin": {"balance": ()}}
 
 

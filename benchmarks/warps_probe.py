@@ -225,22 +225,11 @@ CONST_TWIN = {
     "twin_const": {"balance": (), "const_layout": True},
 }
 
-# Session 24 (`--set first`): a split's second unit requested only once its first has landed (kernel define
-# GAAC_FIRST_ALONE=1; same bits): at launch every warp's first unit is then ahead of all second units in the memory
-# queues, where today the last warps' first units wait behind them (first unit ready 4.6 us p50, 6.7 max at 1x64K).
-FIRST_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_first_alone": {"balance": (), "defines": ("GAAC_FIRST_ALONE=1",)},
-}
-FIRST_TWIN = {"twin": {"balance": ()}}
-
 
 def main():
     args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json",
-                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge", "merge_rule", "mask", "fused", "const", "first"))
-    if args.set == "first":
-        run_probe(args, FIRST_GAAC, FIRST_TWIN, (), "warps_probe.py")
-    elif args.set == "const":
+                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge", "merge_rule", "mask", "fused", "const"))
+    if args.set == "const":
         run_probe(args, CONST_GAAC, CONST_TWIN, (), "warps_probe.py")
     elif args.set == "fused":
         run_probe(args, FUSED_GAAC, FUSED_TWIN, ("gaac_fused",), "warps_probe.py")

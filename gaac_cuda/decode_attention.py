@@ -93,10 +93,6 @@ FUSED_COMBINE = {"1": True, "0": False}.get(os.environ.get("GAAC_HF_CUDA_FUSED_C
 # 24.7 -> 24.5, 9/3/64 1x64K 21.6 -> 20.8 / 18.5 -> 18.4, 1x128K 111.9 -> 111.8 / 130.2 -> 129.8; bit-identical. On
 # by default wherever the plan knows the slot size (plain KV always); GAAC_HF_CUDA_CONST_LAYOUT=0 turns it off.
 CONST_LAYOUT = os.environ.get("GAAC_HF_CUDA_CONST_LAYOUT", "1") != "0"
-# Compressed KV on the one-warp kernel: a split's second unit requested only once its first has landed (kernel define
-# GAAC_FIRST_ALONE; the same bits), so at launch every warp's first unit is ahead of all second units in the memory
-# queues. Session 24, being measured: on with GAAC_HF_CUDA_FIRST_ALONE=1.
-FIRST_ALONE = os.environ.get("GAAC_HF_CUDA_FIRST_ALONE", "0") == "1"
 # CTA size of the one-warp kernel at one tile per head where `plan` is given none: SPLIT_WARPS warps in one CTA per SM
 # (the same splits as 3 CTAs of 4 warps, and the same bits), where shared memory holds such a CTA; else 4 warps, 3 CTAs
 # per SM. The warp schedulers favour an SM's older CTAs (see RANK_PACE): one CTA per SM has no older CTA, and its warps
@@ -353,8 +349,6 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     if const:
         options += (f"-DGAAC_BUF_BYTES={buf}", f"-DGAAC_WARP_BYTES={warp_bytes}")
         options += () if plain else (f"-DGAAC_SLOT_BYTES={slot_bytes}",)
-    if FIRST_ALONE and not plain and not any(d.startswith("-DGAAC_FIRST_ALONE") for d in extra):
-        options += ("-DGAAC_FIRST_ALONE=1",)
     return _with_pdl(DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes,
                                 options, split_cum=cum, combine_warps=cw, cta_merge=merge, fused_combine=fused,
                                 slot_bytes=slot_bytes if const and not plain else 0), pdl)

@@ -21,8 +21,7 @@
 #   Session 21 ran `captured`, `prepass`, `pipelined` (twice), `clocks`, `staged` (results benchmarks/results/*_s21*).
 #   Session 22 ran `lean` (its combine options are gone since: the lean loads became the only combine), `merge`,
 #   `rule`, `pipelined`, `mask` and `tests`. Session 23: `fused` (the combine inside the split kernel), `fused2` (its
-#   load rounds; removed since), `verify23`, `const`. Session 24: `heads` (plan(const_heads=True): no gain, removed
-#   since), `first`.
+#   load rounds; removed since), `verify23`, `const`.
 #   `... fence` (session 20): the GPU tests of the kernels, head dims and eager generate, then
 #     benchmarks/device/ws_race_probe.py over every configuration (32 of them: each should print 'bad': 0).
 #   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
@@ -213,20 +212,6 @@ if [ "$MODE" = const ]; then  # session 23: the layout compiled in (plan(const_l
     --shapes ${SHAPES:-1,5,2,0,3,4} --out "$OUT/warps_probe_const.json" 2>&1 | tee "$OUT/warps_probe_const.log" | tail -9
   GAAC_HF_CUDA_CONST_LAYOUT=1 timeout ${GEN_TIMEOUT:-150} python3 -m pytest -q -x tests/test_gaac_gpu_generate.py \
     tests/test_gaac_head_dims.py -k "gpu or cuda" 2>&1 | tee "$OUT/gpu_tests_const_generate.log" | tail -3
-fi
-if [ "$MODE" = first ]; then  # session 24: a split's second unit requested once its first has landed
-  # (GAAC_FIRST_ALONE=1): the probe at six shapes, the split phases at 1x64K / 1x16K, the captured pair with it on for
-  # every compressed plan (GAAC_HF_CUDA_FIRST_ALONE=1), then the kernels' GPU bit tests with it on
-  timeout ${PROBE_TIMEOUT:-200} python3 benchmarks/warps_probe.py --set first --real-kv .bench/real_kv_2k.safetensors \
-    --shapes ${SHAPES:-1,5,2,0,3,4} --out "$OUT/warps_probe_first.json" 2>&1 | tee "$OUT/warps_probe_first.log" | tail -9
-  timeout ${PHASES_TIMEOUT:-120} python3 benchmarks/split_phases_probe.py --real-kv .bench/real_kv_2k.safetensors \
-    --shapes 1,0 --out "$OUT/phases_first.json" 2>&1 | tail -5
-  GAAC_HF_CUDA_FIRST_ALONE=1 timeout ${GEN_TIMEOUT:-150} python3 benchmarks/generate.py --contexts ${CONTEXTS:-65536 131072} \
-    --steps 10 --warmup 3 --eager-steps 3 --reps 10 --variants captured captured-twin --skip-module-guards \
-    --out "$OUT/generate_first.json" 2>&1 | grep -v "it/s\]" | tee "$OUT/generate_first.log" \
-    | grep -E "pipelined|ms/step|lossless|\| " | tail -12
-  GAAC_HF_CUDA_FIRST_ALONE=1 timeout ${TEST_TIMEOUT:-120} python3 -m pytest -q -x tests/test_gaac_cuda_ops.py \
-    -k "(gpu or cuda) and not compiles and not sass" 2>&1 | tee "$OUT/gpu_tests_first.log" | tail -3
 fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)

@@ -33,8 +33,7 @@
 // GAAC_WS (the warp-specialized kernel's consumer warps), GAAC_BALANCE (splits weighted by Params::split_cum),
 // GAAC_FAST_ISSUE (compressed KV staged as stored: the common unit's copies issued by lane 0 alone), GAAC_STAGED_O
 // (the one-warp kernel's partial outputs staged in shared memory and written as 16-byte stores), GAAC_CTA_MERGE (the
-// one-warp kernel's splits merged per CTA and group before they leave the SM; session 22), GAAC_FIRST_ALONE (the
-// one-warp kernel without split barriers: a split's second unit requested once its first has landed), and for the benchmarks
+// one-warp kernel's splits merged per CTA and group before they leave the SM; session 22), and for the benchmarks
 // GAAC_MASK_LATE (a padding mask's bytes loaded in the softmax, as before session 22, not with the copies), GAAC_SKIP
 // (leave-one-stage-out breakdown; bit 0: no tensor-core math, bit 1: no reconstruction; format 3 only: bit 2 no code
 // bit 2 of 4-bit groups, bit 3 no raw-group patch; bit 4: no prepass, the tiles read stale scratch; bit 5: no tag scan either, offsets
@@ -863,9 +862,6 @@ __device__ __forceinline__ u32 transpose8x8(u32 x) {  // an 8x8 b16 fragment (ro
 // A padding mask's bytes of tokens g and g + 8 of a unit (0: masked; tokens past `valid` read as masked, never
 // loaded). The one-warp kernel loads them when it issues the unit's copies, so the softmax never waits on a global
 // load (in the captured step every layer gets a mask: a load per unit on the critical path cost ~5 us at 64K).
-#ifndef GAAC_FIRST_ALONE  // one barrier per stage: a split's second unit requested after its first has landed (1), so
-#define GAAC_FIRST_ALONE 0  // at launch every warp's first unit is ahead of all second units in the memory queues,
-#endif                      // or right after it (0)
 #ifndef GAAC_MASK_LATE  // (benchmark option, session 22) the mask bytes loaded in the softmax, as before session 22
 #define GAAC_MASK_LATE 0
 #endif
@@ -1453,8 +1449,6 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     const int next = j + GAAC_STAGES - 1;
 #pragma unroll
     for (int i = 0; i + 1 < GAAC_STAGES; ++i) mq[i] = mq[i + 1];
-    // (the wait for unit 0's phase repeats at j = 0 and returns at once)
-    if (GAAC_FIRST_ALONE && next == 1 && next < n) mbar_wait(bars, 0);
     if (next < n) {
       issue(u0 + next, next % GAAC_STAGES, ent);
       load_entries(next + 1, ent);
