@@ -21,7 +21,8 @@
 #   Session 21 ran `captured`, `prepass`, `pipelined` (twice), `clocks`, `staged` (results benchmarks/results/*_s21*).
 #   Session 22 ran `lean` (its combine options are gone since: the lean loads became the only combine), `merge`,
 #   `rule`, `pipelined`, `mask` and `tests`. Session 23: `fused` (the combine inside the split kernel), `fused2` (its
-#   load rounds; removed since), `verify23`, `const`.
+#   load rounds; removed since), `verify23`, `const`. Session 24: `heads` (plan(const_heads=True): no gain, removed
+#   since), `first` (a split's second unit requested once its first has landed: no gain, removed since), `pace`.
 #   `... fence` (session 20): the GPU tests of the kernels, head dims and eager generate, then
 #     benchmarks/device/ws_race_probe.py over every configuration (32 of them: each should print 'bad': 0).
 #   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
@@ -212,6 +213,13 @@ if [ "$MODE" = const ]; then  # session 23: the layout compiled in (plan(const_l
     --shapes ${SHAPES:-1,5,2,0,3,4} --out "$OUT/warps_probe_const.json" 2>&1 | tee "$OUT/warps_probe_const.log" | tail -9
   GAAC_HF_CUDA_CONST_LAYOUT=1 timeout ${GEN_TIMEOUT:-150} python3 -m pytest -q -x tests/test_gaac_gpu_generate.py \
     tests/test_gaac_head_dims.py -k "gpu or cuda" 2>&1 | tee "$OUT/gpu_tests_const_generate.log" | tail -3
+fi
+if [ "$MODE" = pace ]; then  # session 24: is the last-warp spread a property of the SMs (sm_pace_probe.py); compressed
+  # KV on split barriers (warps_probe.py --set splitbar)
+  timeout ${PACE_TIMEOUT:-150} python3 benchmarks/sm_pace_probe.py --real-kv .bench/real_kv_2k.safetensors \
+    --shapes 1,4 --out "$OUT/sm_pace.json" 2>&1 | tee "$OUT/sm_pace.log" | tail -3
+  timeout ${PROBE_TIMEOUT:-200} python3 benchmarks/warps_probe.py --set splitbar --real-kv .bench/real_kv_2k.safetensors \
+    --shapes ${SHAPES:-1,5,2,0,3,4} --out "$OUT/warps_probe_splitbar.json" 2>&1 | tee "$OUT/warps_probe_splitbar.log" | tail -9
 fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)
