@@ -71,8 +71,7 @@ def store_slot(out, sm, code, mode, CAPACITY, C: tl.constexpr, E_PAD: tl.constex
     PLANES, TAGS, ESC: the slot layout's section offsets (from the caller: `triton_ops.layout`). FRAGMENT (format
     version 2): the low bytes and planes 0..2 go where `frag` (int32 `[6, 16 C]`: per element its low byte's offset,
     then per bit of the plane area its source bit in plane order) says, instead of token-major bytes and bit-planes:
-    the plane-order planes are staged in the low-byte area, each plane word gathers its 32 bits from them, then the
-    low bytes overwrite the stage (no atomics)."""
+    each plane word gathers its 32 bits from the codes in registers (`tl.gather`; no atomics, no staging in memory)."""
     G: tl.constexpr = 2 * C
     TAG_PLANE: tl.constexpr = G // 8
     t = tl.arange(0, 16)
@@ -81,18 +80,18 @@ def store_slot(out, sm, code, mode, CAPACITY, C: tl.constexpr, E_PAD: tl.constex
     h = tl.arange(0, 2)[:, None]
     g = h * C + c[None, :]
     if FRAGMENT:
-        for p in tl.static_range(3):  # the plane-order planes, staged where the low bytes go last
-            plane = tl.sum(((code >> p) & 1) << i, axis=1)
-            tl.store(out + p * G + g, plane.to(tl.uint8))
-        tl.debug_barrier()  # the stage lands before it is gathered
+        # plane word r's bit b is bit `plane` of the code of element (half h, token bit i, channel c), which `frag`
+        # names by its place in the plane-order planes: src = plane * 16 C + (h C + c) * 8 + i
         r = tl.arange(0, 2 * C)[:, None]  # plane word (3 C / 2 of them), bit b
         b = tl.arange(0, 32)[None, :]
         live = r < 3 * C // 2
         src = tl.load(frag + 48 * C + r * 32 + b, mask=live, other=0)
-        bit = (tl.load(out + (src >> 3), mask=live, other=0).to(tl.int32) >> (src & 7)) & 1
+        grp = (src >> 3) % G
+        el = ((grp // C) * 8 + (src & 7)) * C + grp % C  # its index in `code` [2, 8, C], row-major
+        val = tl.gather(tl.reshape(code, [16 * C]), tl.reshape(el, [64 * C]), 0)
+        bit = (tl.reshape(val, [2 * C, 32]) >> (src // (16 * C))) & 1
         words = (out + PLANES).to(tl.pointer_type(tl.int32))
         tl.store(words + tl.arange(0, 2 * C), tl.sum(bit << b, axis=1), mask=tl.arange(0, 2 * C) < 3 * C // 2)
-        tl.debug_barrier()  # every gather has read the stage before the low bytes overwrite it
         e = t[:, None] * C + c[None, :]  # element token * C + channel, as the map counts them
         tl.store(out + tl.load(frag + e), sm.to(tl.uint8))
     else:

@@ -22,7 +22,8 @@
 #   Session 22 ran `lean` (its combine options are gone since: the lean loads became the only combine), `merge`,
 #   `rule`, `pipelined`, `mask` and `tests`. Session 23: `fused` (the combine inside the split kernel), `fused2` (its
 #   load rounds; removed since), `verify23`, `const`. Session 24: `heads` (plan(const_heads=True): no gain, removed
-#   since), `first` (a split's second unit requested once its first has landed: no gain, removed since), `pace`.
+#   since), `first` (a split's second unit requested once its first has landed: no gain, removed since), `pace`,
+#   `encode`.
 #   `... fence` (session 20): the GPU tests of the kernels, head dims and eager generate, then
 #     benchmarks/device/ws_race_probe.py over every configuration (32 of them: each should print 'bad': 0).
 #   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
@@ -220,6 +221,16 @@ if [ "$MODE" = pace ]; then  # session 24: is the last-warp spread a property of
     --shapes 1,4 --out "$OUT/sm_pace.json" 2>&1 | tee "$OUT/sm_pace.log" | tail -3
   timeout ${PROBE_TIMEOUT:-200} python3 benchmarks/warps_probe.py --set splitbar --real-kv .bench/real_kv_2k.safetensors \
     --shapes ${SHAPES:-1,5,2,0,3,4} --out "$OUT/warps_probe_splitbar.json" 2>&1 | tee "$OUT/warps_probe_splitbar.log" | tail -9
+fi
+if [ "$MODE" = encode ]; then  # session 24: the fragment-order slot writer gathers its plane bits with tl.gather (no
+  # staging through global memory): the GPU tests of the append / encode paths and lossless generate, then the
+  # captured pair at 64K / 128K (the finalizing _append_kernel's time is the p90 of its spread)
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q tests/test_gaac_gpu_static_cache.py tests/test_gaac_gpu_generate.py \
+    -k "gpu" 2>&1 | tee "$OUT/gpu_tests_encode.log" | tail -3
+  timeout ${GEN_TIMEOUT:-200} python3 benchmarks/generate.py --contexts ${CONTEXTS:-65536 131072} \
+    --steps 10 --warmup 3 --eager-steps 3 --reps 10 --variants captured captured-twin --skip-module-guards \
+    --out "$OUT/generate_encode.json" 2>&1 | grep -v "it/s\]" | tee "$OUT/generate_encode.log" \
+    | grep -E "pipelined|ms/step|lossless|_append_kernel|\| " | cut -c1-400 | tail -14
 fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)
