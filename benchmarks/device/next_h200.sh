@@ -23,7 +23,7 @@
 #   `rule`, `pipelined`, `mask` and `tests`. Session 23: `fused` (the combine inside the split kernel), `fused2` (its
 #   load rounds; removed since), `verify23`, `const`. Session 24: `heads` (plan(const_heads=True): no gain, removed
 #   since), `first` (a split's second unit requested once its first has landed: no gain, removed since), `pace`,
-#   `encode`.
+#   `encode`, `append`.
 #   `... fence` (session 20): the GPU tests of the kernels, head dims and eager generate, then
 #     benchmarks/device/ws_race_probe.py over every configuration (32 of them: each should print 'bad': 0).
 #   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
@@ -231,6 +231,18 @@ if [ "$MODE" = encode ]; then  # session 24: the fragment-order slot writer gath
     --steps 10 --warmup 3 --eager-steps 3 --reps 10 --variants captured captured-twin --skip-module-guards \
     --out "$OUT/generate_encode.json" 2>&1 | grep -v "it/s\]" | tee "$OUT/generate_encode.log" \
     | grep -E "pipelined|ms/step|lossless|_append_kernel|\| " | cut -c1-400 | tail -14
+fi
+if [ "$MODE" = append ]; then  # session 24: the static cache's append kernel alone (benchmarks/append_probe.py), then
+  # Nsight Compute on its finalizing launch (the second of two: warp states, source counters, per-SASS-line stalls)
+  timeout ${PROBE_TIMEOUT:-100} python3 benchmarks/append_probe.py --real-kv .bench/real_kv_2k.safetensors \
+    --out "$OUT/append_probe.json" 2>&1 | tail -12
+  timeout 150 ncu --clock-control none --section SourceCounters --section WarpStateStats --section SpeedOfLight \
+    --section LaunchStats --section InstructionStats -k regex:_append_kernel -s 1 -c 1 -o /tmp/ncu_append \
+    python3 benchmarks/append_probe.py --real-kv .bench/real_kv_2k.safetensors --ncu > "$OUT/ncu_append.log" 2>&1
+  ncu --import /tmp/ncu_append.ncu-rep --page details --print-details all > "$OUT/ncu_append_details.txt" 2>&1
+  ncu --import /tmp/ncu_append.ncu-rep --page source --csv --print-source sass > "$OUT/ncu_append_source.csv" 2>&1
+  grep -E "Duration|Warp Cycles Per Issued|Executed Instructions  |Registers Per|Block Size|Grid Size" \
+    "$OUT/ncu_append_details.txt" | head -8
 fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)
