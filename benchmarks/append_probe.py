@@ -26,6 +26,8 @@ from gaac_hf.format import TileLayout  # noqa: E402
 from gaac_hf.format_v2 import fragment_map  # noqa: E402
 from triton_ops.gaac_append import gaac_append  # noqa: E402
 
+WARPS = (4, 8, 16)  # per program (one tile): the launcher's default first
+
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -57,20 +59,34 @@ def main():
     b3, b4 = b3.reshape(2 * h, d).to(dev), b4.reshape(2 * h, d).to(dev)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "kv_heads": h, "head_dim": d,
            "escape_capacity": cap, "slot_bytes": layout.slot_bytes}
-    for name, length in (("finalize_us", 15),) if args.ncu else (("append_us", 7), ("finalize_us", 15)):  # tail row 7 / row 15 (completes block 0)
-        kv_len = torch.full((b,), length, dtype=torch.int32, device=dev)
 
-        def step(i, kv_len=kv_len, length=length):
-            gaac_append(k[:, :, length:length + 1], v[:, :, length:length + 1], st["tail_k"], st["tail_v"], kv_len,
-                        b3, b4, st["slot_pool"], st["raw_pool"], st["table"], st["slot_modes"], st["raw_modes"],
-                        st["counts"], layout, 2, frag)
-        step(0)
+    def step(length, kv_len, warps):
+        gaac_append(k[:, :, length:length + 1], v[:, :, length:length + 1], st["tail_k"], st["tail_v"], kv_len,
+                    b3, b4, st["slot_pool"], st["raw_pool"], st["table"], st["slot_modes"], st["raw_modes"],
+                    st["counts"], layout, 2, frag, num_warps=warps)
+
+    fin = torch.full((b,), 15, dtype=torch.int32, device=dev)  # tail row 15: completes block 0
+    if args.ncu:
+        for _ in range(2):
+            step(15, fin, 4)
         torch.cuda.synchronize()
-        if args.ncu:
-            step(0)
-            torch.cuda.synchronize()
-            return
-        res[name] = round(bench_graph(step, 1, reps=50), 2)
+        return
+    app = torch.full((b,), 7, dtype=torch.int32, device=dev)
+    want = None
+    for warps in WARPS:  # block 0 finalized once more at each width: the same slot bytes and table as with 4 warps
+        for name in ("counts", "slot_pool", "raw_pool"):
+            st[name].zero_()
+        step(15, fin, warps)
+        torch.cuda.synchronize()
+        e = st["table"][:, 0].reshape(-1).long()  # block 0's entries (the pools fill in launch order)
+        got = torch.cat([(e >= 0).to(torch.uint8), st["slot_pool"][e[e >= 0]].reshape(-1),
+                         st["raw_pool"][-1 - e[e < 0]].reshape(-1).view(torch.uint8)])
+        want = got.clone() if want is None else want
+        res[f"warps_{warps}"] = {"append_us": round(bench_graph(lambda i: step(7, app, warps), 1, reps=50), 2),
+                                 "finalize_us": round(bench_graph(lambda i: step(15, fin, warps), 1, reps=50), 2),
+                                 "same_slots_as_4_warps": bool(torch.equal(got, want))}
+        print(warps, res[f"warps_{warps}"], flush=True)
+    res["append_us"], res["finalize_us"] = (res["warps_4"][x] for x in ("append_us", "finalize_us"))
     res["amortized_us_per_step"] = round(args.layers * ((15 * res["append_us"] + res["finalize_us"]) / 16), 1)
     res["finalization_extra_us_per_step"] = round(args.layers * (res["finalize_us"] - res["append_us"]) / 16, 1)
     print(json.dumps(res, indent=1))

@@ -74,9 +74,10 @@ def _append_kernel(k_ptr, v_ptr, tk_ptr, tv_ptr, len_ptr, b3_ptr, b4_ptr, slot_p
 def gaac_append(key: torch.Tensor, value: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor,
                 kv_len: torch.Tensor, base3: torch.Tensor, base4: torch.Tensor, slot_pool: torch.Tensor,
                 raw_pool: torch.Tensor, table: torch.Tensor, slot_modes: torch.Tensor, raw_modes: torch.Tensor,
-                counts: torch.Tensor, layout, format_version: int = 1, fragment: torch.Tensor | None = None) -> None:
+                counts: torch.Tensor, layout, format_version: int = 1, fragment: torch.Tensor | None = None,
+                num_warps: int = 4) -> None:
     """Append `key`/`value` `[B, H, 1, D]` (BF16, last dim contiguous) at `kv_len` and finalize completed blocks.
-    `format_version` and `fragment`: the slots `gaac_encode` writes with them.
+    `format_version` and `fragment`: the slots `gaac_encode` writes with them. `num_warps`: per program (one tile).
 
     tail_k/v BF16 `[B, H, 16, D]`; kv_len int32 `[B]` (not advanced here); base3/base4 uint8 `[2 * H * tiles, C]`;
     slot_pool uint8 `[N_slots + 1, slot_bytes]` and raw_pool BF16 `[N_raw + 1, 16, C]` (last rows: scratch);
@@ -98,7 +99,7 @@ def gaac_append(key: torch.Tensor, value: torch.Tensor, tail_k: torch.Tensor, ta
             tail_k.stride(1), tail_k.stride(2), h, table.shape[1], slot_pool.shape[0] - 1, raw_pool.shape[0] - 1,
             slot_pool.shape[-1], capacity, C=channels, TILES=tiles,
             E_PAD=max(16, triton.next_power_of_2(max(capacity, 1))), VERSION=format_version,
-            FRAGMENT=fragment is not None, **offsets)
+            FRAGMENT=fragment is not None, num_warps=num_warps, **offsets)
 
 
 @triton.jit
