@@ -225,22 +225,11 @@ CONST_TWIN = {
     "twin_const": {"balance": (), "const_layout": True},
 }
 
-# Session 24 (`--set splitbar`): compressed KV's K and V halves of a ring stage on their own barriers, as plain KV's
-# are (kernel define GAAC_SPLITBAR=1; the same bits): K's copies of the unit two ahead leave as soon as the K tile is
-# read, not after V (168 registers against 163; session 7 measured it slower on that day's kernel).
-SPLITBAR_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_splitbar": {"balance": (), "defines": ("GAAC_SPLITBAR=1",)},
-}
-SPLITBAR_TWIN = {"twin": {"balance": ()}}
-
 
 def main():
     args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json",
-                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge", "merge_rule", "mask", "fused", "const", "splitbar"))
-    if args.set == "splitbar":
-        run_probe(args, SPLITBAR_GAAC, SPLITBAR_TWIN, (), "warps_probe.py")
-    elif args.set == "const":
+                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge", "merge_rule", "mask", "fused", "const"))
+    if args.set == "const":
         run_probe(args, CONST_GAAC, CONST_TWIN, (), "warps_probe.py")
     elif args.set == "fused":
         run_probe(args, FUSED_GAAC, FUSED_TWIN, ("gaac_fused",), "warps_probe.py")

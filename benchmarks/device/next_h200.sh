@@ -215,12 +215,10 @@ if [ "$MODE" = const ]; then  # session 23: the layout compiled in (plan(const_l
   GAAC_HF_CUDA_CONST_LAYOUT=1 timeout ${GEN_TIMEOUT:-150} python3 -m pytest -q -x tests/test_gaac_gpu_generate.py \
     tests/test_gaac_head_dims.py -k "gpu or cuda" 2>&1 | tee "$OUT/gpu_tests_const_generate.log" | tail -3
 fi
-if [ "$MODE" = pace ]; then  # session 24: is the last-warp spread a property of the SMs (sm_pace_probe.py); compressed
-  # KV on split barriers (warps_probe.py --set splitbar)
+if [ "$MODE" = pace ]; then  # session 24: is the last-warp spread a property of the SMs (sm_pace_probe.py: no); and
+  # compressed KV on split barriers (warps_probe.py --set splitbar: slower at six shapes, removed since)
   timeout ${PACE_TIMEOUT:-150} python3 benchmarks/sm_pace_probe.py --real-kv .bench/real_kv_2k.safetensors \
     --shapes 1,4 --out "$OUT/sm_pace.json" 2>&1 | tee "$OUT/sm_pace.log" | tail -3
-  timeout ${PROBE_TIMEOUT:-200} python3 benchmarks/warps_probe.py --set splitbar --real-kv .bench/real_kv_2k.safetensors \
-    --shapes ${SHAPES:-1,5,2,0,3,4} --out "$OUT/warps_probe_splitbar.json" 2>&1 | tee "$OUT/warps_probe_splitbar.log" | tail -9
 fi
 if [ "$MODE" = encode ]; then  # session 24: the fragment-order slot writer gathers its plane bits with tl.gather (no
   # staging through global memory): the GPU tests of the append / encode paths and lossless generate, then the

@@ -34,7 +34,6 @@
 // GAAC_FAST_ISSUE (compressed KV staged as stored: the common unit's copies issued by lane 0 alone), GAAC_STAGED_O
 // (the one-warp kernel's partial outputs staged in shared memory and written as 16-byte stores), GAAC_CTA_MERGE (the
 // one-warp kernel's splits merged per CTA and group before they leave the SM; session 22), and for the benchmarks
-// GAAC_SPLITBAR (compressed KV's K and V halves of a stage on their own barriers, as plain KV's always are),
 // GAAC_MASK_LATE (a padding mask's bytes loaded in the softmax, as before session 22, not with the copies), GAAC_SKIP
 // (leave-one-stage-out breakdown; bit 0: no tensor-core math, bit 1: no reconstruction; format 3 only: bit 2 no code
 // bit 2 of 4-bit groups, bit 3 no raw-group patch; bit 4: no prepass, the tiles read stale scratch; bit 5: no tag scan either, offsets
@@ -89,16 +88,10 @@
 #define FUSED_COMBINE (GAAC_FUSED_COMBINE && CTA_MERGE)
 // The one-warp kernel over plain KV (the twin at head_dim 256, or when asked for): K and V of a stage on their own
 // barriers, each re-issued as soon as its tile is read (measured faster for the twin, slower for compressed KV:
-// benchmarks/results/attention_cuda.md, session 7). A warp-specialized build's one-warp kernel is never launched and
-// keeps one barrier per stage.
-#ifndef GAAC_SPLITBAR  // (benchmark option, session 24) compressed KV on split barriers as well (1)
-#define GAAC_SPLITBAR 0
-#endif
-#define SPLITBAR ((GAAC_PLAIN || GAAC_SPLITBAR) && !GAAC_WS)
-#define HDR (SPLITBAR && GAAC_PLAIN ? 128 : 64)  // per-warp header: stage barriers and slot bits, then the ring
-#if SPLITBAR && !GAAC_PLAIN && GAAC_STAGES > 2
-#error "GAAC_SPLITBAR: compressed KV's 64-byte header holds the barriers and slot bits of 2 stages"
-#endif
+// benchmarks/results/attention_cuda.md, sessions 7 and 24). A warp-specialized build's one-warp kernel is never
+// launched and keeps one barrier per stage.
+#define SPLITBAR (GAAC_PLAIN && !GAAC_WS)
+#define HDR (SPLITBAR ? 128 : 64)  // per-warp header: stage barriers and slot bits, then the ring
 #ifndef VT_WORDS  // V words decoded per vector load in v_tile (all NVW at once, or halves)
 #define VT_WORDS NVW
 #endif
@@ -1321,15 +1314,15 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     // the common unit (warp-uniform: every lane holds the same entries): K and V slots, lane 0's expect_tx and two
     // bulk copies, then 32 plain arrivals where the general path has 32 cp.async arrivals (no cp.async here); the
     // proxy fence stays (the warp-specialized producer without one overwrote a stage still being read, session 20)
-    // (kv0, kv1): (0, 2), or with GAAC_SPLITBAR one half, (0, 1) or (1, 2)
-    if (!tail && e[kv0][0] >= 0 && e[kv1 - 1][0] >= 0) {
-      if (lane == 0) kinds[ki] = kv1 - kv0 == 2 ? 3u : 1u << kv0;
+    // (compressed KV on split barriers as well, each half issued alone, was measured slower in sessions 7 and 24)
+    if (!tail && e[0][0] >= 0 && e[1][0] >= 0) {  // (kv0, kv1) = (0, 2): SPLITBAR is plain KV only
+      if (lane == 0) kinds[ki] = 3u;
       fence_async();
       if (lane == 0) {
-        const u32 dst = smem_u32(ring + (st * 2 + kv0) * BUF_BYTES);
-        mbar_expect(bar, (u32)(kv1 - kv0) * (u32)SLOT_BYTES);
-        bulk_copy(dst, p.slots + (i64)e[kv0][0] * SLOT_BYTES, (u32)SLOT_BYTES, bar);
-        if (kv1 - kv0 == 2) bulk_copy(dst + BUF_BYTES, p.slots + (i64)e[1][0] * SLOT_BYTES, (u32)SLOT_BYTES, bar);
+        const u32 dst = smem_u32(ring + st * 2 * BUF_BYTES);
+        mbar_expect(bar, 2u * (u32)SLOT_BYTES);
+        bulk_copy(dst, p.slots + (i64)e[0][0] * SLOT_BYTES, (u32)SLOT_BYTES, bar);
+        bulk_copy(dst + BUF_BYTES, p.slots + (i64)e[1][0] * SLOT_BYTES, (u32)SLOT_BYTES, bar);
       }
       mbar_arrive(bar);
       return;
