@@ -225,11 +225,24 @@ CONST_TWIN = {
     "twin_const": {"balance": (), "const_layout": True},
 }
 
+# Session 24 (`--set entries`, prepared): the split's table entries held by the lanes in chunks of 32 units and read by
+# shuffles (kernel define GAAC_LANE_ENTRIES=1; the same bits), instead of one global load per unit one issue ahead and
+# an L1 prefetch 8 units ahead (sm_90a, 1x64K plan: 2,800 SASS instructions against 2,992, 168 registers, no spill).
+ENTRIES_GAAC = {
+    "gaac": {"balance": ()},
+    "gaac_lane_entries": {"balance": (), "defines": ("GAAC_LANE_ENTRIES=1",)},
+    "gaac_loads_only": {"balance": (), "skip": 3},
+    "gaac_lane_entries_loads_only": {"balance": (), "skip": 3, "defines": ("GAAC_LANE_ENTRIES=1",)},
+}
+ENTRIES_TWIN = {"twin": {"balance": ()}}
+
 
 def main():
     args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json",
-                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge", "merge_rule", "mask", "fused", "const"))
-    if args.set == "const":
+                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge", "merge_rule", "mask", "fused", "const", "entries"))
+    if args.set == "entries":
+        run_probe(args, ENTRIES_GAAC, ENTRIES_TWIN, (), "warps_probe.py")
+    elif args.set == "const":
         run_probe(args, CONST_GAAC, CONST_TWIN, (), "warps_probe.py")
     elif args.set == "fused":
         run_probe(args, FUSED_GAAC, FUSED_TWIN, ("gaac_fused",), "warps_probe.py")

@@ -231,7 +231,9 @@ def test_plan_of_the_warp_specialized_kernel():
                                     (128, 1, 2, "GAAC_WARPS=12", "GAAC_CTA_MERGE=1"), (64, 1, 0, "GAAC_CTA_MERGE=1"),
                                     (128, 1, 6, "GAAC_WARPS=12", "GAAC_CTA_MERGE=1", "GAAC_FUSED_COMBINE=1"),
                                     (64, 1, 2, "GAAC_WARPS=12", "GAAC_CTA_MERGE=1", "GAAC_FUSED_COMBINE=1"),
-                                    (64, 1, 0, "GAAC_CTA_MERGE=1", "GAAC_FUSED_COMBINE=1")])
+                                    (64, 1, 0, "GAAC_CTA_MERGE=1", "GAAC_FUSED_COMBINE=1"),
+                                    (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_LANE_ENTRIES=1"),
+                                    (64, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_LANE_ENTRIES=1")])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     """The sm_90a build of every head_dim-64/128 variant, at the plan's register cap (12 warps per SM: 3 CTAs of 4
     warps, or one of 12), keeps its state in registers: no stack, no local memory."""
@@ -741,6 +743,19 @@ def test_const_layout_equals_the_twin(case):
                                   ((1, None), (5, None), (3, 4), (None, None))):
         assert pc.slot_bytes > 0 and any(o.startswith("-DGAAC_SLOT_BYTES=") for o in pc.options)
     _format2_equals_twin(case, {"const_layout": True})
+
+
+@gpu
+@pytest.mark.parametrize("case", [GPU_CASES[1], GPU_CASES[3], GPU_CASES[8], GPU_CASES[9]],
+                         ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
+def test_lane_entries_equals_the_twin(case):
+    """Kernel option GAAC_LANE_ENTRIES (session 24, benchmark option): the split's table entries held by the lanes in
+    chunks of 32 units and read by shuffles change no bit — compressed KV equals its twin at 1 split (past 32 units:
+    the chunks roll over), 5, 3 x 4 warps and the default, with raw tiles and padded rows; and on format version 2."""
+    opt = {"defines": ("GAAC_LANE_ENTRIES=1",)}
+    for pc in _option_equals_twin(case, opt, {}, ((1, None), (5, None), (3, 4), (None, None))):
+        assert "-DGAAC_LANE_ENTRIES=1" in pc.options
+    _format2_equals_twin(case, opt)
 
 
 def test_cta_merge_partials_fit_the_plans_allocation():

@@ -23,7 +23,7 @@
 #   `rule`, `pipelined`, `mask` and `tests`. Session 23: `fused` (the combine inside the split kernel), `fused2` (its
 #   load rounds; removed since), `verify23`, `const`. Session 24: `heads` (plan(const_heads=True): no gain, removed
 #   since), `first` (a split's second unit requested once its first has landed: no gain, removed since), `pace`,
-#   `encode`, `append`.
+#   `encode`, `append`. First next session: `entries` (prepared).
 #   `... fence` (session 20): the GPU tests of the kernels, head dims and eager generate, then
 #     benchmarks/device/ws_race_probe.py over every configuration (32 of them: each should print 'bad': 0).
 #   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
@@ -241,6 +241,13 @@ if [ "$MODE" = append ]; then  # session 24: the static cache's append kernel al
   ncu --import /tmp/ncu_append.ncu-rep --page source --csv --print-source sass > "$OUT/ncu_append_source.csv" 2>&1
   grep -E "Duration|Warp Cycles Per Issued|Executed Instructions  |Registers Per|Block Size|Grid Size" \
     "$OUT/ncu_append_details.txt" | head -8
+fi
+if [ "$MODE" = entries ]; then  # prepared in session 24: the split's table entries held by the lanes (GAAC_LANE_ENTRIES=1):
+  # its GPU bit tests, then the probe at six shapes beside the loads-only builds with and without it
+  timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q tests/test_gaac_cuda_ops.py -k "lane_entries" 2>&1 \
+    | tee "$OUT/gpu_tests_entries.log" | tail -3
+  timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/warps_probe.py --set entries --real-kv .bench/real_kv_2k.safetensors \
+    --shapes ${SHAPES:-1,5,2,0,3,4} --out "$OUT/warps_probe_entries.json" 2>&1 | tee "$OUT/warps_probe_entries.log" | tail -9
 fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)

@@ -34,7 +34,8 @@
 // GAAC_FAST_ISSUE (compressed KV staged as stored: the common unit's copies issued by lane 0 alone), GAAC_STAGED_O
 // (the one-warp kernel's partial outputs staged in shared memory and written as 16-byte stores), GAAC_CTA_MERGE (the
 // one-warp kernel's splits merged per CTA and group before they leave the SM; session 22), and for the benchmarks
-// GAAC_MASK_LATE (a padding mask's bytes loaded in the softmax, as before session 22, not with the copies), GAAC_SKIP
+// GAAC_MASK_LATE (a padding mask's bytes loaded in the softmax, as before session 22, not with the copies),
+// GAAC_LANE_ENTRIES (the split's table entries held by the lanes in chunks of 32 units, read by shuffles), GAAC_SKIP
 // (leave-one-stage-out breakdown; bit 0: no tensor-core math, bit 1: no reconstruction; format 3 only: bit 2 no code
 // bit 2 of 4-bit groups, bit 3 no raw-group patch; bit 4: no prepass, the tiles read stale scratch; bit 5: no tag scan either, offsets
 // 0 and no raw group; bit 6: the prepass on a split's first unit only, later units read its plausible but wrong
@@ -92,6 +93,10 @@
 // launched and keeps one barrier per stage.
 #define SPLITBAR (GAAC_PLAIN && !GAAC_WS)
 #define HDR (SPLITBAR ? 128 : 64)  // per-warp header: stage barriers and slot bits, then the ring
+#ifndef GAAC_LANE_ENTRIES  // (benchmark option, session 24) compressed KV at one tile per head: the split's table
+#define GAAC_LANE_ENTRIES 0  // entries held by the lanes, lane i those of unit 32 c + i of the current chunk c of 32
+#endif                       // units (and of the next, loaded 32 units ahead), read by shuffles (1); or one global
+#define LANE_ENTRIES (GAAC_LANE_ENTRIES && !GAAC_PLAIN && TILES == 1 && !SPLITBAR)  // load per unit, one ahead (0)
 #ifndef VT_WORDS  // V words decoded per vector load in v_tile (all NVW at once, or halves)
 #define VT_WORDS NVW
 #endif
@@ -1403,12 +1408,33 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       for (int c = 0; c < 4; ++c) o[T][n][c] = 0.f;
 
   // table entries are loaded one issue ahead, so no issue waits on a global load
+#if LANE_ENTRIES
+  // (LANE_ENTRIES) from the lanes' chunks: called for j = 0, 1, 2, ... in order, it moves to chunk j / 32 at j % 32 == 0
+  // and loads the chunk after it, so each chunk's loads have 32 units to land
+  auto chunk_entries = [&](int c, int& ek, int& ev) {
+    const int jc = 32 * c + lane;
+    ek = jc < n ? entry(u0 + jc, 0, 0) : 0;
+    ev = jc < n ? entry(u0 + jc, 1, 0) : 0;
+  };
+  int cur_k, cur_v, nxt_k, nxt_v;
+  chunk_entries(0, cur_k, cur_v);
+  chunk_entries(1, nxt_k, nxt_v);
+  auto load_entries = [&](int j, int (&e)[2][TILES]) {  // of the split's j-th unit
+    if (j > 0 && (j & 31) == 0) {
+      cur_k = nxt_k, cur_v = nxt_v;
+      chunk_entries(j / 32 + 1, nxt_k, nxt_v);
+    }
+    e[0][0] = __shfl_sync(~0u, cur_k, j & 31);
+    e[1][0] = __shfl_sync(~0u, cur_v, j & 31);
+  };
+#else
   auto load_entries = [&](int j, int (&e)[2][TILES]) {  // of the split's j-th unit
 #pragma unroll
     for (int kv = 0; kv < 2; ++kv)
 #pragma unroll
       for (int T = 0; T < TILES; ++T) e[kv][T] = j < n ? entry(u0 + j, kv, T) : 0;
   };
+#endif
   int ent[2][TILES];
   load_entries(0, ent);
 #if SPLITBAR
@@ -1459,7 +1485,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #endif
     const int u = u0 + j;
     const int st = j % GAAC_STAGES;
-    if (!GAAC_PLAIN && lane == 0 && u + 8 < nb)
+    if (!GAAC_PLAIN && !LANE_ENTRIES && lane == 0 && u + 8 < nb)
       asm volatile("prefetch.global.L1 [%0];" ::"l"(trow + (i64)(u + 8) * tstride));
     mbar_wait(bars + 8 * st, (phases >> st) & 1);
 #if SPLITBAR
