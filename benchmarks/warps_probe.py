@@ -235,12 +235,26 @@ ENTRIES_GAAC = {
     "gaac_lane_entries_loads_only": {"balance": (), "skip": 3, "defines": ("GAAC_LANE_ENTRIES=1",)},
 }
 ENTRIES_TWIN = {"twin": {"balance": ()}}
+# Session 24 (`--set frame`, prepared): the loads-only build stripped towards the bare copy pipeline
+# (benchmarks/stream_probe.py, ~2.0 us per unit at 1x64K), each variant traced (per-unit pace, spread, combine): no
+# tile code at all, one word per tile read (GAAC_SKIP bit 7), then no softmax and rescale either (bit 8), then the
+# table entries from the lanes too. Wrong results by design ("BITS DIFFER"); sm_90a SASS 1,312 / 1,104 / 904
+# instructions against the default's 2,992.
+FRAME_GAAC = {
+    "gaac": {"balance": ()},
+    "gaac_loads_only": {"balance": (), "skip": 3},
+    "gaac_no_tiles": {"balance": (), "skip": 3 | 128},
+    "gaac_no_tiles_no_softmax": {"balance": (), "skip": 3 | 128 | 256},
+    "gaac_bare_lane_entries": {"balance": (), "skip": 3 | 128 | 256, "defines": ("GAAC_LANE_ENTRIES=1",)},
+}
 
 
 def main():
     args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json",
-                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge", "merge_rule", "mask", "fused", "const", "entries"))
-    if args.set == "entries":
+                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge", "merge_rule", "mask", "fused", "const", "entries", "frame"))
+    if args.set == "frame":
+        run_probe(args, FRAME_GAAC, ENTRIES_TWIN, tuple(FRAME_GAAC), "warps_probe.py")
+    elif args.set == "entries":
         run_probe(args, ENTRIES_GAAC, ENTRIES_TWIN, (), "warps_probe.py")
     elif args.set == "const":
         run_probe(args, CONST_GAAC, CONST_TWIN, (), "warps_probe.py")

@@ -248,6 +248,12 @@ if [ "$MODE" = entries ]; then  # prepared in session 24: the split's table entr
     | tee "$OUT/gpu_tests_entries.log" | tail -3
   timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/warps_probe.py --set entries --real-kv .bench/real_kv_2k.safetensors \
     --shapes ${SHAPES:-1,5,2,0,3,4} --out "$OUT/warps_probe_entries.json" 2>&1 | tee "$OUT/warps_probe_entries.log" | tail -9
+  # the loads-only frame stripped towards the bare copy pipeline, traced (warps_probe.py --set frame), and the bare
+  # pipeline itself at 1x64K
+  timeout ${FRAME_TIMEOUT:-150} python3 benchmarks/warps_probe.py --set frame --real-kv .bench/real_kv_2k.safetensors \
+    --shapes 1,0 --out "$OUT/warps_probe_frame.json" 2>&1 | tail -4
+  timeout ${STREAM_TIMEOUT:-100} python3 benchmarks/stream_probe.py --variants pool_bulk,pool_bulk_d1000,pool_bulk_d2000 \
+    --out "$OUT/stream_probe.json" 2>&1 | tail -6
 fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)

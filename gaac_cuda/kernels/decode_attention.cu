@@ -39,7 +39,8 @@
 // (leave-one-stage-out breakdown; bit 0: no tensor-core math, bit 1: no reconstruction; format 3 only: bit 2 no code
 // bit 2 of 4-bit groups, bit 3 no raw-group patch; bit 4: no prepass, the tiles read stale scratch; bit 5: no tag scan either, offsets
 // 0 and no raw group; bit 6: the prepass on a split's first unit only, later units read its plausible but wrong
-// scratch: bounds for a slot format whose lanes own their groups), GAAC_TRACE (globaltimer stamps,
+// scratch: bounds for a slot format whose lanes own their groups; one-warp kernel: bit 7 no tile code at all, one
+// word of each tile read; bit 8 no softmax and no rescale), GAAC_TRACE (globaltimer stamps,
 // benchmarks/cuda_stream_probe.py) and GAAC_FORMAT (1: format version 1; 3: format version 2 as stored, in fragment
 // order, see k_tile_f3).
 // The options are measured alternatives (benchmarks/results/attention_cuda.md; the rejected ones, removed in sessions
@@ -1518,7 +1519,9 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #pragma unroll
     for (int T = 0; T < TILES; ++T) {
       const u8* buf = ring + (st * 2 * TILES + T) * BUF_BYTES;
-      if (DECODE && ((slots_here >> T) & 1)) {
+      if (GAAC_SKIP & 128) {  // (breakdown) one word of the tile read, as the copy-pipeline probe reads
+        sc2[0][0] = __uint_as_float(lds(buf + 4 * lane) & 0x3f000000u);
+      } else if (DECODE && ((slots_here >> T) & 1)) {
         if (!(GAAC_SKIP & 16) && (!(GAAC_SKIP & 64) || j == 0))
           prepass(p, buf, scr, b3[0][T], b4[0][T], lane, tk[T]);
         __syncwarp();
@@ -1533,15 +1536,19 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     if (j + GAAC_STAGES < n) issue_half(u0 + (j + GAAC_STAGES), st, ent, 0);
 #endif
     // online softmax (base 2) of heads 2t, 2t+1 over the 16 tokens, then the output rescaled if the max moved
-    u32 pb[2];
+    u32 pb[2] = {__float_as_uint(sc2[0][0]), 0u};
     float alpha[2];
-    softmax_unit(sc2, p.qk_scale, valid, mrow != nullptr, GAAC_MASK_LATE ? unit_mask(mrow, u, g, valid) : mq[0], g, m,
-                 l, alpha, pb);
-    rescale_o(o, alpha);
+    if (!(GAAC_SKIP & 256)) {  // (breakdown: bit 8 leaves the softmax and the rescale out)
+      softmax_unit(sc2, p.qk_scale, valid, mrow != nullptr, GAAC_MASK_LATE ? unit_mask(mrow, u, g, valid) : mq[0], g,
+                   m, l, alpha, pb);
+      rescale_o(o, alpha);
+    }
 #pragma unroll
     for (int T = 0; T < TILES; ++T) {
       const u8* buf = ring + (st * 2 * TILES + TILES + T) * BUF_BYTES;
-      if (DECODE && ((slots_here >> (TILES + T)) & 1)) {
+      if (GAAC_SKIP & 128) {
+        o[T][0][0] += __uint_as_float((lds(buf + 4 * lane) ^ pb[0]) & 0x3f000000u);
+      } else if (DECODE && ((slots_here >> (TILES + T)) & 1)) {
         if (!(GAAC_SKIP & 16) && (!(GAAC_SKIP & 64) || j == 0))
           prepass<true>(p, buf, scr, b3[1][T], b4[1][T], lane, tv[T]);
         __syncwarp();
