@@ -117,6 +117,16 @@ def compress(k, v, capacity=None, format_version=1):
             base3.contiguous(), base4.contiguous()), info
 
 
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """`fn()` run once (compiles, plans), then captured into a CUDA graph for replays."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def bench_graph(fn, n_buffers, reps=20):
     """Median µs per call of `fn` replayed from a CUDA graph (no host launch cost), rotating over the buffers."""
     stream = torch.cuda.Stream()

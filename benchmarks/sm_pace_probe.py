@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import gaac_cuda  # noqa: E402
+from benchmarks.attention import capture_graph  # noqa: E402
 from benchmarks.format_v2_probe import compress_v2, probe_args, probe_shapes, save_probe  # noqa: E402
 
 REPS = 8
@@ -61,14 +62,8 @@ def main():
                             balance=(), trace=True)
         tr = torch.full((gaac_cuda.trace_size(pt),), -(2 ** 62), dtype=torch.int64, device=dev)
 
-        def run():
-            return gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout, pt,
-                                              trace=tr)
-        run()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            run()
+        g = capture_graph(lambda: gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale,
+                                                              layout, pt, trace=tr))
         units = -(-s // 16) / pt.nsplit
         launches = []
         for _ in range(REPS):

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import gaac_cuda  # noqa: E402
+from benchmarks.attention import capture_graph  # noqa: E402
 from benchmarks.format_v2_probe import compress_v2, probe_args, probe_shapes, save_probe  # noqa: E402
 
 
@@ -39,14 +40,8 @@ def main():
                             nsplit=pp.nsplit, ws=0, trace=True)
         tr = torch.full((gaac_cuda.trace_size(pt),), -(2 ** 62), dtype=torch.int64, device=dev)
 
-        def run():
-            gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout, pt,
-                                       trace=tr)
-        run()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            run()
+        g = capture_graph(lambda: gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale,
+                                                              layout, pt, trace=tr))
         for _ in range(5):
             g.replay()
         torch.cuda.synchronize()
