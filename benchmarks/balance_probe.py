@@ -58,8 +58,9 @@ TWIN_VARIANTS = {  # label: plan options of the plain twin
 }
 TWIN_VARIANTS = {k: {"pdl": False, **kw} for k, kw in TWIN_VARIANTS.items()}
 TRACED = ("gaac", "gaac_balanced", "gaac_12_warps", "gaac_combine_4")  # variants also run with globaltimer stamps
-# the plan options that change the bits (and kernel defines: some do): a twin planned alike matches
-SPLIT_KEYS = ("balance", "combine_warps", "nsplit", "cta_merge", "fused_combine", "defines")
+# the plan options that change the bits (and kernel defines: some do; and the CTA's warps, which the CTA merge groups
+# by): a twin planned alike matches
+SPLIT_KEYS = ("balance", "combine_warps", "nsplit", "cta_merge", "fused_combine", "defines", "warps")
 
 
 def finish_by_rank(tr: torch.Tensor, pl, hkv: int, tokens: int | None = None) -> dict:

@@ -248,11 +248,22 @@ FRAME_GAAC = {
     "gaac_bare_lane_entries": {"balance": (), "skip": 3 | 128 | 256, "defines": ("GAAC_LANE_ENTRIES=1",)},
 }
 
+# Session 24 (`--set w16`, prepared): at head_dim 64 (the SmolLM2 shape 9/3/64, shape 3) a 16-warp CTA per SM fits
+# (9.3 KB of ring and scratch per warp) and the sm_90a build holds at the 128-register cap without spills (134 at 12
+# warps): four warps per scheduler where the instruction stream sets the time; splits for 16 warps, the twin alike.
+W16_GAAC = {
+    "gaac": {"balance": ()},
+    "gaac_16_warps": {"balance": (), "warps": 16, "nsplit": lambda n: n * 4 // 3},
+}
+W16_TWIN = {"twin": {"balance": ()}, "twin_16_warps": {"balance": (), "warps": 16, "nsplit": lambda n: n * 4 // 3}}
+
 
 def main():
     args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json",
-                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge", "merge_rule", "mask", "fused", "const", "entries", "frame"))
-    if args.set == "frame":
+                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge", "merge_rule", "mask", "fused", "const", "entries", "frame", "w16"))
+    if args.set == "w16":
+        run_probe(args, W16_GAAC, W16_TWIN, ("gaac", "gaac_16_warps"), "warps_probe.py")
+    elif args.set == "frame":
         run_probe(args, FRAME_GAAC, ENTRIES_TWIN, tuple(FRAME_GAAC), "warps_probe.py")
     elif args.set == "entries":
         run_probe(args, ENTRIES_GAAC, ENTRIES_TWIN, (), "warps_probe.py")

@@ -254,6 +254,9 @@ if [ "$MODE" = entries ]; then  # prepared in session 24: the split's table entr
     --shapes 1,0 --out "$OUT/warps_probe_frame.json" 2>&1 | tail -4
   timeout ${STREAM_TIMEOUT:-100} python3 benchmarks/stream_probe.py --variants pool_bulk,pool_bulk_d1000,pool_bulk_d2000 \
     --out "$OUT/stream_probe.json" 2>&1 | tail -6
+  # head_dim 64 (SmolLM2's 9/3/64) at 16 warps per CTA (warps_probe.py --set w16)
+  timeout ${W16_TIMEOUT:-100} python3 benchmarks/warps_probe.py --set w16 --real-kv .bench/real_kv_2k.safetensors \
+    --shapes 3 --out "$OUT/warps_probe_w16.json" 2>&1 | tail -4
 fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)
