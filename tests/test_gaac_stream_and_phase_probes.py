@@ -110,3 +110,19 @@ def test_issue_probe_variants_differ_only_in_the_issue_path():
     base, general = plans["gaac"], plans["gaac_general_issue"]
     assert sorted(general.options) == sorted(base.options + ("-DGAAC_FAST_ISSUE=0",))
     assert (general.nsplit, general.buf_bytes, general.smem) == (base.nsplit, base.buf_bytes, base.smem)
+
+
+def test_w16_probe_plans_the_twin_with_the_variants_warps():
+    """`warps_probe.py --set w16`: the 16-warp compressed plan at 9/3/64 and the twin its bits are checked against
+    split alike and group their splits alike (CTA merge by 16-warp CTAs), and both fit one CTA per SM."""
+    import gaac_cuda
+    from benchmarks.balance_probe import SPLIT_KEYS
+    from benchmarks.warps_probe import W16_GAAC
+
+    kw = dict(W16_GAAC["gaac_16_warps"])
+    kw["nsplit"] = kw["nsplit"](528)  # the shape's 12-warp split count on 132 SMs
+    gaac = gaac_cuda.plan(1, 3, 3, 64, 65536, "cpu", slot_bytes=1456, format_version=3, ws=0, **kw)
+    twin = gaac_cuda.plan(1, 3, 3, 64, 65536, "cpu", plain=True,
+                          **{k: v for k, v in kw.items() if k in SPLIT_KEYS})
+    assert (gaac.warps, gaac.nsplit, gaac.cta_merge) == (twin.warps, twin.nsplit, twin.cta_merge) == (16, 704, True)
+    assert max(gaac.warps * gaac.warp_bytes, twin.warps * twin.warp_bytes) + 1024 <= 227 * 1024
