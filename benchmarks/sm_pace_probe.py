@@ -86,7 +86,8 @@ def main():
                "done_corr_between_launches": round(sum(pearson(done[i], done[j]) for i, j in pairs) / len(pairs), 3),
                "slowest_tenth_overlap": round(sum(len(slow[i] & slow[j]) for i, j in pairs) / len(pairs) / tenth, 3),
                "mean_pace_us_per_unit": {"p50": q(mean_pace, 0.5), "p90": q(mean_pace, 0.9),
-                                         "max": round(float(mean_pace.max()), 3), "min": round(float(mean_pace.min()), 3)},
+                                         "max": round(float(mean_pace.max()), 3),
+                                         "min": round(float(mean_pace.min()), 3)},
                "done_us_per_launch": [{"p50": q(done[r], 0.5), "max": round(float(done[r].max()), 2)}
                                       for r in range(REPS)],
                "mean_pace_by_sm": {int(s): round(float(p), 3) for s, p in zip(sms, mean_pace)}}

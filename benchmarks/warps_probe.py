@@ -260,7 +260,8 @@ W16_TWIN = {"twin": {"balance": ()}, "twin_16_warps": {"balance": (), "warps": 1
 
 def main():
     args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json",
-                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge", "merge_rule", "mask", "fused", "const", "entries", "frame", "w16"))
+                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge",
+                            "merge_rule", "mask", "fused", "const", "entries", "frame", "w16"))
     if args.set == "w16":
         run_probe(args, W16_GAAC, W16_TWIN, ("gaac", "gaac_16_warps"), "warps_probe.py")
     elif args.set == "frame":
