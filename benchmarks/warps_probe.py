@@ -35,6 +35,11 @@ def two_thirds(n: int) -> int:
     return max(1, n * 2 // 3)
 
 
+def four_thirds(n: int) -> int:
+    """Splits for 16 warps per SM where the default fills 12."""
+    return max(1, n * 4 // 3)
+
+
 GAAC_VARIANTS = {  # label: plan options of the compressed kernel (one-warp, format 3; no weighted splits)
     "gaac": {"balance": ()},  # the defaults: 12 warps in one CTA per SM, PDL
     "gaac_s16": {"balance": (), "warps": 4, "pdl": False},  # session 16's defaults
@@ -234,7 +239,6 @@ ENTRIES_GAAC = {
     "gaac_loads_only": {"balance": (), "skip": 3},
     "gaac_lane_entries_loads_only": {"balance": (), "skip": 3, "defines": ("GAAC_LANE_ENTRIES=1",)},
 }
-ENTRIES_TWIN = {"twin": {"balance": ()}}
 # Session 24 (`--set frame`, prepared): the loads-only build stripped towards the bare copy pipeline
 # (benchmarks/stream_probe.py, ~2.0 us per unit at 1x64K), each variant traced (per-unit pace, spread, combine): no
 # tile code at all, one word per tile read (GAAC_SKIP bit 7), then no softmax and rescale either (bit 8), then the
@@ -253,47 +257,34 @@ FRAME_GAAC = {
 # warps): four warps per scheduler where the instruction stream sets the time; splits for 16 warps, the twin alike.
 W16_GAAC = {
     "gaac": {"balance": ()},
-    "gaac_16_warps": {"balance": (), "warps": 16, "nsplit": lambda n: n * 4 // 3},
+    "gaac_16_warps": {"balance": (), "warps": 16, "nsplit": four_thirds},
 }
-W16_TWIN = {"twin": {"balance": ()}, "twin_16_warps": {"balance": (), "warps": 16, "nsplit": lambda n: n * 4 // 3}}
+W16_TWIN = {"twin": {"balance": ()}, "twin_16_warps": {"balance": (), "warps": 16, "nsplit": four_thirds}}
+
+
+SETS = {  # --set: (compressed variants, twin variants, the variants also run with globaltimer stamps)
+    "s17": (GAAC_VARIANTS, TWIN_VARIANTS, TRACED),
+    "next": (NEXT_GAAC, NEXT_TWIN, ("gaac_half_splits_6_warps",)),
+    "stages": (STAGES_GAAC, STAGES_TWIN, ("gaac", "gaac_12_warps_3_stages")),
+    "issue": (ISSUE_GAAC, ISSUE_TWIN, ("gaac", "gaac_general_issue")),
+    "prepass": (PREPASS_GAAC, ISSUE_TWIN, ()),
+    "staged_o": (STAGED_O_GAAC, STAGED_O_TWIN, ()),
+    "combine": (COMBINE_GAAC, COMBINE_TWIN, ()),
+    "prepass2": (PREPASS2_GAAC, ISSUE_TWIN, ()),
+    "cta_merge": (CTA_MERGE_GAAC, CTA_MERGE_TWIN, ("gaac", "gaac_cta_merge")),
+    "merge_rule": (MERGE_RULE_GAAC, MERGE_RULE_TWIN, ()),
+    "mask": (MASK_GAAC, MASK_TWIN, ()),
+    "fused": (FUSED_GAAC, FUSED_TWIN, ("gaac_fused",)),
+    "const": (CONST_GAAC, CONST_TWIN, ()),
+    "entries": (ENTRIES_GAAC, ISSUE_TWIN, ()),
+    "frame": (FRAME_GAAC, ISSUE_TWIN, tuple(FRAME_GAAC)),
+    "w16": (W16_GAAC, W16_TWIN, ("gaac", "gaac_16_warps")),
+}
 
 
 def main():
-    args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json",
-                      sets=("s17", "next", "stages", "issue", "prepass", "staged_o", "combine", "prepass2", "cta_merge",
-                            "merge_rule", "mask", "fused", "const", "entries", "frame", "w16"))
-    if args.set == "w16":
-        run_probe(args, W16_GAAC, W16_TWIN, ("gaac", "gaac_16_warps"), "warps_probe.py")
-    elif args.set == "frame":
-        run_probe(args, FRAME_GAAC, ENTRIES_TWIN, tuple(FRAME_GAAC), "warps_probe.py")
-    elif args.set == "entries":
-        run_probe(args, ENTRIES_GAAC, ENTRIES_TWIN, (), "warps_probe.py")
-    elif args.set == "const":
-        run_probe(args, CONST_GAAC, CONST_TWIN, (), "warps_probe.py")
-    elif args.set == "fused":
-        run_probe(args, FUSED_GAAC, FUSED_TWIN, ("gaac_fused",), "warps_probe.py")
-    elif args.set == "mask":
-        run_probe(args, MASK_GAAC, MASK_TWIN, (), "warps_probe.py")
-    elif args.set == "merge_rule":
-        run_probe(args, MERGE_RULE_GAAC, MERGE_RULE_TWIN, (), "warps_probe.py")
-    elif args.set == "cta_merge":
-        run_probe(args, CTA_MERGE_GAAC, CTA_MERGE_TWIN, ("gaac", "gaac_cta_merge"), "warps_probe.py")
-    elif args.set == "prepass2":
-        run_probe(args, PREPASS2_GAAC, ISSUE_TWIN, (), "warps_probe.py")
-    elif args.set == "combine":
-        run_probe(args, COMBINE_GAAC, COMBINE_TWIN, (), "warps_probe.py")
-    elif args.set == "staged_o":
-        run_probe(args, STAGED_O_GAAC, STAGED_O_TWIN, (), "warps_probe.py")
-    elif args.set == "prepass":
-        run_probe(args, PREPASS_GAAC, ISSUE_TWIN, (), "warps_probe.py")
-    elif args.set == "issue":
-        run_probe(args, ISSUE_GAAC, ISSUE_TWIN, ("gaac", "gaac_general_issue"), "warps_probe.py")
-    elif args.set == "stages":
-        run_probe(args, STAGES_GAAC, STAGES_TWIN, ("gaac", "gaac_12_warps_3_stages"), "warps_probe.py")
-    elif args.set == "next":
-        run_probe(args, NEXT_GAAC, NEXT_TWIN, ("gaac_half_splits_6_warps",), "warps_probe.py")
-    else:
-        run_probe(args, GAAC_VARIANTS, TWIN_VARIANTS, TRACED, "warps_probe.py")
+    args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/warps_probe.json", sets=tuple(SETS))
+    run_probe(args, *SETS[args.set], "warps_probe.py")
 
 
 if __name__ == "__main__":
