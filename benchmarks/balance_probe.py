@@ -121,18 +121,20 @@ def run_probe(args, gaac_variants: dict, twin_variants: dict, traced: tuple, scr
 
         ones = torch.ones(b, s, dtype=torch.bool, device=dev)  # a padding mask that masks nothing (the same bits)
 
-        def gaac(pl, i=0, trace=None, mask=False):
+        def gaac(pl, i=0, trace=None, mask=False, combine=True):
             pk = bufs[i]
             return gaac_cuda.decode_attention(q, *pk[:5], pk[5], pk[6], kv_len, ones if mask else None, scale, layout,
-                                              pl, trace=trace)
+                                              pl, combine=combine, trace=trace)
 
         def twin(pl, i=0, mask=False):
             return gaac_cuda.plain_decode_attention(q, kvs[i][0], kvs[i][1], kv_len, ones if mask else None, scale, pl)
 
         def splits(kw):  # the variant's plan options, with the shape's split count unless it brings its own (a value,
-            # or a function of the shape's count); "mask": True (not a plan option) passes `ones`
+            # or a function of the shape's count); "mask": True (not a plan option) passes `ones`, "combine": False
+            # times the split kernel alone
             n = kw.get("nsplit", nsplit)
-            return {**{k2: v2 for k2, v2 in kw.items() if k2 != "mask"}, "nsplit": n(nsplit) if callable(n) else n}
+            return {**{k2: v2 for k2, v2 in kw.items() if k2 not in ("mask", "combine")},
+                    "nsplit": n(nsplit) if callable(n) else n}
 
         twins = {}  # the bits of the default (warp-specialized) twin, per value of the SPLIT_KEYS options
 
@@ -146,10 +148,10 @@ def run_probe(args, gaac_variants: dict, twin_variants: dict, traced: tuple, scr
         def gaac_variant(label, kw):
             pl = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, format_version=3,
                                 ws=0, **splits(kw))
-            mk = kw.get("mask", False)
-            out = gaac(pl, mask=mk)
+            mk, cb = kw.get("mask", False), kw.get("combine", True)
+            out = gaac(pl, mask=mk, combine=cb)
             want = twin_bits(kw)
-            us = bench_graph(lambda i, pl=pl: gaac(pl, i, mask=mk), args.buffers)
+            us = bench_graph(lambda i, pl=pl: gaac(pl, i, mask=mk, combine=cb), args.buffers)
             entry = {"us": us, "tb_per_s": round(info["bytes"] / us / 1e6, 3),
                      "bit_identical_to_twin": torch.equal(out.view(torch.int16), want.view(torch.int16))}
             if label not in traced:
@@ -159,11 +161,11 @@ def run_probe(args, gaac_variants: dict, twin_variants: dict, traced: tuple, scr
             pt = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, format_version=3,
                                 ws=0, trace=True, **splits(kw))
             tr = torch.full((gaac_cuda.trace_size(pt),), -(2 ** 62), dtype=torch.int64, device=dev)
-            gaac(pt, trace=tr, mask=mk)
+            gaac(pt, trace=tr, mask=mk, combine=cb)
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
-                gaac(pt, trace=tr, mask=mk)
+                gaac(pt, trace=tr, mask=mk, combine=cb)
             for _ in range(3):
                 g.replay()
             torch.cuda.synchronize()

@@ -262,6 +262,29 @@ W16_GAAC = {
 W16_TWIN = {"twin": {"balance": ()}, "twin_16_warps": {"balance": (), "warps": 16, "nsplit": four_thirds}}
 
 
+# Session 25 (`--set frame2`): session 24's frame set found the stripped build (no tiles, no softmax, lane entries)
+# at 58.4 us against the bare copy pipeline's 45.9 (stream_probe.py), with its median warp done at 45.6 us and its
+# last at 58.9. The split kernel alone (no combine launched: "combine": False) of the default and of the stripped
+# build, and the latter without programmatic dependent launch, traced; stream_probe.py --trace beside it.
+FRAME2_GAAC = {
+    "gaac": {"balance": ()},
+    "gaac_split_only": {"balance": (), "combine": False},
+    "gaac_bare": {"balance": (), "skip": 3 | 128 | 256, "defines": ("GAAC_LANE_ENTRIES=1",)},
+    "gaac_bare_split_only": {"balance": (), "skip": 3 | 128 | 256, "defines": ("GAAC_LANE_ENTRIES=1",),
+                             "combine": False},
+    "gaac_bare_split_only_no_pdl": {"balance": (), "skip": 3 | 128 | 256, "defines": ("GAAC_LANE_ENTRIES=1",),
+                                    "combine": False, "pdl": False},
+}
+
+# Session 25 (`--set hdr`): the compressed kernel's ring after a 64-byte header is 64 bytes off a 128-byte line, so
+# every bulk copy lands on a misaligned shared-memory destination (the twin's header is 128); the stream probe with
+# the same offset (stream_probe.py pool_real_ksmem_hdr64) beside it in frame_probe.py. The same bits.
+HDR_GAAC = {
+    "gaac": {"balance": ()},
+    "gaac_hdr128": {"balance": (), "defines": ("GAAC_HDR=128",)},
+}
+
+
 SETS = {  # --set: (compressed variants, twin variants, the variants also run with globaltimer stamps)
     "s17": (GAAC_VARIANTS, TWIN_VARIANTS, TRACED),
     "next": (NEXT_GAAC, NEXT_TWIN, ("gaac_half_splits_6_warps",)),
@@ -279,6 +302,8 @@ SETS = {  # --set: (compressed variants, twin variants, the variants also run wi
     "entries": (ENTRIES_GAAC, ISSUE_TWIN, ()),
     "frame": (FRAME_GAAC, ISSUE_TWIN, tuple(FRAME_GAAC)),
     "w16": (W16_GAAC, W16_TWIN, ("gaac", "gaac_16_warps")),
+    "hdr": (HDR_GAAC, ISSUE_TWIN, ("gaac", "gaac_hdr128")),
+    "frame2": (FRAME2_GAAC, ISSUE_TWIN, ("gaac_split_only", "gaac_bare_split_only", "gaac_bare_split_only_no_pdl")),
 }
 
 

@@ -75,21 +75,42 @@ def test_plan_rejects_shapes_the_kernel_does_not_cover():
         plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, ws=0, swizzle=False).options
     assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, swizzle=True, ws=0).options == plan(
         1, 8, 4, 128, 1024, "cpu", nsplit=4, ws=0).options
-    # the one-warp kernel over plain KV keeps K and V of a stage on their own barriers: a 128-byte header (64 else)
+    # a 128-byte header before each warp's ring (barriers, slot bits), for plain and compressed KV alike
     assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, ws=0).warp_bytes == 128 + 2 * 2 * 4096
-    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, ws=0).warp_bytes == -(-(64 + 2 * 2 * 4096 + 14 * 128) // 128) * 128
+    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, ws=0).warp_bytes == 128 + 2 * 2 * 4096 + 14 * 128
     dense = plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=3200, dense_slots=True, ws=0)
     assert "-DGAAC_DENSE_SLOT=1" in dense.options and dense.buf_bytes == 4096  # no row padding: the raw tile's size
-    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=4000, ws=0).buf_bytes == 4256 + 16
+    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=4000, ws=0).buf_bytes == 4352  # 4,272 in 128-B lines
     # a slot larger than a raw tile keeps 16 bytes past it: the prepass reads 12-byte escape windows clamped to the
     # buffer, and a full escape area (all-raw tiles, 1,280 escape bytes at 128 channels) must not be clamped
     for ws in (0, 4):
         assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=4160, dense_slots=True, ws=ws,
-                    format_version=3).buf_bytes == 4176
+                    format_version=3).buf_bytes == 4224  # 4,176 in whole 128-byte lines
     with pytest.raises(ValueError, match="16 bytes past it"):
         plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=4160, dense_slots=True, ws=0, buf_bytes=4160)
     with pytest.raises(ValueError, match="v_words"):
         plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, v_words=3, ws=0)
+
+
+def test_ring_buffers_are_128_byte_aligned():
+    """Every bulk copy lands on a 128-byte aligned shared-memory destination: the header before a warp's ring, each
+    tile buffer and each warp's share are whole 128-byte lines (a 64-byte header cost a quarter of the copies' rate
+    on the H200, session 25), at every head_dim, slot size, format and kernel."""
+    from gaac_cuda.decode_attention import RING_HEADER
+
+    assert RING_HEADER % 128 == 0
+    for d in (64, 128, 256):
+        for kw in ({"plain": True}, {"slot_bytes": 1488 * d // 64, "format_version": 3},
+                   {"slot_bytes": 1504 * d // 64 + 16, "format_version": 1}, {"slot_bytes": 4000, "format_version": 1},
+                   {"slot_bytes": 4160, "format_version": 3, "dense_slots": True}):
+            if d == 256 and kw.get("format_version") == 3:
+                continue  # format 3 covers head_dim 64 / 128
+            for ws in ((0, 4) if d < 256 else (0,)):
+                p = plan(1, 8, 4, d, 4096, "cpu", nsplit=4, ws=ws, **kw)
+                assert p.buf_bytes % 128 == 0 and p.warp_bytes % 128 == 0, (d, kw, ws)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=2944, dense_slots=True, ws=0, format_version=3,
+             buf_bytes=2960)
 
 
 def test_balanced_split_table():

@@ -23,7 +23,7 @@
 #   `rule`, `pipelined`, `mask` and `tests`. Session 23: `fused` (the combine inside the split kernel), `fused2` (its
 #   load rounds; removed since), `verify23`, `const`. Session 24: `heads` (plan(const_heads=True): no gain, removed
 #   since), `first` (a split's second unit requested once its first has landed: no gain, removed since), `pace`,
-#   `encode`, `append`. First next session: `entries` (prepared).
+#   `encode`, `append`. Session 25: `entries`, `frame2`, `frame3`.
 #   `... fence` (session 20): the GPU tests of the kernels, head dims and eager generate, then
 #     benchmarks/device/ws_race_probe.py over every configuration (32 of them: each should print 'bad': 0).
 #   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
@@ -257,6 +257,24 @@ if [ "$MODE" = entries ]; then  # prepared in session 24: the split's table entr
   # head_dim 64 (SmolLM2's 9/3/64) at 16 warps per CTA (warps_probe.py --set w16)
   timeout ${W16_TIMEOUT:-100} python3 benchmarks/warps_probe.py --set w16 --real-kv .bench/real_kv_2k.safetensors \
     --shapes 3 --out "$OUT/warps_probe_w16.json" 2>&1 | tail -4
+fi
+if [ "$MODE" = frame2 ]; then  # session 25: where the stripped build's 12 us over the bare copy pipeline go: the split
+  # kernel alone (default, stripped, stripped without PDL; traced) and the bare pipeline traced, with the kernel's
+  # shared-memory layout and its real block table
+  timeout ${FRAME_TIMEOUT:-200} python3 benchmarks/warps_probe.py --set frame2 --real-kv .bench/real_kv_2k.safetensors \
+    --shapes ${SHAPES:-1} --out "$OUT/warps_probe_frame2.json" 2>&1 | tee "$OUT/warps_probe_frame2.log" | tail -4
+  timeout ${STREAM_TIMEOUT:-150} python3 benchmarks/stream_probe.py --trace --real-kv .bench/real_kv_2k.safetensors \
+    --variants pool_bulk,pool_bulk_ksmem,pool_real,pool_real_ksmem,pool_bulk_d2000,rows_cpasync \
+    --out "$OUT/stream_probe_frame2.json" 2>&1 | tee "$OUT/stream_probe_frame2.log" | tail -9
+fi
+if [ "$MODE" = frame3 ]; then  # session 25: the stripped split kernel and the bare pipeline in one process, traced, on
+  # the same cache (benchmarks/frame_probe.py)
+  timeout ${FRAME_TIMEOUT:-300} python3 benchmarks/frame_probe.py --real-kv .bench/real_kv_2k.safetensors \
+    --out "$OUT/frame_probe.json" 2>&1 | tee "$OUT/frame_probe.log" | tail -${FRAME_TAIL:-14}
+  if [ -n "${HDR:-}" ]; then
+    timeout ${HDR_TIMEOUT:-250} python3 benchmarks/warps_probe.py --set hdr --real-kv .bench/real_kv_2k.safetensors \
+      --shapes ${SHAPES:-1,5,2,0,3,4} --out "$OUT/warps_probe_hdr.json" 2>&1 | tee "$OUT/warps_probe_hdr.log" | tail -9
+  fi
 fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)

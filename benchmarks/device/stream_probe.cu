@@ -26,8 +26,18 @@ struct Params {
   int per_warp;           // units per warp (the last warps may have fewer)
   int units;
   u32 chunk;              // bytes per chunk, a multiple of 16
-  u32 stage_bytes;        // >= CHUNKS * chunk, a multiple of 128
+  u32 stage_bytes;        // >= CHUNKS * chunk_gap, a multiple of 128
+  u32 chunk_gap;          // bytes from one chunk's start to the next in a stage (>= chunk)
+  u32 warp_bytes;         // bytes of shared memory per warp (>= STAGES * stage_bytes, a multiple of 128)
+  u64* trace;             // [warps * 3] globaltimer ns (entry, first unit landed, done), or null
+  u32 ring_off;           // bytes from the warp's region to its ring (the decode kernel's header: 64)
 };
+
+__device__ __forceinline__ u64 gtimer() {
+  u64 t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
@@ -46,8 +56,9 @@ extern "C" __global__ void __launch_bounds__(1024, 1) stream_probe(const Params 
   extern __shared__ __align__(128) unsigned char smem[];
   const int W = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int gw = blockIdx.x * W + warp;
-  unsigned char* ring = smem + (size_t)warp * STAGES * p.stage_bytes;
-  u64* bars = reinterpret_cast<u64*>(smem + (size_t)W * STAGES * p.stage_bytes) + warp * STAGES;
+  if (p.trace && lane == 0) p.trace[3 * gw] = gtimer();
+  unsigned char* ring = smem + (size_t)warp * p.warp_bytes + p.ring_off;
+  u64* bars = reinterpret_cast<u64*>(smem + (size_t)W * p.warp_bytes) + warp * STAGES;
   if (lane == 0)
     for (int s = 0; s < STAGES; ++s)
       asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bars + s)), "r"(33));
@@ -70,13 +81,13 @@ extern "C" __global__ void __launch_bounds__(1024, 1) stream_probe(const Params 
       if (CPASYNC) {
 #pragma unroll 1
         for (u32 k = lane; k < p.chunk / 16; k += 32)
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + c * p.chunk + 16 * k),
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + c * p.chunk_gap + 16 * k),
                        "l"(src + 16 * k)
                        : "memory");
       } else if (lane == 0) {
         asm volatile(
             "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                dst + c * p.chunk),
+                dst + c * p.chunk_gap),
             "l"(src), "r"(p.chunk), "r"(bar)
             : "memory");
       }
@@ -90,6 +101,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1) stream_probe(const Params 
     const int st = j % STAGES;
     wait_parity(smem_u32(bars + st), (phases >> st) & 1);
     phases ^= 1u << st;
+    if (p.trace && lane == 0 && j == 0) p.trace[3 * gw + 1] = gtimer();
     acc ^= reinterpret_cast<const u32*>(ring + st * p.stage_bytes)[lane];
     if (DELAY) {
       const long long t0 = clock64();
@@ -98,4 +110,5 @@ extern "C" __global__ void __launch_bounds__(1024, 1) stream_probe(const Params 
     __syncwarp();
   }
   if (n > 0) p.sink[gw * 32 + lane] = acc;
+  if (p.trace && lane == 0) p.trace[3 * gw + 2] = n > 0 ? gtimer() : 0ull;
 }

@@ -93,7 +93,14 @@
 // benchmarks/results/attention_cuda.md, sessions 7 and 24). A warp-specialized build's one-warp kernel is never
 // launched and keeps one barrier per stage.
 #define SPLITBAR (GAAC_PLAIN && !GAAC_WS)
-#define HDR (SPLITBAR ? 128 : 64)  // per-warp header: stage barriers and slot bits, then the ring
+// Per-warp header: stage barriers and slot bits, then the ring. 128 bytes, so every bulk copy lands on a 128-byte
+// aligned shared-memory destination: the compressed kernel's 64-byte header put them 64 bytes off and cost a quarter
+// of the copy pipeline's rate (1x64K, the copies alone: 56.2 -> 46.9 us; benchmarks/frame_probe.py, session 25).
+// (GAAC_HDR=64: that build, for the probes.)
+#ifndef GAAC_HDR
+#define GAAC_HDR 128
+#endif
+#define HDR GAAC_HDR
 #ifndef GAAC_LANE_ENTRIES  // (benchmark option, session 24) compressed KV at one tile per head: the split's table
 #define GAAC_LANE_ENTRIES 0  // entries held by the lanes, lane i those of unit 32 c + i of the current chunk c of 32
 #endif                       // units (and of the next, loaded 32 units ahead), read by shuffles (1); or one global
