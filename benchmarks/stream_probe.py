@@ -107,6 +107,8 @@ VARIANTS = {  # label: (layout, cp.async per lane, ring stages, warps per CTA[, 
     "pool_real": ("real", 0, 2, 12),
     "pool_real_ksmem": ("real", 0, 2, 12),
     "pool_real_ksmem_hdr64": ("real", 0, 2, 12),  # the kernel's ring after its 64-byte header: not 128-byte aligned
+    # every slot 64 bytes off a 128-byte line in global memory (head_dim 64's 1,472 / 1,488-byte slots: every other)
+    "pool_real_ksmem_src64": ("real", 0, 2, 12),
 }
 KERNEL_SMEM = {"chunk_gap": 4096, "warp_bytes": 18560}  # the 1x64K plan's ring: K at 0, V at 4,096; 18,560 B a warp
 
@@ -144,6 +146,8 @@ def run(label: str, dev: torch.device, src: torch.Tensor | None, sms: int, table
     layout, cpasync, stages, warps, *delay = VARIANTS[label]
     delay = delay[0] if delay else 0
     offs, chunk, span = offsets(layout, table)
+    if label.endswith("_src64"):
+        offs, span = offs + 64, span + 64
     units, chunks = offs.shape
     ksmem = "_ksmem" in label
     ring_off = 64 if label.endswith("_hdr64") else 0

@@ -23,7 +23,7 @@
 #   `rule`, `pipelined`, `mask` and `tests`. Session 23: `fused` (the combine inside the split kernel), `fused2` (its
 #   load rounds; removed since), `verify23`, `const`. Session 24: `heads` (plan(const_heads=True): no gain, removed
 #   since), `first` (a split's second unit requested once its first has landed: no gain, removed since), `pace`,
-#   `encode`, `append`. Session 25: `entries`, `frame2`, `frame3`.
+#   `encode`, `append`. Session 25: `entries`, `frame2`, `frame3` (twice), `aligned`.
 #   `... fence` (session 20): the GPU tests of the kernels, head dims and eager generate, then
 #     benchmarks/device/ws_race_probe.py over every configuration (32 of them: each should print 'bad': 0).
 #   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
@@ -275,6 +275,21 @@ if [ "$MODE" = frame3 ]; then  # session 25: the stripped split kernel and the b
     timeout ${HDR_TIMEOUT:-250} python3 benchmarks/warps_probe.py --set hdr --real-kv .bench/real_kv_2k.safetensors \
       --shapes ${SHAPES:-1,5,2,0,3,4} --out "$OUT/warps_probe_hdr.json" 2>&1 | tee "$OUT/warps_probe_hdr.log" | tail -9
   fi
+fi
+if [ "$MODE" = aligned ]; then  # session 25, after the 128-byte aligned ring became the default: the copy pipeline
+  # with a misaligned global source (head_dim 64's slots), the leave-one-stage-out breakdown, the split phases and
+  # the captured pair
+  timeout ${STREAM_TIMEOUT:-100} python3 benchmarks/stream_probe.py --trace --real-kv .bench/real_kv_2k.safetensors \
+    --variants pool_real_ksmem,pool_real_ksmem_hdr64,pool_real_ksmem_src64 \
+    --out "$OUT/stream_probe_aligned.json" 2>&1 | tail -4
+  timeout ${PROBE_TIMEOUT:-150} python3 benchmarks/format_v2_probe.py --real-kv .bench/real_kv_2k.safetensors \
+    --shapes ${SHAPES:-1,0,2,3} --out "$OUT/breakdown_aligned.json" 2>&1 | tee "$OUT/breakdown_aligned.log" | tail -6
+  timeout ${PHASES_TIMEOUT:-100} python3 benchmarks/split_phases_probe.py --real-kv .bench/real_kv_2k.safetensors \
+    --shapes 1,0 --out "$OUT/phases_aligned.json" 2>&1 | tail -3
+  timeout ${GEN_TIMEOUT:-200} python3 benchmarks/generate.py --contexts ${CONTEXTS:-65536 131072} \
+    --steps 10 --warmup 3 --eager-steps 3 --reps 10 --variants captured captured-twin --skip-module-guards \
+    --out "$OUT/generate_aligned.json" 2>&1 | grep -v "it/s\]" | tee "$OUT/generate_aligned.log" \
+    | grep -E "ms/step|lossless|\| " | cut -c1-300 | tail -10
 fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)
