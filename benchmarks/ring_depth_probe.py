@@ -47,7 +47,7 @@ def main():
             packed, layout, info = encoded[cap]
             assert not compact or info["raw_tiles"] == 0, info
             nsplit = pp.nsplit * warps * ctas // 12
-            compact_bytes = -(-(layout.slot_bytes + gaac_cuda.ESCAPE_SLACK) // 128) * 128
+            compact_bytes = -(-(layout.slot_bytes + 112 + gaac_cuda.ESCAPE_SLACK) // 128) * 128
             kw = dict(ws=0, warps=warps, stages=stages, min_ctas=ctas, format_version=3, nsplit=nsplit,
                       slot_bytes=layout.slot_bytes, buf_bytes=compact_bytes if compact else None)
             pc = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, **kw)

@@ -109,6 +109,10 @@ VARIANTS = {  # label: (layout, cp.async per lane, ring stages, warps per CTA[, 
     "pool_real_ksmem_hdr64": ("real", 0, 2, 12),  # the kernel's ring after its 64-byte header: not 128-byte aligned
     # every slot 64 bytes off a 128-byte line in global memory (head_dim 64's 1,472 / 1,488-byte slots: every other)
     "pool_real_ksmem_src64": ("real", 0, 2, 12),
+    # those slots read as the 128-byte lines around them: from the line start to the slot's end (3,008 bytes), or to
+    # the end of its last line (3,072): aligned copies of a few bytes more
+    "pool_real_ksmem_src64_head": ("real", 0, 2, 12),
+    "pool_real_ksmem_src64_lines": ("real", 0, 2, 12),
 }
 KERNEL_SMEM = {"chunk_gap": 4096, "warp_bytes": 18560}  # the 1x64K plan's ring: K at 0, V at 4,096; 18,560 B a warp
 
@@ -139,22 +143,34 @@ def phases(tr: torch.Tensor, per_warp: int) -> dict:
             "stream_us_per_unit_p50": round(float((done - ready).median()) / max(per_warp - 1, 1), 3)}
 
 
+def geometry(label: str, table: torch.Tensor | None = None) -> dict:
+    """A variant's copies and shared memory: byte offsets `[units, chunks]`, chunk bytes, the span of source bytes,
+    the bytes between a stage's chunks, per warp and before its ring, and the CTA's shared memory."""
+    layout, _, stages, warps, *_ = VARIANTS[label]
+    offs, chunk, span = offsets(layout, table)
+    if label.endswith("_src64"):
+        offs, span = offs + 64, span + 64
+    elif "_src64_" in label:  # the line-aligned copies of the slots at +64: from the line start
+        chunk = chunk + 64 if label.endswith("_head") else chunk + 128
+        span += 128
+    ksmem = "_ksmem" in label
+    gap = KERNEL_SMEM["chunk_gap"] if ksmem else chunk
+    stage = -(-offs.shape[1] * gap // 128) * 128
+    warp_bytes = KERNEL_SMEM["warp_bytes"] if ksmem else stages * stage
+    return {"offs": offs, "chunk": chunk, "span": span, "gap": gap, "stage": stage, "warp_bytes": warp_bytes,
+            "ring_off": 64 if label.endswith("_hdr64") else 0, "smem": warps * warp_bytes + warps * stages * 8}
+
+
 def run(label: str, dev: torch.device, src: torch.Tensor | None, sms: int, table=None, trace=False,
         srcs: list | None = None) -> dict:
     """Time (and with `trace`, stamp) one variant over BUFFERS copies of `src` one after the other, or over the
     separate tensors `srcs` (each laid out as `table` says: the compressed cache's own slot pools)."""
     layout, cpasync, stages, warps, *delay = VARIANTS[label]
     delay = delay[0] if delay else 0
-    offs, chunk, span = offsets(layout, table)
-    if label.endswith("_src64"):
-        offs, span = offs + 64, span + 64
+    geo = geometry(label, table)
+    offs, chunk, span, gap, stage = geo["offs"], geo["chunk"], geo["span"], geo["gap"], geo["stage"]
+    warp_bytes, ring_off, smem = geo["warp_bytes"], geo["ring_off"], geo["smem"]
     units, chunks = offs.shape
-    ksmem = "_ksmem" in label
-    ring_off = 64 if label.endswith("_hdr64") else 0
-    gap = KERNEL_SMEM["chunk_gap"] if ksmem else chunk
-    stage = -(-chunks * gap // 128) * 128
-    warp_bytes = KERNEL_SMEM["warp_bytes"] if ksmem else stages * stage
-    smem = warps * warp_bytes + warps * stages * 8
     kernel = get_kernel(SOURCE.read_text(), [f"-DCHUNKS={chunks}", f"-DSTAGES={stages}", f"-DCPASYNC={cpasync}",
                                              f"-DDELAY={delay}"],
                         "stream_probe", dev)

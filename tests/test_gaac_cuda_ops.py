@@ -85,8 +85,8 @@ def test_plan_rejects_shapes_the_kernel_does_not_cover():
     # buffer, and a full escape area (all-raw tiles, 1,280 escape bytes at 128 channels) must not be clamped
     for ws in (0, 4):
         assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=4160, dense_slots=True, ws=ws,
-                    format_version=3).buf_bytes == 4224  # 4,176 in whole 128-byte lines
-    with pytest.raises(ValueError, match="16 bytes past it"):
+                    format_version=3).buf_bytes == 4352  # 112 lead + 4,160 + 16 in whole 128-byte lines
+    with pytest.raises(ValueError, match="112 bytes before it and 16 past it"):
         plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=4160, dense_slots=True, ws=0, buf_bytes=4160)
     with pytest.raises(ValueError, match="v_words"):
         plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, v_words=3, ws=0)
@@ -777,6 +777,42 @@ def test_lane_entries_equals_the_twin(case):
     for pc in _option_equals_twin(case, opt, {}, ((1, None), (5, None), (3, 4), (None, None))):
         assert "-DGAAC_LANE_ENTRIES=1" in pc.options
     _format2_equals_twin(case, opt)
+
+
+@gpu
+@pytest.mark.parametrize("case", [GPU_CASES[1], GPU_CASES[3], GPU_CASES[5], GPU_CASES[8]],
+                         ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
+def test_slots_off_a_line_equal_the_twin(case):
+    """Slot copies start at the 128-byte line holding the slot (GAAC_SRC_LINES, session 25) and the slot lands its
+    lead into the buffer: with the whole pool moved 16 .. 112 bytes off a line (every slot's lead changes, whatever
+    its size), format versions 1 and 2 (the kernel's 3) at 1, 3 and the default split count give the twin's bits,
+    and the build without line starts the same bits."""
+    b, h, nrep, _, d, _, _, _ = case
+    for fmt in (1, 2):
+        if fmt == 2 and d not in (64, 128):
+            continue
+        (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, _ = case_with_reference(case, fmt)
+        kernel_fmt = {"format_version": 3} if fmt == 2 else {"dense_slots": True}
+        for nsplit in (1, 3, None):
+            pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, ws=0, nsplit=nsplit,
+                      **kernel_fmt)
+            pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, ws=0, nsplit=pc.nsplit)
+            want = bits(plain_decode_attention(q, k, v, kv_len, mask, scale, pp))
+            old = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, ws=0, nsplit=pc.nsplit,
+                       defines=("GAAC_SRC_LINES=0",), **kernel_fmt)
+            assert torch.equal(bits(decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout,
+                                                     old)), want)
+            for shift in (0, 16, 48, 64, 112):
+                store = torch.zeros(sp.numel() + 256, dtype=torch.uint8, device=sp.device)
+                at = (-store.data_ptr() % 128) + shift
+                moved = store[at:at + sp.numel()].view(sp.shape)
+                moved.copy_(sp)
+                got = decode_attention(q, moved, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
+                assert torch.equal(bits(got), want), (fmt, nsplit, shift, layout.slot_bytes)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        store = torch.zeros(sp.numel() + 64, dtype=torch.uint8, device=sp.device)
+        decode_attention(q, store[8:8 + sp.numel()].view(sp.shape), rp, tab, tk, tv, b3, b4, kv_len, mask, scale,
+                         layout, pc)
 
 
 def test_cta_merge_partials_fit_the_plans_allocation():

@@ -37,10 +37,15 @@ def test_stream_probe_layouts_cover_their_bytes_once(layout):
 
 def test_stream_probe_variants_fit_shared_memory():
     sp = _module("benchmarks/stream_probe.py", "stream_probe_bench2")
-    for label, (layout, _, stages, warps, *_) in sp.VARIANTS.items():
-        offs, chunk, _ = sp.offsets(layout)
-        stage = -(-offs.shape[1] * chunk // 128) * 128
-        assert warps * stages * (stage + 8) <= 227 * 1024, label
+    import torch
+
+    table = torch.arange(sp.BLOCKS * 2 * sp.HEADS).view(sp.BLOCKS, 2, sp.HEADS)  # the real layout's order
+    for label, (_, _, stages, warps, *_) in sp.VARIANTS.items():
+        g = sp.geometry(label, table)
+        assert g["smem"] <= 227 * 1024, label
+        assert g["ring_off"] + stages * g["stage"] <= g["warp_bytes"] and g["offs"].shape[1] * g["gap"] <= g["stage"]
+        assert g["chunk"] <= g["gap"] and int(g["offs"].max()) + g["chunk"] <= g["span"], label
+        assert int(g["offs"].min()) >= 0 and g["chunk"] % 16 == 0, label
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
