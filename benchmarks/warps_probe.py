@@ -284,13 +284,10 @@ HDR_GAAC = {  # (run in session 25 before the aligned header became the default,
     "gaac_hdr64": {"balance": (), "defines": ("GAAC_HDR=64",)},
 }
 
-# Session 25 (`--set lines`): each slot's copy from the 128-byte line that holds its first byte (GAAC_SRC_LINES, the
-# default), against the copies from the slot's own address (64 bytes off a line for every other slot at head_dim 64,
-# 32 / 64 / 96 at escape capacities that are not multiples of 128 bytes). The same bits.
-LINES_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_slot_starts": {"balance": (), "defines": ("GAAC_SRC_LINES=0",)},
-}
+# Session 25 (`--set lines`, ran once, then removed with its kernel option): each slot's copy from the 128-byte line
+# that holds its first byte (GAAC_SRC_LINES), against the copies from the slot's own address (64 bytes off a line for
+# every other slot at head_dim 64, 32 / 64 / 96 at escape capacities that are not multiples of 128 bytes): slower at
+# five of six shapes (benchmarks/results/warps_probe_lines_s25.json).
 
 
 SETS = {  # --set: (compressed variants, twin variants, the variants also run with globaltimer stamps)
@@ -310,7 +307,6 @@ SETS = {  # --set: (compressed variants, twin variants, the variants also run wi
     "entries": (ENTRIES_GAAC, ISSUE_TWIN, ()),
     "frame": (FRAME_GAAC, ISSUE_TWIN, tuple(FRAME_GAAC)),
     "w16": (W16_GAAC, W16_TWIN, ("gaac", "gaac_16_warps")),
-    "lines": (LINES_GAAC, ISSUE_TWIN, ()),
     "hdr": (HDR_GAAC, ISSUE_TWIN, ("gaac", "gaac_hdr64")),
     "frame2": (FRAME2_GAAC, ISSUE_TWIN, ("gaac_split_only", "gaac_bare_split_only", "gaac_bare_split_only_no_pdl")),
 }

@@ -102,8 +102,6 @@ SPLIT_WARPS = 12
 STATIC_SMEM = 1024  # the split kernel's static shared memory (cuobjdump -res-usage: SHARED:1024), beside the dynamic
 RING_HEADER = 128  # bytes before a warp's ring; it and every tile buffer a multiple of 128, so each bulk copy's
 # shared-memory destination is 128-byte aligned (64 bytes off cost a quarter of the copies' rate, session 25)
-SRC_LEAD = 112  # a slot staged as stored lands up to this many bytes into its buffer: its copy starts at the 128-byte
-# line holding its first byte (the kernel's GAAC_SRC_LINES; slots off a line cost a sixth of the copy rate, session 25)
 ESCAPE_SLACK = 16  # buffer bytes past a slot: the prepass reads a lane's escape bytes as a 12-byte window and clamps
 # reads to the buffer, so a window that starts near a full escape area must not reach the buffer's end
 
@@ -301,9 +299,9 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     tiles = head_dim // channels
     buf = _stage_buffer(channels, slot_bytes, plain, dense_slots)
     if buf_bytes is not None:
-        if plain or not dense_slots or buf_bytes < slot_bytes + SRC_LEAD + ESCAPE_SLACK or buf_bytes % 128:
+        if plain or not dense_slots or buf_bytes < slot_bytes + ESCAPE_SLACK or buf_bytes % 128:
             raise ValueError(f"buf_bytes {buf_bytes}: compressed KV staged as stored, a multiple of 128 bytes that "
-                             f"holds a {slot_bytes}-byte slot, {SRC_LEAD} bytes before it and {ESCAPE_SLACK} past it")
+                             f"holds a {slot_bytes}-byte slot and {ESCAPE_SLACK} bytes past it")
         buf = buf_bytes
     scratch = 0 if plain else _scratch(channels, format_version)
     # stage barriers and slot bits before the ring: the kernel's HDR (a define may override it, for the probes)
@@ -499,13 +497,12 @@ def _scratch(channels: int, format_version: int) -> int:
 
 def _stage_buffer(channels: int, slot_bytes: int, plain: bool, dense_slots: bool) -> int:
     """Bytes of one tile buffer in a ring stage: a BF16 tile, or a slot (its sign+mantissa rows padded by 16 bytes
-    each unless staged as stored, else `SRC_LEAD` before it) and `ESCAPE_SLACK`, whichever is larger, in whole
-    128-byte lines (the bulk copies' destinations stay 128-byte aligned)."""
+    each unless staged as stored) and `ESCAPE_SLACK`, whichever is larger, in whole 128-byte lines (the bulk copies'
+    destinations stay 128-byte aligned)."""
     raw_bytes = 2 * BLOCK * channels
     if plain:
         return raw_bytes
-    need = slot_bytes + (SRC_LEAD if dense_slots else 16 * 16) + ESCAPE_SLACK
-    return max(raw_bytes, -(-need // 128) * 128)
+    return max(raw_bytes, -(-(slot_bytes + (0 if dense_slots else 16 * 16) + ESCAPE_SLACK) // 128) * 128)
 
 
 def _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, *, slot_bytes, plain, nsplit, ws, stages, min_ctas,

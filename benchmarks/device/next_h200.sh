@@ -23,7 +23,8 @@
 #   `rule`, `pipelined`, `mask` and `tests`. Session 23: `fused` (the combine inside the split kernel), `fused2` (its
 #   load rounds; removed since), `verify23`, `const`. Session 24: `heads` (plan(const_heads=True): no gain, removed
 #   since), `first` (a split's second unit requested once its first has landed: no gain, removed since), `pace`,
-#   `encode`, `append`. Session 25: `entries`, `frame2`, `frame3` (twice), `aligned`, `lines`, `srclines`.
+#   `encode`, `append`. Session 25: `entries`, `frame2`, `frame3` (twice), `aligned`, `lines`, `srclines` (its
+#   probe set and kernel option GAAC_SRC_LINES removed since: slower).
 #   `... fence` (session 20): the GPU tests of the kernels, head dims and eager generate, then
 #     benchmarks/device/ws_race_probe.py over every configuration (32 of them: each should print 'bad': 0).
 #   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
@@ -296,15 +297,10 @@ if [ "$MODE" = lines ]; then  # session 25: misaligned slots in global memory re
     --variants pool_real_ksmem,pool_real_ksmem_src64,pool_real_ksmem_src64_head,pool_real_ksmem_src64_lines \
     --out "$OUT/stream_probe_lines.json" 2>&1 | tail -5
 fi
-if [ "$MODE" = srclines ]; then  # session 25: slot copies from their 128-byte line's start (GAAC_SRC_LINES): the default
-  # against the copies from the slots' own addresses at six shapes, then the new pool-offset bit test and the rest of
-  # the CUDA kernel's GPU bit tests
-  timeout ${PROBE_TIMEOUT:-200} python3 benchmarks/warps_probe.py --set lines --real-kv .bench/real_kv_2k.safetensors \
-    --shapes ${SHAPES:-1,5,2,0,3,4} --out "$OUT/warps_probe_lines.json" 2>&1 | tee "$OUT/warps_probe_lines.log" | tail -9
-  timeout ${LINE_TEST_TIMEOUT:-100} python3 -m pytest -q tests/test_gaac_cuda_ops.py -k "off_a_line" 2>&1 \
-    | tee "$OUT/gpu_tests_lines.log" | tail -3
-  timeout ${TEST_TIMEOUT:-250} python3 -m pytest -q -x tests/test_gaac_cuda_ops.py -k "not compiles and not sass and not off_a_line" \
-    2>&1 | tee "$OUT/gpu_tests_cuda_ops.log" | tail -3
+if [ "$MODE" = final25 ]; then  # session 25's final kernel (128-byte aligned ring): the pool-offset bit test, lossless
+  # generate and the captured step's GPU tests
+  timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q tests/test_gaac_cuda_ops.py tests/test_gaac_gpu_generate.py \
+    tests/test_gaac_captured_step.py -k "off_a_line or gpu" 2>&1 | tee "$OUT/gpu_tests_final.log" | tail -3
 fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)

@@ -178,19 +178,6 @@ struct Params {
 #define BUF_BYTES p.buf_bytes
 #define WARP_BYTES p.warp_bytes
 #endif
-// GAAC_SRC_LINES (compressed KV staged as stored, one-warp kernel): a slot's bulk copy starts at the 128-byte line
-// that holds the slot's first byte, and the slot lands `lead` = (its address & 127) bytes into its buffer (the lead in
-// the stage's slot bits; a multiple of 16). Slots of a size that is not a multiple of 128 (head_dim 64's, escape
-// capacities of 32 / 96 at head_dim 128) otherwise start off a line in global memory, which cost the copy pipeline
-// a sixth of its rate on the H200 (1x64K, slots 64 bytes off: 56.1 against 46.8 us; from the line start: 47.9,
-// session 25's stream_probe.py). The plan keeps SRC_LEAD bytes more in each buffer, and the escape windows' clamps
-// stay SRC_LEAD short of its end.
-#ifndef GAAC_SRC_LINES
-#define GAAC_SRC_LINES 1
-#endif
-#define SRC_LINES (GAAC_SRC_LINES && GAAC_DENSE_SLOT && !GAAC_PLAIN && !GAAC_WS)
-#define SRC_LEAD (SRC_LINES ? 112 : 0)
-#define BUF_SPAN (BUF_BYTES - SRC_LEAD)  // the buffer bytes a slot's reads may reach, from the slot's start
 #ifdef GAAC_SLOT_BYTES
 #define SLOT_BYTES ((i64)GAAC_SLOT_BYTES)
 #define PLANES_OFF (16 * C)
@@ -242,11 +229,6 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
       "l"(src), "r"(bytes), "r"(bar)
       : "memory");
 }
-// GAAC_SRC_LINES: a slot's bytes before it in its 128-byte line (its copy starts there), and that lead in the stage's
-// slot bits (bits 8 + 4 i .. of tile i, in 16-byte units), read back by lead_of
-__device__ __forceinline__ u32 src_lead(const void* src) { return (u32)reinterpret_cast<unsigned long long>(src) & 127u; }
-__device__ __forceinline__ u32 lead_bits(int tile, u32 lead) { return (lead >> 4) << (8 + 4 * tile); }
-__device__ __forceinline__ u32 lead_of(u32 kind_word, int tile) { return ((kind_word >> (8 + 4 * tile)) & 15u) << 4; }
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
@@ -406,7 +388,7 @@ __device__ __forceinline__ void scan_tags(LaneTags& k, LaneTags& v, int lane) {
 // k) of that window, by one byte permute per word. Reads stay in the buffer whatever the tags say.
 template <int NW>
 __device__ __forceinline__ void plane3_window(const Params& p, const u8* esc, u32 wb, int off, u32 (&p3)[NW]) {
-  const int o = min(off, BUF_SPAN - SECTION_SHIFT - ESC_OFF - 12);
+  const int o = min(off, BUF_BYTES - SECTION_SHIFT - ESC_OFF - 12);
   const u32* wp = reinterpret_cast<const u32*>(esc + (o & ~3));
   const u32 sh = 8 * (o & 3);
   const u32 w0 = wp[0], w1 = wp[1], w2 = wp[2];
@@ -485,7 +467,7 @@ __device__ __forceinline__ void prepass(const Params& p, const u8* slot, const S
     plane3_window(p, esc, wb, off, p3);
   } else {
     unsigned long long acc = 0;  // (a 64-bit word, not an array: dynamic indices would go to local memory)
-    const int esc_max = BUF_SPAN - SECTION_SHIFT - ESC_OFF - 5;
+    const int esc_max = BUF_BYTES - SECTION_SHIFT - ESC_OFF - 5;
     for (u32 rem = wb; rem; rem &= rem - 1) {
       const int k = __ffs(rem) - 1;
       const u32 bl = (1u << k) - 1;
@@ -511,9 +493,9 @@ __device__ __forceinline__ void prepass(const Params& p, const u8* slot, const S
     if (lt.any_raw && !F3_OVERLAY) *reinterpret_cast<u32*>(s.raw + g0) = rm;
   }
   if (F3_OVERLAY) {
-    if (lt.any_raw) f3_overlay<IS_V>(esc, BUF_SPAN - SECTION_SHIFT - ESC_OFF - 4, s, lane, lt);
+    if (lt.any_raw) f3_overlay<IS_V>(esc, BUF_BYTES - SECTION_SHIFT - ESC_OFF - 4, s, lane, lt);
   } else if (lt.any_raw) {  // planes 4..7 of raw groups: the 4 escape bytes after plane 3
-    const int esc_max = BUF_SPAN - SECTION_SHIFT - ESC_OFF - 5;
+    const int esc_max = BUF_BYTES - SECTION_SHIFT - ESC_OFF - 5;
     unsigned long long hi[4] = {0, 0, 0, 0};
     for (u32 rem = rb; rem; rem &= rem - 1) {
       const int k = __ffs(rem) - 1;
@@ -1347,16 +1329,13 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     // proxy fence stays (the warp-specialized producer without one overwrote a stage still being read, session 20)
     // (compressed KV on split barriers as well, each half issued alone, was measured slower in sessions 7 and 24)
     if (!tail && e[0][0] >= 0 && e[1][0] >= 0) {  // (kv0, kv1) = (0, 2): SPLITBAR is plain KV only
-      const u8* sk = p.slots + (i64)e[0][0] * SLOT_BYTES;
-      const u8* sv = p.slots + (i64)e[1][0] * SLOT_BYTES;
-      const u32 lk = SRC_LINES ? src_lead(sk) : 0u, lv = SRC_LINES ? src_lead(sv) : 0u;
-      if (lane == 0) kinds[ki] = 3u | lead_bits(0, lk) | lead_bits(TILES, lv);
+      if (lane == 0) kinds[ki] = 3u;
       fence_async();
       if (lane == 0) {
         const u32 dst = smem_u32(ring + st * 2 * BUF_BYTES);
-        mbar_expect(bar, 2u * (u32)SLOT_BYTES + lk + lv);
-        bulk_copy(dst, sk - lk, (u32)SLOT_BYTES + lk, bar);
-        bulk_copy(dst + BUF_BYTES, sv - lv, (u32)SLOT_BYTES + lv, bar);
+        mbar_expect(bar, 2u * (u32)SLOT_BYTES);
+        bulk_copy(dst, p.slots + (i64)e[0][0] * SLOT_BYTES, (u32)SLOT_BYTES, bar);
+        bulk_copy(dst + BUF_BYTES, p.slots + (i64)e[1][0] * SLOT_BYTES, (u32)SLOT_BYTES, bar);
       }
       mbar_arrive(bar);
       return;
@@ -1371,9 +1350,8 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #pragma unroll
       for (int T = 0; T < TILES; ++T) {
         if (!GAAC_PLAIN && !tail && e[kv][T] >= 0) {
-          const u32 lead = SRC_LINES ? src_lead(p.slots + (i64)e[kv][T] * SLOT_BYTES) : 0u;
-          bytes += (u32)(GAAC_DENSE_SLOT ? SLOT_BYTES : SLOT_BYTES - 16 * C) + lead;
-          slots |= (1u << (kv * TILES + T)) | lead_bits(kv * TILES + T, lead);
+          bytes += (u32)(GAAC_DENSE_SLOT ? SLOT_BYTES : SLOT_BYTES - 16 * C);
+          slots |= 1u << (kv * TILES + T);
         } else if (bulk_rows) {
           bytes += 32 * C;
         }
@@ -1394,8 +1372,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
           // (16-byte cp.async per lane, L2 prefetches ahead of the ring and an L2 evict_first hint were measured
           // slower in session 19: benchmarks/results/copy_path_probe_s19.json)
           if (GAAC_DENSE_SLOT) {  // the whole slot as stored (rows dense: 2-way conflicts in the fragment loads)
-            const u32 lead = SRC_LINES ? src_lead(src) : 0u;  // (from its line's start: the lead)
-            if (lane == kv * TILES + T) bulk_copy(smem_u32(dst), src - lead, (u32)SLOT_BYTES + lead, bar);
+            if (lane == kv * TILES + T) bulk_copy(smem_u32(dst), src, (u32)SLOT_BYTES, bar);
           } else {
             const u8* sl = src + 16 * lane;
             const u32 dl = smem_u32(dst) + sm_lane;
@@ -1523,17 +1500,8 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     mbar_wait(bars + 8 * (GAAC_STAGES + st), (phases >> st) & 1);
     const u32 slots_here = kinds[st] | kinds[GAAC_STAGES + st];
 #else
-    const u32 kind_word = kinds[st];
-    const u32 slots_here = kind_word & 0xFFu;  // (the slots' leads above: tile_buf)
+    const u32 slots_here = kinds[st];
 #endif
-    // tile i of the stage (K tiles, then V tiles): its buffer, from its slot's first byte
-    auto tile_buf = [&](int i) -> const u8* {
-#if SPLITBAR
-      return ring + (st * 2 * TILES + i) * BUF_BYTES;
-#else
-      return ring + (st * 2 * TILES + i) * BUF_BYTES + lead_of(kind_word, i);
-#endif
-    };
     phases ^= 1u << st;
     if (GAAC_TRACE && lane == 0 && j == 0) p.trace[4 * item + 1] = gtimer();
     const bool tail = u >= nb;
@@ -1545,8 +1513,9 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     for (int T = 0; T < TILES; ++T) {
       tk[T].wb = tk[T].rb = tv[T].wb = tv[T].rb = 0;
       if (DECODE && (slots_here & ((1u << T) | (1u << (TILES + T))))) {
-        if ((slots_here >> T) & 1) load_tags(p, tile_buf(T), lane, tk[T]);
-        if ((slots_here >> (TILES + T)) & 1) load_tags(p, tile_buf(TILES + T), lane, tv[T]);
+        if ((slots_here >> T) & 1) load_tags(p, ring + (st * 2 * TILES + T) * BUF_BYTES, lane, tk[T]);
+        if ((slots_here >> (TILES + T)) & 1)
+          load_tags(p, ring + (st * 2 * TILES + TILES + T) * BUF_BYTES, lane, tv[T]);
         if (GAAC_SKIP & 32) tk[T].off = tv[T].off = 0, tk[T].any_raw = tv[T].any_raw = false;
         else scan_tags(tk[T], tv[T], lane);
       }
@@ -1556,7 +1525,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     float sc2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int T = 0; T < TILES; ++T) {
-      const u8* buf = tile_buf(T);
+      const u8* buf = ring + (st * 2 * TILES + T) * BUF_BYTES;
       if (GAAC_SKIP & 128) {  // (breakdown) one word of the tile read, as the copy-pipeline probe reads
         sc2[0][0] = __uint_as_float(lds(buf + 4 * lane) & 0x3f000000u);
       } else if (DECODE && ((slots_here >> T) & 1)) {
@@ -1583,7 +1552,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     }
 #pragma unroll
     for (int T = 0; T < TILES; ++T) {
-      const u8* buf = tile_buf(TILES + T);
+      const u8* buf = ring + (st * 2 * TILES + TILES + T) * BUF_BYTES;
       if (GAAC_SKIP & 128) {
         o[T][0][0] += __uint_as_float((lds(buf + 4 * lane) ^ pb[0]) & 0x3f000000u);
       } else if (DECODE && ((slots_here >> (TILES + T)) & 1)) {
