@@ -289,6 +289,21 @@ HDR_GAAC = {  # (run in session 25 before the aligned header became the default,
 # every other slot at head_dim 64, 32 / 64 / 96 at escape capacities that are not multiples of 128 bytes): slower at
 # five of six shapes (benchmarks/results/warps_probe_lines_s25.json).
 
+# Prepared in session 25 (`--set rering`, not yet run): the ring and CTA shapes that earlier sessions measured while
+# every bulk copy landed 64 bytes off a 128-byte line (the copies then ran a quarter slower, so the loads hid the
+# instruction stream and deeper rings or more warps could not show): a third ring stage in 8 warps at two thirds of
+# the splits (session 17), 12 warps of 3 stages and 16 warps at head_dim 64 (sessions 19 and 24; do not fit at 128:
+# their rows say so), the table entries from the lanes (session 24), halved splits in 6-warp CTAs (1x16K). Each
+# against the twin planned alike.
+RERING_GAAC = {
+    "gaac": {"balance": ()},
+    "gaac_8_warps_3_stages": {"balance": (), "warps": 8, "stages": 3, "min_ctas": 1, "nsplit": two_thirds},
+    "gaac_12_warps_3_stages": {"balance": (), "stages": 3},
+    "gaac_16_warps": {"balance": (), "warps": 16, "nsplit": four_thirds},
+    "gaac_lane_entries": {"balance": (), "defines": ("GAAC_LANE_ENTRIES=1",)},
+    "gaac_half_splits_6_warps": {"balance": (), "warps": 6, "min_ctas": 2, "nsplit": halves},
+}
+
 
 SETS = {  # --set: (compressed variants, twin variants, the variants also run with globaltimer stamps)
     "s17": (GAAC_VARIANTS, TWIN_VARIANTS, TRACED),
@@ -307,6 +322,7 @@ SETS = {  # --set: (compressed variants, twin variants, the variants also run wi
     "entries": (ENTRIES_GAAC, ISSUE_TWIN, ()),
     "frame": (FRAME_GAAC, ISSUE_TWIN, tuple(FRAME_GAAC)),
     "w16": (W16_GAAC, W16_TWIN, ("gaac", "gaac_16_warps")),
+    "rering": (RERING_GAAC, ISSUE_TWIN, ("gaac", "gaac_8_warps_3_stages")),
     "hdr": (HDR_GAAC, ISSUE_TWIN, ("gaac", "gaac_hdr64")),
     "frame2": (FRAME2_GAAC, ISSUE_TWIN, ("gaac_split_only", "gaac_bare_split_only", "gaac_bare_split_only_no_pdl")),
 }

@@ -24,7 +24,7 @@
 #   load rounds; removed since), `verify23`, `const`. Session 24: `heads` (plan(const_heads=True): no gain, removed
 #   since), `first` (a split's second unit requested once its first has landed: no gain, removed since), `pace`,
 #   `encode`, `append`. Session 25: `entries`, `frame2`, `frame3` (twice), `aligned`, `lines`, `srclines` (its
-#   probe set and kernel option GAAC_SRC_LINES removed since: slower).
+#   probe set and kernel option GAAC_SRC_LINES removed since: slower), `final25`. First next session: `rering`.
 #   `... fence` (session 20): the GPU tests of the kernels, head dims and eager generate, then
 #     benchmarks/device/ws_race_probe.py over every configuration (32 of them: each should print 'bad': 0).
 #   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
@@ -301,6 +301,13 @@ if [ "$MODE" = final25 ]; then  # session 25's final kernel (128-byte aligned ri
   # generate and the captured step's GPU tests
   timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q tests/test_gaac_cuda_ops.py tests/test_gaac_gpu_generate.py \
     tests/test_gaac_captured_step.py -k "off_a_line or gpu" 2>&1 | tee "$OUT/gpu_tests_final.log" | tail -3
+fi
+if [ "$MODE" = rering ]; then  # prepared in session 25: ring depths and CTA shapes measured before under misaligned
+  # copies, again on the 128-byte aligned ring (warps_probe.py --set rering), then Nsight Compute's picture of the
+  # default at 1x64K (where the instruction stream shows again: split kernel 55.2 us against its bare copies' 46.9)
+  timeout ${PROBE_TIMEOUT:-330} python3 benchmarks/warps_probe.py --set rering --real-kv .bench/real_kv_2k.safetensors \
+    --shapes ${SHAPES:-1,0,2,3,4} --out "$OUT/warps_probe_rering.json" 2>&1 | tee "$OUT/warps_probe_rering.log" | tail -8
+  timeout ${NCU_TIMEOUT:-240} bash benchmarks/device/ncu_quick_h200.sh
 fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)
