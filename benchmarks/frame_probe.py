@@ -90,11 +90,10 @@ def main():
     print("\n| round | variant | us | first ready p50 / max | us per unit p50 | done p50 / max |\n|---|---|---|---|---|---|")
     for i, row in enumerate(res["rounds"]):
         for label, r in row.items():
-            ph = r["finish"]["phases"] if "finish" in r else r["phases"]
-            done = (r["finish"]["done_p50_us"], r["finish"]["done_max_us"]) if "finish" in r else (
-                ph["done_p50_us"], ph["done_max_us"])
-            print(f"| {i} | {label} | {r['us']} | {ph['first_ready_p50_us']} / {ph['first_ready_max_us']} | "
-                  f"{ph['stream_us_per_unit_p50']} | {done[0]} / {done[1]} |")
+            fin = r.get("finish")
+            ph = {**fin["phases"], "done_p50_us": fin["done_p50_us"], "done_max_us": fin["done_max_us"]} if fin \
+                else r["phases"]
+            print(f"| {i} | {label} | {r['us']} | {stream_probe.phase_cells(ph)} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
 

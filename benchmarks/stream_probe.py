@@ -161,6 +161,15 @@ def geometry(label: str, table: torch.Tensor | None = None) -> dict:
             "ring_off": 64 if label.endswith("_hdr64") else 0, "smem": warps * warp_bytes + warps * stages * 8}
 
 
+def phase_cells(ph: dict | None) -> str:
+    """Table cells of a traced run's phases (`phases` here, or the kernel's `finish_by_rank` phases with its done
+    times merged in): first unit ready p50 / max, per-unit pace, done p50 / max."""
+    if not ph:
+        return " | | "
+    return (f"{ph['first_ready_p50_us']} / {ph['first_ready_max_us']} | {ph['stream_us_per_unit_p50']} | "
+            f"{ph['done_p50_us']} / {ph['done_max_us']}")
+
+
 def run(label: str, dev: torch.device, src: torch.Tensor | None, sms: int, table=None, trace=False,
         srcs: list | None = None) -> dict:
     """Time (and with `trace`, stamp) one variant over BUFFERS copies of `src` one after the other, or over the
@@ -228,14 +237,11 @@ def main():
             res["rows"][label] = {"error": f"{type(e).__name__}: {e}"[:400]}
         print(f"{label:<22} {res['rows'][label]} ({time.time() - t0:.0f}s)", flush=True)
     print("\n| variant | chunk B x per unit | stages x warps | work cycles | us | TB/s | first ready p50 / max | "
-          "us per unit | done p50 / p90 / max |\n|---|---|---|---|---|---|---|---|---|")
+          "us per unit | done p50 / max |\n|---|---|---|---|---|---|---|---|---|")
     for label, r in res["rows"].items():
         if "us" in r:
-            ph = r.get("phases")
-            extra = (f"{ph['first_ready_p50_us']} / {ph['first_ready_max_us']} | {ph['stream_us_per_unit_p50']} | "
-                     f"{ph['done_p50_us']} / {ph['done_p90_us']} / {ph['done_max_us']}") if ph else " | | "
             print(f"| {label} | {r['chunk']} x {r['chunks_per_unit']} | {r['stages']} x {r['warps']} | "
-                  f"{r['delay_cycles']} | {r['us']} | {r['tb_per_s']} | {extra} |")
+                  f"{r['delay_cycles']} | {r['us']} | {r['tb_per_s']} | {phase_cells(r.get('phases'))} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
 

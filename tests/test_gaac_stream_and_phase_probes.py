@@ -131,3 +131,17 @@ def test_w16_probe_plans_the_twin_with_the_variants_warps():
                           **{k: v for k, v in kw.items() if k in SPLIT_KEYS})
     assert (gaac.warps, gaac.nsplit, gaac.cta_merge) == (twin.warps, twin.nsplit, twin.cta_merge) == (16, 704, True)
     assert max(gaac.warps * gaac.warp_bytes, twin.warps * twin.warp_bytes) + 1024 <= 227 * 1024
+
+
+def test_stream_probe_phases_from_stamps():
+    """`stream_probe.phases`: per-warp stamps (entry, first unit landed, done; done 0 for a warp with no units) ->
+    first-ready and done times after the first entry, and the per-unit pace; `phase_cells` prints them."""
+    import torch
+
+    sp = _module("benchmarks/stream_probe.py", "stream_probe_bench3")
+    tr = torch.tensor([[1000, 3000, 21000], [2000, 5000, 43000], [1500, 4000, 31000], [1200, 0, 0]])  # ns
+    ph = sp.phases(tr.flatten(), per_warp=11)  # the fourth warp had no units
+    assert (ph["first_ready_p50_us"], ph["first_ready_max_us"]) == (3.0, 4.0)
+    assert (ph["done_p50_us"], ph["done_max_us"]) == (30.0, 42.0)
+    assert ph["stream_us_per_unit_p50"] == 2.7  # median of 18, 38, 27 us over 10 units
+    assert sp.phase_cells(ph) == "3.0 / 4.0 | 2.7 | 30.0 / 42.0" and sp.phase_cells(None) == " | | "
