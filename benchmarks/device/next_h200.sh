@@ -303,10 +303,11 @@ if [ "$MODE" = final25 ]; then  # session 25's final kernel (128-byte aligned ri
     tests/test_gaac_captured_step.py -k "off_a_line or gpu" 2>&1 | tee "$OUT/gpu_tests_final.log" | tail -3
 fi
 if [ "$MODE" = rering ]; then  # prepared in session 25: ring depths and CTA shapes measured before under misaligned
-  # copies, again on the 128-byte aligned ring (warps_probe.py --set rering), then Nsight Compute's picture of the
+  # copies, again on the 128-byte aligned ring (warps_probe.py --set rering; 1x64K ran at the end of session 25:
+  # warps_probe_rering_1x64k_s25.json, none faster), then Nsight Compute's picture of the
   # default at 1x64K (where the instruction stream shows again: split kernel 55.2 us against its bare copies' 46.9)
   timeout ${PROBE_TIMEOUT:-330} python3 benchmarks/warps_probe.py --set rering --real-kv .bench/real_kv_2k.safetensors \
-    --shapes ${SHAPES:-1,0,2,3,4} --out "$OUT/warps_probe_rering.json" 2>&1 | tee "$OUT/warps_probe_rering.log" | tail -8
+    --shapes ${SHAPES:-3,0,2,4} --out "$OUT/warps_probe_rering.json" 2>&1 | tee "$OUT/warps_probe_rering.log" | tail -8
   timeout ${NCU_TIMEOUT:-240} bash benchmarks/device/ncu_quick_h200.sh
 fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
