@@ -35,6 +35,11 @@ def two_thirds(n: int) -> int:
     return max(1, n * 2 // 3)
 
 
+def elevenths(n: int) -> int:
+    """Splits for 11 warps per SM where the default fills 12."""
+    return max(1, n * 11 // 12)
+
+
 def four_thirds(n: int) -> int:
     """Splits for 16 warps per SM where the default fills 12."""
     return max(1, n * 4 // 3)
@@ -304,6 +309,19 @@ RERING_GAAC = {
     "gaac_half_splits_6_warps": {"balance": (), "warps": 6, "min_ctas": 2, "nsplit": halves},
 }
 
+# Prepared in session 25 (`--set slot_ring`, not yet run): ring buffers the size of a slot (plan(slot_ring=True):
+# 3 stages; raw tiles and the tail read from global memory by the tile code), so a warp keeps two units in flight
+# while it works on a third (with two stages only one is, and half of each unit's work shows in the pace). At head_dim
+# 128 three such stages fit 11 warps (beside them the two-stage kernel at 11 warps, to tell the ring from the warp
+# count), at 64 they fit 12 (and 16). The same bits as the twin planned with the same splits and warps.
+SLOT_RING_GAAC = {
+    "gaac": {"balance": ()},
+    "gaac_11_warps": {"balance": (), "warps": 11, "nsplit": elevenths},
+    "gaac_slot_ring_11": {"balance": (), "slot_ring": True, "warps": 11, "nsplit": elevenths},
+    "gaac_slot_ring_12": {"balance": (), "slot_ring": True, "warps": 12},
+    "gaac_slot_ring_16": {"balance": (), "slot_ring": True, "warps": 16, "nsplit": four_thirds},
+}
+
 
 SETS = {  # --set: (compressed variants, twin variants, the variants also run with globaltimer stamps)
     "s17": (GAAC_VARIANTS, TWIN_VARIANTS, TRACED),
@@ -322,6 +340,7 @@ SETS = {  # --set: (compressed variants, twin variants, the variants also run wi
     "entries": (ENTRIES_GAAC, ISSUE_TWIN, ()),
     "frame": (FRAME_GAAC, ISSUE_TWIN, tuple(FRAME_GAAC)),
     "w16": (W16_GAAC, W16_TWIN, ("gaac", "gaac_16_warps")),
+    "slot_ring": (SLOT_RING_GAAC, ISSUE_TWIN, ("gaac", "gaac_slot_ring_11", "gaac_slot_ring_12")),
     "rering": (RERING_GAAC, ISSUE_TWIN, ("gaac", "gaac_8_warps_3_stages")),
     "hdr": (HDR_GAAC, ISSUE_TWIN, ("gaac", "gaac_hdr64")),
     "frame2": (FRAME2_GAAC, ISSUE_TWIN, ("gaac_split_only", "gaac_bare_split_only", "gaac_bare_split_only_no_pdl")),

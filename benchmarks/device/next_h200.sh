@@ -24,7 +24,8 @@
 #   load rounds; removed since), `verify23`, `const`. Session 24: `heads` (plan(const_heads=True): no gain, removed
 #   since), `first` (a split's second unit requested once its first has landed: no gain, removed since), `pace`,
 #   `encode`, `append`. Session 25: `entries`, `frame2`, `frame3` (twice), `aligned`, `lines`, `srclines` (its
-#   probe set and kernel option GAAC_SRC_LINES removed since: slower), `final25`. First next session: `rering`.
+#   probe set and kernel option GAAC_SRC_LINES removed since: slower), `final25`, `rering` (1x64K only). First next session:
+#   `slotring` (prepared: the slot-sized ring with a third stage), then `rering` (its other shapes and ncu).
 #   `... fence` (session 20): the GPU tests of the kernels, head dims and eager generate, then
 #     benchmarks/device/ws_race_probe.py over every configuration (32 of them: each should print 'bad': 0).
 #   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
@@ -309,6 +310,16 @@ if [ "$MODE" = rering ]; then  # prepared in session 25: ring depths and CTA sha
   timeout ${PROBE_TIMEOUT:-330} python3 benchmarks/warps_probe.py --set rering --real-kv .bench/real_kv_2k.safetensors \
     --shapes ${SHAPES:-3,0,2,4} --out "$OUT/warps_probe_rering.json" 2>&1 | tee "$OUT/warps_probe_rering.log" | tail -8
   timeout ${NCU_TIMEOUT:-240} bash benchmarks/device/ncu_quick_h200.sh
+fi
+if [ "$MODE" = slotring ]; then  # prepared in session 25: slot-sized ring buffers and a third stage
+  # (plan(slot_ring=True)): its GPU bit test, then warps_probe.py --set slot_ring at six shapes (traced: the default
+  # and the slot rings), then the rest of the rering set if time is left
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x tests/test_gaac_cuda_ops.py -k "slot_ring" 2>&1 \
+    | tee "$OUT/gpu_tests_slot_ring.log" | tail -3
+  timeout ${PROBE_TIMEOUT:-250} python3 benchmarks/warps_probe.py --set slot_ring --real-kv .bench/real_kv_2k.safetensors \
+    --shapes ${SHAPES:-1,4,5,2,0,3} --out "$OUT/warps_probe_slot_ring.json" 2>&1 | tee "$OUT/warps_probe_slot_ring.log" | tail -9
+  timeout ${RERING_TIMEOUT:-120} python3 benchmarks/warps_probe.py --set rering --real-kv .bench/real_kv_2k.safetensors \
+    --shapes 3,0 --out "$OUT/warps_probe_rering.json" 2>&1 | tail -4
 fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)

@@ -101,10 +101,19 @@
 #define GAAC_HDR 128
 #endif
 #define HDR GAAC_HDR
+// GAAC_SLOT_RING (compressed KV staged as stored, one tile per head, one-warp kernel; prepared in session 25): ring
+// buffers sized for a slot (not for a BF16 tile), so a third stage fits (11 warps at head_dim 128): with two stages
+// only one unit is in flight while a warp works on the other, and half of each unit's work shows in the pace. Raw
+// tiles and the tail (BF16 rows, <= 0.3% of the units) are not staged: the tile code reads their rows from global
+// memory (rows past the tail's valid ones read as zeros, as the staging zero-fills them), so the bits stay the same.
+#ifndef GAAC_SLOT_RING
+#define GAAC_SLOT_RING 0
+#endif
 #ifndef GAAC_LANE_ENTRIES  // (benchmark option, session 24) compressed KV at one tile per head: the split's table
 #define GAAC_LANE_ENTRIES 0  // entries held by the lanes, lane i those of unit 32 c + i of the current chunk c of 32
 #endif                       // units (and of the next, loaded 32 units ahead), read by shuffles (1); or one global
 #define LANE_ENTRIES (GAAC_LANE_ENTRIES && !GAAC_PLAIN && TILES == 1 && !SPLITBAR)  // load per unit, one ahead (0)
+#define SLOT_RING (GAAC_SLOT_RING && !GAAC_PLAIN && GAAC_DENSE_SLOT && TILES == 1 && !GAAC_WS && !SPLITBAR)
 #ifndef VT_WORDS  // V words decoded per vector load in v_tile (all NVW at once, or halves)
 #define VT_WORDS NVW
 #endif
@@ -693,9 +702,11 @@ __device__ __forceinline__ void v_tile_f3(const Params& p, const u8* buf, const 
 // (operand A rows g, g+8) and of query head g (operand B column g). KIND 0: BF16 rows (raw tile, plain block,
 // tail); 4: slot (raw groups, if any, patched per word).
 template <int KIND>
+// (KIND 0, unswizzled: `rows` valid rows of `row_bytes` each from `buf`, the rest read as zeros; the staged tiles
+// pass the defaults, so their code does not change; GAAC_SLOT_RING passes a raw tile or the tail in global memory)
 __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
                                        const u32 (&qb)[NKS][2], float (&sc)[2][4], bool any_raw,
-                                       const RowSwizzle& sw) {
+                                       const RowSwizzle& sw, int rows = 16, int row_bytes = 2 * C) {
   if (KIND == 4 && GAAC_FORMAT == 3) {
     if (F3_OVERLAY && GAAC_F3DUP && any_raw) k_tile_f3(p, buf, s, 4 * g + t, g, t, qb, sc, true);
     else k_tile_f3(p, buf, s, 4 * g + t, g, t, qb, sc, F3_OVERLAY && GAAC_F3DUP ? false : any_raw);
@@ -717,8 +728,11 @@ __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scr
           ldv<4>(buf + h * 8 * 2 * C + sw.k[s4 % 2][1], c);
 #pragma unroll
           for (int i = 0; i < 4; ++i) r[i] = a[i], r[4 + i] = c[i];
+        } else if (tok < rows) {
+          ldv<2 * NV>(buf + tok * row_bytes + 8 * w0, r);
         } else {
-          ldv<2 * NV>(buf + tok * 2 * C + 8 * w0, r);
+#pragma unroll
+          for (int i = 0; i < 2 * NV; ++i) r[i] = 0u;
         }
 #pragma unroll
         for (int i = 0; i < NV; ++i) kpairs(r[2 * i], r[2 * i + 1], lo[h][i], hi[h][i]);
@@ -754,7 +768,7 @@ __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scr
 // 8h + 2t, 8h + 2t + 1 (channels 4w..4w+3, w = g*NVW + j) into registers, v_math pairs them into operand A (V^T, two
 // tokens of one channel per register) and runs the output mma.
 __device__ __forceinline__ void v_load(const u8* buf, int g, int t, const RowSwizzle& sw, u32 (&ra)[2][2 * NVW],
-                                       u32 (&rc)[2][2 * NVW]) {
+                                       u32 (&rc)[2][2 * NVW], int rows = 16, int row_bytes = 2 * C) {
   const int w0 = g * NVW;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -772,8 +786,10 @@ __device__ __forceinline__ void v_load(const u8* buf, int g, int t, const RowSwi
         for (int i = 0; i < 4; ++i) ra[h][(4 + i) % (2 * NVW)] = a[i], rc[h][(4 + i) % (2 * NVW)] = c[i];
       }
     } else {
-      ldv<2 * NVW>(buf + ta * 2 * C + 8 * w0, ra[h]);
-      ldv<2 * NVW>(buf + (ta + 1) * 2 * C + 8 * w0, rc[h]);
+#pragma unroll
+      for (int i = 0; i < 2 * NVW; ++i) ra[h][i] = rc[h][i] = 0u;  // (rows past `rows`: zeros)
+      if (ta < rows) ldv<2 * NVW>(buf + ta * row_bytes + 8 * w0, ra[h]);
+      if (ta + 1 < rows) ldv<2 * NVW>(buf + (ta + 1) * row_bytes + 8 * w0, rc[h]);
     }
   }
 }
@@ -801,7 +817,8 @@ __device__ __forceinline__ void v_math(const u32 (&ra)[2][2 * NVW], const u32 (&
 // 8h+2t, 8h+2t+1 of both halves, two tokens of one channel per register.
 template <int KIND>
 __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
-                                       const u32 (&pb)[2], float (&o)[NVM][4], bool any_raw, const RowSwizzle& sw) {
+                                       const u32 (&pb)[2], float (&o)[NVM][4], bool any_raw, const RowSwizzle& sw,
+                                       int rows = 16, int row_bytes = 2 * C) {
   if (KIND == 4 && GAAC_FORMAT == 3) {
     if (F3_OVERLAY && GAAC_F3DUP && any_raw) v_tile_f3(p, buf, s, 4 * g + t, g, t, pb, o, true);
     else v_tile_f3(p, buf, s, 4 * g + t, g, t, pb, o, F3_OVERLAY && GAAC_F3DUP ? false : any_raw);
@@ -809,7 +826,7 @@ __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scr
   }
   if (KIND == 0) {
     u32 ra[2][2 * NVW], rc[2][2 * NVW];
-    v_load(buf, g, t, sw, ra, rc);
+    v_load(buf, g, t, sw, ra, rc, rows, row_bytes);
     v_math(ra, rc, pb, o);
     return;
   }
@@ -1352,7 +1369,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         if (!GAAC_PLAIN && !tail && e[kv][T] >= 0) {
           bytes += (u32)(GAAC_DENSE_SLOT ? SLOT_BYTES : SLOT_BYTES - 16 * C);
           slots |= 1u << (kv * TILES + T);
-        } else if (bulk_rows) {
+        } else if (bulk_rows && !SLOT_RING) {  // (SLOT_RING: BF16 rows are read from global memory, not staged)
           bytes += 32 * C;
         }
       }
@@ -1381,6 +1398,8 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
             if (lane == kv * TILES + T)
               bulk_copy(smem_u32(dst + SM_SECTION), src + 16 * C, (u32)(SLOT_BYTES - 16 * C), bar);
           }
+        } else if (SLOT_RING) {
+          // raw tile or tail: its rows are read from global memory by the tile code
         } else if (bulk_rows) {
           const u8* src = GAAC_PLAIN ? reinterpret_cast<const u8*>(rows_src(kv, u, T)) : raw_src(ent);
           if (lane == kv * TILES + T) bulk_copy(smem_u32(dst), src, 32 * C, bar);
@@ -1463,6 +1482,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   // flight while its V tile is still being consumed.
   // the mask bytes of the units in the ring, oldest first, loaded as their copies are issued (padding masks only)
   UnitMask mq[GAAC_STAGES];
+  int eq[GAAC_STAGES][2];  // (SLOT_RING) the K and V table entries of the units in the ring, oldest first
   auto queue_mask = [&](int i, int j) {  // mq[i] = the mask bytes of the split's j-th unit
     if (mrow) mq[i] = unit_mask(mrow, u0 + j, g, u0 + j >= nb ? tl : 16);
   };
@@ -1483,8 +1503,12 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   for (int j = -(GAAC_STAGES - 1); j < n; ++j) {
     const int next = j + GAAC_STAGES - 1;
 #pragma unroll
-    for (int i = 0; i + 1 < GAAC_STAGES; ++i) mq[i] = mq[i + 1];
+    for (int i = 0; i + 1 < GAAC_STAGES; ++i) {
+      mq[i] = mq[i + 1];
+      if (SLOT_RING) eq[i][0] = eq[i + 1][0], eq[i][1] = eq[i + 1][1];
+    }
     if (next < n) {
+      if (SLOT_RING) eq[GAAC_STAGES - 1][0] = ent[0][0], eq[GAAC_STAGES - 1][1] = ent[1][0];
       issue(u0 + next, next % GAAC_STAGES, ent);
       load_entries(next + 1, ent);
       queue_mask(GAAC_STAGES - 1, next);
@@ -1535,7 +1559,12 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         k_tile<4>(p, buf, scr, g, t, qb[T], sc2, tk[T].any_raw, sw);
         __syncwarp();
       } else {
-        k_tile<0>(p, buf, scr, g, t, qb[T], sc2, false, sw);
+        if (SLOT_RING && !((slots_here >> T) & 1)) {  // a raw tile or the tail, from global memory
+          k_tile<0>(p, tail ? reinterpret_cast<const u8*>(rows_src(0, u, 0)) : raw_src(eq[0][0]), scr, g, t, qb[T],
+                    sc2, false, sw, valid, tail ? 2 * (int)p.kv_ss : 2 * C);
+        } else {
+          k_tile<0>(p, buf, scr, g, t, qb[T], sc2, false, sw);
+        }
       }
     }
 #if SPLITBAR
@@ -1562,7 +1591,12 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         v_tile<4>(p, buf, scr, g, t, pb, o[T], tv[T].any_raw, sw);
         __syncwarp();
       } else {
-        v_tile<0>(p, buf, scr, g, t, pb, o[T], false, sw);
+        if (SLOT_RING && !((slots_here >> (TILES + T)) & 1)) {
+          v_tile<0>(p, tail ? reinterpret_cast<const u8*>(rows_src(1, u, 0)) : raw_src(eq[0][1]), scr, g, t, pb, o[T],
+                    false, sw, valid, tail ? 2 * (int)p.kv_ss : 2 * C);
+        } else {
+          v_tile<0>(p, buf, scr, g, t, pb, o[T], false, sw);
+        }
       }
     }
     __syncwarp();
