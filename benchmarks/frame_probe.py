@@ -29,14 +29,15 @@ from benchmarks.attention import bench_graph  # noqa: E402
 from benchmarks.balance_probe import finish_by_rank  # noqa: E402
 from benchmarks.format_v2_probe import compress_v2, probe_args, probe_shapes  # noqa: E402
 from benchmarks import stream_probe  # noqa: E402
+from benchmarks.warps_probe import BARE  # noqa: E402
 
 KERNELS = {  # label: plan options of the split kernel (timed without its combine)
     "gaac_split_only": {},
-    "gaac_bare_split_only": {"skip": 3 | 128 | 256, "defines": ("GAAC_LANE_ENTRIES=1",)},
+    "gaac_bare_split_only": BARE,
     # the ring after a 64-byte header (the default before session 25): every bulk copy's shared-memory destination 64
     # bytes off a 128-byte line (session 25's first runs: these were the defaults, and `_hdr128` the aligned builds)
     "gaac_split_only_hdr64": {"defines": ("GAAC_HDR=64",)},
-    "gaac_bare_split_only_hdr64": {"skip": 3 | 128 | 256, "defines": ("GAAC_LANE_ENTRIES=1", "GAAC_HDR=64")},
+    "gaac_bare_split_only_hdr64": {**BARE, "defines": BARE["defines"] + ("GAAC_HDR=64",)},
 }
 
 

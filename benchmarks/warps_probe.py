@@ -244,6 +244,10 @@ ENTRIES_GAAC = {
     "gaac_loads_only": {"balance": (), "skip": 3},
     "gaac_lane_entries_loads_only": {"balance": (), "skip": 3, "defines": ("GAAC_LANE_ENTRIES=1",)},
 }
+# The loads-only build stripped to its copies (session 24's `frame` set; session 25's `frame2` and frame_probe.py):
+# no tile code, one word of each tile read (GAAC_SKIP bit 7), no softmax and rescale (bit 8), the table entries from
+# the lanes.
+BARE = {"skip": 3 | 128 | 256, "defines": ("GAAC_LANE_ENTRIES=1",)}
 # Session 24 (`--set frame`, prepared): the loads-only build stripped towards the bare copy pipeline
 # (benchmarks/stream_probe.py, ~2.0 us per unit at 1x64K), each variant traced (per-unit pace, spread, combine): no
 # tile code at all, one word per tile read (GAAC_SKIP bit 7), then no softmax and rescale either (bit 8), then the
@@ -254,7 +258,7 @@ FRAME_GAAC = {
     "gaac_loads_only": {"balance": (), "skip": 3},
     "gaac_no_tiles": {"balance": (), "skip": 3 | 128},
     "gaac_no_tiles_no_softmax": {"balance": (), "skip": 3 | 128 | 256},
-    "gaac_bare_lane_entries": {"balance": (), "skip": 3 | 128 | 256, "defines": ("GAAC_LANE_ENTRIES=1",)},
+    "gaac_bare_lane_entries": {"balance": (), **BARE},
 }
 
 # Session 24 (`--set w16`, prepared): at head_dim 64 (the SmolLM2 shape 9/3/64, shape 3) a 16-warp CTA per SM fits
@@ -274,11 +278,9 @@ W16_TWIN = {"twin": {"balance": ()}, "twin_16_warps": {"balance": (), "warps": 1
 FRAME2_GAAC = {
     "gaac": {"balance": ()},
     "gaac_split_only": {"balance": (), "combine": False},
-    "gaac_bare": {"balance": (), "skip": 3 | 128 | 256, "defines": ("GAAC_LANE_ENTRIES=1",)},
-    "gaac_bare_split_only": {"balance": (), "skip": 3 | 128 | 256, "defines": ("GAAC_LANE_ENTRIES=1",),
-                             "combine": False},
-    "gaac_bare_split_only_no_pdl": {"balance": (), "skip": 3 | 128 | 256, "defines": ("GAAC_LANE_ENTRIES=1",),
-                                    "combine": False, "pdl": False},
+    "gaac_bare": {"balance": (), **BARE},
+    "gaac_bare_split_only": {"balance": (), **BARE, "combine": False},
+    "gaac_bare_split_only_no_pdl": {"balance": (), **BARE, "combine": False, "pdl": False},
 }
 
 # Session 25 (`--set hdr`): the compressed kernel's ring after a 64-byte header is 64 bytes off a 128-byte line, so

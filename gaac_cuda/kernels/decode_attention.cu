@@ -1530,6 +1530,12 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     if (GAAC_TRACE && lane == 0 && j == 0) p.trace[4 * item + 1] = gtimer();
     const bool tail = u >= nb;
     const int valid = tail ? tl : 16;
+    // (SLOT_RING) where a BF16 tile of the unit that was not staged lies in global memory: the tail's rows, or the
+    // raw tile of table entry eq[0][kv]; and its bytes per row
+    auto rows_in_global = [&](int kv) -> const u8* {
+      return tail ? reinterpret_cast<const u8*>(rows_src(kv, u, 0)) : raw_src(eq[0][kv]);
+    };
+    const int global_row_bytes = tail ? 2 * (int)p.kv_ss : 2 * C;
 
     // mode tags and escape offsets of the unit's slots: one scan for the K and V tile of each T
     LaneTags tk[TILES], tv[TILES];
@@ -1560,8 +1566,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         __syncwarp();
       } else {
         if (SLOT_RING && !((slots_here >> T) & 1)) {  // a raw tile or the tail, from global memory
-          k_tile<0>(p, tail ? reinterpret_cast<const u8*>(rows_src(0, u, 0)) : raw_src(eq[0][0]), scr, g, t, qb[T],
-                    sc2, false, sw, valid, tail ? 2 * (int)p.kv_ss : 2 * C);
+          k_tile<0>(p, rows_in_global(0), scr, g, t, qb[T], sc2, false, sw, valid, global_row_bytes);
         } else {
           k_tile<0>(p, buf, scr, g, t, qb[T], sc2, false, sw);
         }
@@ -1592,8 +1597,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         __syncwarp();
       } else {
         if (SLOT_RING && !((slots_here >> (TILES + T)) & 1)) {
-          v_tile<0>(p, tail ? reinterpret_cast<const u8*>(rows_src(1, u, 0)) : raw_src(eq[0][1]), scr, g, t, pb, o[T],
-                    false, sw, valid, tail ? 2 * (int)p.kv_ss : 2 * C);
+          v_tile<0>(p, rows_in_global(1), scr, g, t, pb, o[T], false, sw, valid, global_row_bytes);
         } else {
           v_tile<0>(p, buf, scr, g, t, pb, o[T], false, sw);
         }
