@@ -325,6 +325,30 @@ SLOT_RING_GAAC = {
 }
 
 
+# Session 26 (`--set s26`): the tile code's base adds on the FMA pipe (`GAAC_IMAD_ADD`: ncu at 1x64K shows the ALU
+# pipe 58% busy, the FMA pipe 11%, and 0.98 eligible warps per scheduler), the running max moved only past a
+# threshold (`GAAC_LAZY_MAX`, log2 units: most units skip the output rescale; the twin alike), and the slot ring
+# with two stages in 16 warps (16 x 14,464 bytes fill the 227 KB exactly; 128 registers), its twin planned with the
+# same splits in 12 warps (no CTA merge in either, so the bits do not depend on the CTA shape).
+def sixteen(n: int) -> int:
+    return four_thirds(n)
+
+
+IMAD, LAZY = ("GAAC_IMAD_ADD=1",), ("GAAC_LAZY_MAX=8",)
+S26_GAAC = {
+    "gaac": {"balance": ()},
+    "gaac_imad": {"balance": (), "defines": IMAD},
+    "gaac_lazy": {"balance": (), "defines": LAZY},
+    "gaac_imad_lazy": {"balance": (), "defines": IMAD + LAZY},
+    "gaac_ring2_16": {"balance": (), "slot_ring": True, "stages": 2, "warps": 16, "nsplit": sixteen,
+                      "cta_merge": False, "twin": {"balance": (), "nsplit": sixteen, "cta_merge": False}},
+    "gaac_ring2_16_imad_lazy": {"balance": (), "slot_ring": True, "stages": 2, "warps": 16, "nsplit": sixteen,
+                                "cta_merge": False, "defines": IMAD + LAZY,
+                                "twin": {"balance": (), "nsplit": sixteen, "cta_merge": False, "defines": LAZY}},
+}
+S26_TWIN = {"twin": {"balance": ()}, "twin_lazy": {"balance": (), "defines": LAZY}}
+
+
 SETS = {  # --set: (compressed variants, twin variants, the variants also run with globaltimer stamps)
     "s17": (GAAC_VARIANTS, TWIN_VARIANTS, TRACED),
     "next": (NEXT_GAAC, NEXT_TWIN, ("gaac_half_splits_6_warps",)),
@@ -345,6 +369,7 @@ SETS = {  # --set: (compressed variants, twin variants, the variants also run wi
     "slot_ring": (SLOT_RING_GAAC, ISSUE_TWIN, ("gaac", "gaac_slot_ring_11", "gaac_slot_ring_12")),
     "rering": (RERING_GAAC, ISSUE_TWIN, ("gaac", "gaac_8_warps_3_stages")),
     "hdr": (HDR_GAAC, ISSUE_TWIN, ("gaac", "gaac_hdr64")),
+    "s26": (S26_GAAC, S26_TWIN, ("gaac", "gaac_imad_lazy", "gaac_ring2_16")),
     "frame2": (FRAME2_GAAC, ISSUE_TWIN, ("gaac_split_only", "gaac_bare_split_only", "gaac_bare_split_only_no_pdl")),
 }
 

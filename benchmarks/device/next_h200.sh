@@ -321,6 +321,23 @@ if [ "$MODE" = slotring ]; then  # prepared in session 25: slot-sized ring buffe
   timeout ${RERING_TIMEOUT:-120} python3 benchmarks/warps_probe.py --set rering --real-kv .bench/real_kv_2k.safetensors \
     --shapes 3,0 --out "$OUT/warps_probe_rering.json" 2>&1 | tail -4
 fi
+if [ "$MODE" = ncu26 ]; then  # session 26: Nsight Compute's full set and per-SASS-line stalls of the aligned default
+  # at 1x64K (GAAC only), then the speed-of-light sections of its loads-only build
+  timeout 200 ncu --clock-control none --set full -k regex:gaac_decode_split -c 1 -o /tmp/ncu_gaac \
+    python3 benchmarks/device/profile_cuda_kernel.py 0 > "$OUT/ncu_gaac_run.log" 2>&1
+  ncu --import /tmp/ncu_gaac.ncu-rep --page details --print-details all > "$OUT/ncu_gaac.txt" 2>&1
+  ncu --import /tmp/ncu_gaac.ncu-rep --page source --csv --print-source sass > "$OUT/ncu_gaac_source.csv" 2>&1
+  gzip -f "$OUT/ncu_gaac_source.csv"; tail -2 "$OUT/ncu_gaac_run.log"
+  grep -E "DRAM Throughput|Duration|Warp Cycles Per Issued|Issue Slots Busy|Achieved Occupancy" "$OUT/ncu_gaac.txt" | head -8
+  timeout 80 ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section LaunchStats \
+    -k regex:gaac_decode_split -c 1 python3 benchmarks/device/profile_cuda_kernel.py 3 > "$OUT/ncu_loads.txt" 2>&1
+  grep -E "DRAM Throughput|Duration|Warp Cycles Per Issued" "$OUT/ncu_loads.txt" | head -4
+fi
+if [ "$MODE" = s26 ]; then  # session 26: the base adds on the FMA pipe, the lazy running max, the 2-stage slot ring in
+  # 16 warps (warps_probe.py --set s26), each against the twin planned alike
+  timeout ${PROBE_TIMEOUT:-420} python3 benchmarks/warps_probe.py --set s26 --real-kv .bench/real_kv_2k.safetensors \
+    --shapes ${SHAPES:-1,4,5,2,0,3} --out "$OUT/warps_probe_s26.json" 2>&1 | tee "$OUT/warps_probe_s26.log" | tail -9
+fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)
   timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q tests/test_gaac_gpu_generate.py tests/test_gaac_head_dims.py \

@@ -597,13 +597,27 @@ __device__ __forceinline__ u32 f3_high(u32 mw, u32 pw, u32 b2) {  // sign | code
 // The high bytes of a pair of words of types (YA, RA), (YB, RB): code bit 2 from the plane-3 scratch words xa, xb
 // (token bit at `rot` + 2), plus the group bases oa, ob.
 // va, vb: the overlay's code bits 3..6, one more term of the same add.
+#ifndef GAAC_IMAD_ADD  // (benchmark option, session 26) the bases added by IMAD (x * one + base, `one` a 1 the compiler
+#define GAAC_IMAD_ADD 0  // cannot see) on the FMA pipe, which the tile code leaves idle, instead of IADD3 on the ALU pipe
+#endif
+__device__ __forceinline__ u32 mad_one(u32 a, u32 one, u32 b) {  // a * one + b, one IMAD
+  u32 r;
+  asm("mad.lo.u32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(one), "r"(b));
+  return r;
+}
+// `one`: 1 (GAAC_IMAD_ADD: from a kernel parameter, so the add stays an IMAD)
 template <int YA, int RA, int YB, int RB>
 __device__ __forceinline__ void f3_pair(u32 mw, u32 pw, u32 xa, u32 xb, u32 oa, u32 ob, u32 rot, u32& ha, u32& hb,
-                                        u32 va = 0u, u32 vb = 0u) {
+                                        u32 va = 0u, u32 vb = 0u, u32 one = 1u) {
   const u32 ba = (GAAC_SKIP & 4) ? 0u : __funnelshift_r(xa, xa, rot) & 0x04040404u;
   const u32 bb = (GAAC_SKIP & 4) ? 0u : __funnelshift_r(xb, xb, rot) & 0x04040404u;
-  ha = f3_high<YA, RA>(mw, pw, ba) + oa + va;
-  hb = f3_high<YB, RB>(mw, pw, bb) + ob + vb;
+  if (GAAC_IMAD_ADD) {
+    ha = mad_one(f3_high<YA, RA>(mw, pw, ba) + va, one, oa);
+    hb = mad_one(f3_high<YB, RB>(mw, pw, bb) + vb, one, ob);
+  } else {
+    ha = f3_high<YA, RA>(mw, pw, ba) + oa + va;
+    hb = f3_high<YB, RB>(mw, pw, bb) + ob + vb;
+  }
 }
 __device__ __forceinline__ void f3_words(const Params& p, const u8* buf, int lane, u32 (&mw)[C / 32], u32 (&pw)[C / 64]) {
   const u8* words = buf + SECTION_SHIFT + PLANES_OFF + 4 * lane;
@@ -621,6 +635,7 @@ __device__ __forceinline__ void k_tile_f3(const Params& p, const u8* buf, const 
   u32 mw[C / 32], pw[C / 64];
   f3_words(p, buf, lane, mw, pw);
   const u32 rot = (g - 2) & 31;
+  const u32 one = GAAC_IMAD_ADD ? (u32)(p.heads > 0) : 1u;
   constexpr int NC = NKS / 2;  // 16-byte chunks of 4 words per lane: chunk kc = 2 s4 + h
   u32 H[NC][4], X[4] = {0u, 0u, 0u, 0u};  // X: the overlay words of chunk pair s4
 #pragma unroll
@@ -632,11 +647,11 @@ __device__ __forceinline__ void k_tile_f3(const Params& p, const u8* buf, const 
     ldv<4>(s.planes + g0, P3);
     if (F3_OVERLAY && h == 0 && any_raw && !(GAAC_SKIP & 8)) ldv<4>(s.ov + (s4 * 32 + lane) * 16, X);
     const u32 m = mw[kc], q = pw[s4];
-    f3_pair<0, 0, 1, 0>(m, q, P3[0], P3[1], O[0], O[1], rot, H[kc][0], H[kc][1], f3_ov(X[0], h), f3_ov(X[1], h));
+    f3_pair<0, 0, 1, 0>(m, q, P3[0], P3[1], O[0], O[1], rot, H[kc][0], H[kc][1], f3_ov(X[0], h), f3_ov(X[1], h), one);
     if (h == 0)
-      f3_pair<2, 0, 3, 1>(m, q, P3[2], P3[3], O[2], O[3], rot, H[kc][2], H[kc][3], f3_ov(X[2], h), f3_ov(X[3], h));
+      f3_pair<2, 0, 3, 1>(m, q, P3[2], P3[3], O[2], O[3], rot, H[kc][2], H[kc][3], f3_ov(X[2], h), f3_ov(X[3], h), one);
     else
-      f3_pair<2, 2, 3, 3>(m, q, P3[2], P3[3], O[2], O[3], rot, H[kc][2], H[kc][3], f3_ov(X[2], h), f3_ov(X[3], h));
+      f3_pair<2, 2, 3, 3>(m, q, P3[2], P3[3], O[2], O[3], rot, H[kc][2], H[kc][3], f3_ov(X[2], h), f3_ov(X[3], h), one);
   }
 #pragma unroll
   for (int s4 = 0; s4 < NKS / 4; ++s4) {
@@ -663,6 +678,7 @@ __device__ __forceinline__ void v_tile_f3(const Params& p, const u8* buf, const 
   u32 mw[C / 32], pw[C / 64];
   f3_words(p, buf, lane, mw, pw);
   const u32 rot = (2 * t - 2) & 31;
+  const u32 one = GAAC_IMAD_ADD ? (u32)(p.heads > 0) : 1u;
   u32 H[NVW][2][2], X[4] = {0u, 0u, 0u, 0u};  // [j][h][k]; X: the overlay words of j, j + 1 (j even)
 #pragma unroll
   for (int j = 0; j < NVW; ++j) {
@@ -676,9 +692,9 @@ __device__ __forceinline__ void v_tile_f3(const Params& p, const u8* buf, const 
       ldv<2>(s.base2 + gd, O);
       ldv<2>(s.p3eo + gd, P);
       const u32 va = f3_ov(X[2 * (j % 2)], h), vb = f3_ov(X[2 * (j % 2) + 1], h);
-      if (h == 0) f3_pair<0, 0, 1, 0>(m, q, P[0], P[1], O[0], O[1], rot, H[j][h][0], H[j][h][1], va, vb);
-      else if (j % 2 == 0) f3_pair<2, 0, 3, 1>(m, q, P[0], P[1], O[0], O[1], rot, H[j][h][0], H[j][h][1], va, vb);
-      else f3_pair<2, 2, 3, 3>(m, q, P[0], P[1], O[0], O[1], rot, H[j][h][0], H[j][h][1], va, vb);
+      if (h == 0) f3_pair<0, 0, 1, 0>(m, q, P[0], P[1], O[0], O[1], rot, H[j][h][0], H[j][h][1], va, vb, one);
+      else if (j % 2 == 0) f3_pair<2, 0, 3, 1>(m, q, P[0], P[1], O[0], O[1], rot, H[j][h][0], H[j][h][1], va, vb, one);
+      else f3_pair<2, 2, 3, 3>(m, q, P[0], P[1], O[0], O[1], rot, H[j][h][0], H[j][h][1], va, vb, one);
     }
   }
 #pragma unroll
@@ -892,6 +908,9 @@ __device__ __forceinline__ u32 transpose8x8(u32 x) {  // an 8x8 b16 fragment (ro
 // A padding mask's bytes of tokens g and g + 8 of a unit (0: masked; tokens past `valid` read as masked, never
 // loaded). The one-warp kernel loads them when it issues the unit's copies, so the softmax never waits on a global
 // load (in the captured step every layer gets a mask: a load per unit on the critical path cost ~5 us at 64K).
+#ifndef GAAC_LAZY_MAX  // (benchmark option, session 26) softmax threshold in log2 units (0: the exact running max)
+#define GAAC_LAZY_MAX 0
+#endif
 #ifndef GAAC_MASK_LATE  // (benchmark option, session 22) the mask bytes loaded in the softmax, as before session 22
 #define GAAC_MASK_LATE 0
 #endif
@@ -931,7 +950,10 @@ __device__ __forceinline__ void softmax_unit(const float (&sc2)[2][4], float qk_
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-    const float mn = fmaxf(m[j], mx);
+    // (GAAC_LAZY_MAX) the running max moves only when a score passes it by more than the threshold, so most units
+    // keep alpha = 1 and skip the rescale; probabilities stay below 2^threshold (fp32 sums, bf16 operands: exact
+    // range), and the combine merges each split by its own max as before
+    const float mn = GAAC_LAZY_MAX > 0 ? (mx > m[j] + (float)GAAC_LAZY_MAX ? mx : m[j]) : fmaxf(m[j], mx);
     const float ms = mn == NEG_INF ? 0.f : mn;
     alpha[j] = exp2_(m[j] - ms);
     pr[j] = exp2_(x[j] - ms);
