@@ -348,6 +348,18 @@ S26_GAAC = {
 }
 S26_TWIN = {"twin": {"balance": ()}, "twin_lazy": {"balance": (), "defines": LAZY}}
 
+# Session 26 (`--set bounds`): session 22's prepass bounds again on the aligned ring (then a split's first unit's
+# prepass alone was *slower* at 1x64K, 63.3 against 61.7 us, under the misaligned copies), beside the loads-only and
+# stripped builds and a build without the softmax (wrong bits by design, except the default).
+BOUNDS_GAAC = {
+    "gaac": {"balance": ()},
+    "gaac_prepass_first_unit": {"balance": (), "skip": 64},
+    "gaac_prepass_first_unit_no_scan": {"balance": (), "skip": 96},
+    "gaac_no_softmax": {"balance": (), "skip": 256},
+    "gaac_loads_only": {"balance": (), "skip": 3},
+    "gaac_stripped": {"balance": (), "skip": 384},
+}
+
 
 SETS = {  # --set: (compressed variants, twin variants, the variants also run with globaltimer stamps)
     "s17": (GAAC_VARIANTS, TWIN_VARIANTS, TRACED),
@@ -369,6 +381,7 @@ SETS = {  # --set: (compressed variants, twin variants, the variants also run wi
     "slot_ring": (SLOT_RING_GAAC, ISSUE_TWIN, ("gaac", "gaac_slot_ring_11", "gaac_slot_ring_12")),
     "rering": (RERING_GAAC, ISSUE_TWIN, ("gaac", "gaac_8_warps_3_stages")),
     "hdr": (HDR_GAAC, ISSUE_TWIN, ("gaac", "gaac_hdr64")),
+    "bounds": (BOUNDS_GAAC, ISSUE_TWIN, ("gaac_prepass_first_unit_no_scan", "gaac_stripped")),
     "s26": (S26_GAAC, S26_TWIN, ("gaac", "gaac_imad_lazy", "gaac_ring2_16")),
     "frame2": (FRAME2_GAAC, ISSUE_TWIN, ("gaac_split_only", "gaac_bare_split_only", "gaac_bare_split_only_no_pdl")),
 }

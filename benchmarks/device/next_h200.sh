@@ -338,6 +338,10 @@ if [ "$MODE" = s26 ]; then  # session 26: the base adds on the FMA pipe, the laz
   timeout ${PROBE_TIMEOUT:-420} python3 benchmarks/warps_probe.py --set s26 --real-kv .bench/real_kv_2k.safetensors \
     --shapes ${SHAPES:-1,4,5,2,0,3} --out "$OUT/warps_probe_s26.json" 2>&1 | tee "$OUT/warps_probe_s26.log" | tail -9
 fi
+if [ "$MODE" = bounds ]; then  # session 26: the prepass / scan / softmax bounds on the aligned ring (warps_probe --set bounds)
+  timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/warps_probe.py --set bounds --real-kv .bench/real_kv_2k.safetensors \
+    --shapes ${SHAPES:-1,2,3} --out "$OUT/warps_probe_bounds.json" 2>&1 | tee "$OUT/warps_probe_bounds.log" | tail -6
+fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)
   timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q tests/test_gaac_gpu_generate.py tests/test_gaac_head_dims.py \
