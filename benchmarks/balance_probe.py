@@ -133,13 +133,13 @@ def run_probe(args, gaac_variants: dict, twin_variants: dict, traced: tuple, scr
             # or a function of the shape's count); "mask": True (not a plan option) passes `ones`, "combine": False
             # times the split kernel alone
             n = kw.get("nsplit", nsplit)
-            return {**{k2: v2 for k2, v2 in kw.items() if k2 not in ("mask", "combine", "twin")},
+            return {**{k2: v2 for k2, v2 in kw.items() if k2 not in ("mask", "combine")},
                     "nsplit": n(nsplit) if callable(n) else n}
 
         twins = {}  # the bits of the default (warp-specialized) twin, per value of the SPLIT_KEYS options
 
-        def twin_bits(kw):  # ("twin": the twin's own options where the variant's do not fit a plain plan)
-            split_kw = {k2: v2 for k2, v2 in splits(kw.get("twin", kw)).items() if k2 in SPLIT_KEYS}
+        def twin_bits(kw):
+            split_kw = {k2: v2 for k2, v2 in splits(kw).items() if k2 in SPLIT_KEYS}
             key = tuple(sorted(split_kw.items()))
             if key not in twins:
                 twins[key] = twin(gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, **split_kw))

@@ -35,11 +35,6 @@ def two_thirds(n: int) -> int:
     return max(1, n * 2 // 3)
 
 
-def elevenths(n: int) -> int:
-    """Splits for 11 warps per SM where the default fills 12."""
-    return max(1, n * 11 // 12)
-
-
 def four_thirds(n: int) -> int:
     """Splits for 16 warps per SM where the default fills 12."""
     return max(1, n * 4 // 3)
@@ -311,42 +306,14 @@ RERING_GAAC = {
     "gaac_half_splits_6_warps": {"balance": (), "warps": 6, "min_ctas": 2, "nsplit": halves},
 }
 
-# Prepared in session 25 (`--set slot_ring`, not yet run): ring buffers the size of a slot (plan(slot_ring=True):
-# 3 stages; raw tiles and the tail read from global memory by the tile code), so a warp keeps two units in flight
-# while it works on a third (with two stages only one is, and half of each unit's work shows in the pace). At head_dim
-# 128 three such stages fit 11 warps (beside them the two-stage kernel at 11 warps, to tell the ring from the warp
-# count), at 64 they fit 12 (and 16). The same bits as the twin planned with the same splits and warps.
-SLOT_RING_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_11_warps": {"balance": (), "warps": 11, "nsplit": elevenths},
-    "gaac_slot_ring_11": {"balance": (), "slot_ring": True, "warps": 11, "nsplit": elevenths},
-    "gaac_slot_ring_12": {"balance": (), "slot_ring": True, "warps": 12},
-    "gaac_slot_ring_16": {"balance": (), "slot_ring": True, "warps": 16, "nsplit": four_thirds},
-}
-
-
-# Session 26 (`--set s26`): the tile code's base adds on the FMA pipe (`GAAC_IMAD_ADD`: ncu at 1x64K shows the ALU
-# pipe 58% busy, the FMA pipe 11%, and 0.98 eligible warps per scheduler), the running max moved only past a
-# threshold (`GAAC_LAZY_MAX`, log2 units: most units skip the output rescale; the twin alike), and the slot ring
-# with two stages in 16 warps (16 x 14,464 bytes fill the 227 KB exactly; 128 registers), its twin planned with the
-# same splits in 12 warps (no CTA merge in either, so the bits do not depend on the CTA shape).
-def sixteen(n: int) -> int:
-    return four_thirds(n)
-
-
-IMAD, LAZY = ("GAAC_IMAD_ADD=1",), ("GAAC_LAZY_MAX=8",)
-S26_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_imad": {"balance": (), "defines": IMAD},
-    "gaac_lazy": {"balance": (), "defines": LAZY},
-    "gaac_imad_lazy": {"balance": (), "defines": IMAD + LAZY},
-    "gaac_ring2_16": {"balance": (), "slot_ring": True, "stages": 2, "warps": 16, "nsplit": sixteen,
-                      "cta_merge": False, "twin": {"balance": (), "nsplit": sixteen, "cta_merge": False}},
-    "gaac_ring2_16_imad_lazy": {"balance": (), "slot_ring": True, "stages": 2, "warps": 16, "nsplit": sixteen,
-                                "cta_merge": False, "defines": IMAD + LAZY,
-                                "twin": {"balance": (), "nsplit": sixteen, "cta_merge": False, "defines": LAZY}},
-}
-S26_TWIN = {"twin": {"balance": ()}, "twin_lazy": {"balance": (), "defines": LAZY}}
+# Session 25's `--set slot_ring` (ring buffers the size of a slot, 3 stages, in 11 warps at head_dim 128 and 12 / 16
+# at 64; raw tiles and the tail read from global memory by the tile code) ran in session 26
+# (`warps_probe_slot_ring_s26.json`): bit-identical and slower at every head_dim-128 shape (1x64K 63.3 against 58.2
+# us; the two-stage kernel at 11 warps 61.9), equal at 9/3/64. Session 26's `--set s26` (`warps_probe_s26.json`):
+# the tile code's base adds by IMAD on the FMA pipe, the running max moved only past a threshold of 8 (log2 units),
+# both together, and the 2-stage slot ring in 16 warps (128 registers): within +-1% but +1.6% at 4x64K, and the
+# 16-warp ring 8-12% slower. The kernel options (GAAC_SLOT_RING, GAAC_IMAD_ADD, GAAC_LAZY_MAX), plan(slot_ring) and
+# the sets were removed.
 
 # Session 26 (`--set bounds`): session 22's prepass bounds again on the aligned ring (then a split's first unit's
 # prepass alone was *slower* at 1x64K, 63.3 against 61.7 us, under the misaligned copies), beside the loads-only and
@@ -378,11 +345,9 @@ SETS = {  # --set: (compressed variants, twin variants, the variants also run wi
     "entries": (ENTRIES_GAAC, ISSUE_TWIN, ()),
     "frame": (FRAME_GAAC, ISSUE_TWIN, tuple(FRAME_GAAC)),
     "w16": (W16_GAAC, W16_TWIN, ("gaac", "gaac_16_warps")),
-    "slot_ring": (SLOT_RING_GAAC, ISSUE_TWIN, ("gaac", "gaac_slot_ring_11", "gaac_slot_ring_12")),
     "rering": (RERING_GAAC, ISSUE_TWIN, ("gaac", "gaac_8_warps_3_stages")),
     "hdr": (HDR_GAAC, ISSUE_TWIN, ("gaac", "gaac_hdr64")),
     "bounds": (BOUNDS_GAAC, ISSUE_TWIN, ("gaac_prepass_first_unit_no_scan", "gaac_stripped")),
-    "s26": (S26_GAAC, S26_TWIN, ("gaac", "gaac_imad_lazy", "gaac_ring2_16")),
     "frame2": (FRAME2_GAAC, ISSUE_TWIN, ("gaac_split_only", "gaac_bare_split_only", "gaac_bare_split_only_no_pdl")),
 }
 

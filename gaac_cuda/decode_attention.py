@@ -206,7 +206,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
          buf_bytes: int | None = None, balance: tuple[int, ...] | None = None,
          combine_warps: int | None = None, pdl: bool | None = None,
          cta_merge: bool | None = None, fused_combine: bool | None = None,
-         const_layout: bool | None = None, slot_ring: bool = False) -> DecodePlan:
+         const_layout: bool | None = None) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
@@ -251,12 +251,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     `fused_combine` (None: `FUSED_COMBINE`'s rule where the plan merges per CTA): the last CTA of each group writes
     the output, no combine kernel (see `FUSED_COMBINE`; needs `cta_merge`; the bits depend on it).
     `const_layout` (None: `CONST_LAYOUT` where the slot size is known; the one-warp kernel): the ring layout and the
-    slot size compiled in (see `CONST_LAYOUT`; the same bits; compressed KV needs `slot_bytes`).
-    `slot_ring` (benchmarks, prepared in session 25; compressed KV staged as stored at one tile per head, one-warp
-    kernel): ring buffers the size of a slot, not of a BF16 tile, and 3 stages by default, so a warp keeps two units
-    in flight while it works on a third; raw tiles and the tail are read from global memory by the tile code (the
-    same bits). As many warps per CTA as shared memory holds, up to SPLIT_WARPS (11 at head_dim 128); the default
-    split count scaled to them (plan the twin with the same `nsplit` and `warps`)."""
+    slot size compiled in (see `CONST_LAYOUT`; the same bits; compressed KV needs `slot_bytes`)."""
     pdl = PDL if pdl is None else bool(pdl)
     if balance is None and head_dim <= 128:  # one tile per head: the process-wide default (before the kernel choice)
         balance = BALANCE
@@ -293,12 +288,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
                                   dense_slots=WS_DENSE_SLOTS if dense_slots is None else dense_slots,
                                   format_version=format_version, extra=extra, balance=balance,
                                   combine_warps=combine_warps), pdl)
-    if slot_ring and (plain or head_dim > 128 or not (format_version == 3 or dense_slots) or slot_bytes <= 0
-                      or buf_bytes is not None):
-        raise ValueError("slot_ring stages compressed KV as stored (format 3 or dense_slots, slot_bytes given) at "
-                         "head_dim 64 / 128, with its own buffer size")
     if stages is None:
-        stages = 3 if slot_ring else 2
+        stages = 2
     if dense_slots is None:
         dense_slots = DENSE_SLOTS
     dense_slots = bool(dense_slots and not plain)  # a compressed-KV option, like swizzle for plain KV
@@ -312,8 +303,6 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
             raise ValueError(f"buf_bytes {buf_bytes}: compressed KV staged as stored, a multiple of 128 bytes that "
                              f"holds a {slot_bytes}-byte slot and {ESCAPE_SLACK} bytes past it")
         buf = buf_bytes
-    if slot_ring:  # a slot and the escape windows' slack, in whole 128-byte lines
-        buf = -(-(slot_bytes + ESCAPE_SLACK) // 128) * 128
     scratch = 0 if plain else _scratch(channels, format_version)
     # stage barriers and slot bits before the ring: the kernel's HDR (a define may override it, for the probes)
     header = next((int(x.split("=")[1]) for x in defines if x.startswith("GAAC_HDR=")), RING_HEADER)
@@ -322,10 +311,6 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         v_words = channels // 32
     if v_words not in (channels // 32, 2):
         raise ValueError(f"v_words is {channels // 32} or 2 at head_dim {head_dim}, not {v_words}")
-    if warps is None and slot_ring:  # as many as shared memory holds
-        warps = min(SPLIT_WARPS, (_smem_optin(device) - STATIC_SMEM) // warp_bytes)
-        if warps < 1:
-            raise ValueError(f"a slot ring of {stages} stages of {2 * buf} bytes does not fit one warp in a CTA")
     if warps is None:
         fits = tiles == 1 and SPLIT_WARPS * warp_bytes + STATIC_SMEM <= _smem_optin(device)
         warps = SPLIT_WARPS if fits else 4
@@ -343,12 +328,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         options += ("-DGAAC_TRACE=1",)
     if skip:  # benchmark-only variants of the leave-one-stage-out breakdown (wrong results by design)
         options += (f"-DGAAC_SKIP={skip}",)
-    if slot_ring:
-        options += ("-DGAAC_SLOT_RING=1",)
     if nsplit is None:
         nsplit = _default_nsplit(batch, kv_heads, max_tokens, device, tiles)
-        if slot_ring:  # one wave of this plan's warps
-            nsplit = max(1, nsplit * warps // SPLIT_WARPS)
     options, cum = _balanced(options, batch, kv_heads, nsplit, device, balance)
     options, cw = _combine_option(options, combine_warps)
     merge = _cta_merge(cta_merge, bool(cum), stages * 2 * tiles * buf, head_dim,

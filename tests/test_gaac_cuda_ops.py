@@ -254,10 +254,7 @@ def test_plan_of_the_warp_specialized_kernel():
                                     (64, 1, 2, "GAAC_WARPS=12", "GAAC_CTA_MERGE=1", "GAAC_FUSED_COMBINE=1"),
                                     (64, 1, 0, "GAAC_CTA_MERGE=1", "GAAC_FUSED_COMBINE=1"),
                                     (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_LANE_ENTRIES=1"),
-                                    (64, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_LANE_ENTRIES=1"),
-                                    (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_SLOT_RING=1"),
-                                    (64, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_SLOT_RING=1"),
-                                    (128, 1, 6, "GAAC_WARPS=12", "GAAC_SLOT_RING=1", "GAAC_CTA_MERGE=1")])
+                                    (64, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_LANE_ENTRIES=1")])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     """The sm_90a build of every head_dim-64/128 variant, at the plan's register cap (12 warps per SM: 3 CTAs of 4
     warps, or one of 12), keeps its state in registers: no stack, no local memory."""
@@ -270,7 +267,7 @@ def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     out = tmp_path / "k.cubin"
     defs = [f"-DGAAC_C={c}", f"-DGAAC_TILES={tiles}", f"-DGAAC_PLAIN={int(kind in (1, 2, 5))}",
             f"-DGAAC_SWIZZLE={int(kind == 2)}", f"-DVT_WORDS={c // 32}", f"-DGAAC_DENSE_SLOT={int(kind in (3, 4, 6, 7))}",
-            f"-DGAAC_STAGES={16 if ws else 3 if 'GAAC_SLOT_RING=1' in extra else 2}", f"-DGAAC_WS={8 if ws else 0}"]
+            f"-DGAAC_STAGES={16 if ws else 2}", f"-DGAAC_WS={8 if ws else 0}"]
     defs += (["-DGAAC_FORMAT=3"] if kind in (6, 7) else []) + [f"-D{e}" for e in extra if not e.startswith("GAAC_WARPS")]
     # the CTA: 4 warps, 3 per SM, or the plan's default SPLIT_WARPS warps in one CTA per SM (the same register cap)
     warps = 12 if "GAAC_WARPS=12" in extra else 4
@@ -780,49 +777,6 @@ def test_lane_entries_equals_the_twin(case):
     for pc in _option_equals_twin(case, opt, {}, ((1, None), (5, None), (3, 4), (None, None))):
         assert "-DGAAC_LANE_ENTRIES=1" in pc.options
     _format2_equals_twin(case, opt)
-
-
-def test_slot_ring_plan():
-    """plan(slot_ring=True): 3 stages of slot-sized buffers (a slot and the escape slack in whole 128-byte lines), as
-    many warps as shared memory holds (11 at head_dim 128, 12 at 64), the default split count scaled to them, the
-    kernel option; refused for plain KV, head_dim 256 and format 1 slots not staged as stored."""
-    p = plan(1, 8, 4, 128, 65536, "cpu", slot_bytes=2944, format_version=3, slot_ring=True)
-    assert (p.stages, p.buf_bytes, p.warps) == (3, 3072, 11) and "-DGAAC_SLOT_RING=1" in p.options
-    assert p.warp_bytes == 128 + 3 * 2 * 3072 + 2048 and p.smem + 1024 <= 232448 and p.nsplit == 198 * 11 // 12
-    assert p.grid * p.warps >= p.items and p.items <= 132 * 11  # one wave
-    q = plan(1, 3, 3, 64, 65536, "cpu", slot_bytes=1472, format_version=3, slot_ring=True)
-    assert (q.stages, q.buf_bytes, q.warps) == (3, 1536, 12)
-    assert "-DGAAC_SLOT_RING=1" not in plan(1, 8, 4, 128, 65536, "cpu", slot_bytes=2944, format_version=3).options
-    for kw in ({"plain": True}, {"slot_bytes": 2944, "format_version": 1, "dense_slots": False},
-               {"slot_bytes": 0, "format_version": 3}):
-        with pytest.raises(ValueError, match="slot_ring"):
-            plan(1, 8, 4, 128, 65536, "cpu", slot_ring=True, **kw)
-    with pytest.raises(ValueError, match="slot_ring"):
-        plan(1, 8, 4, 256, 65536, "cpu", slot_bytes=5888, dense_slots=True, slot_ring=True)
-
-
-@gpu
-@pytest.mark.parametrize("case", [GPU_CASES[1], GPU_CASES[3], GPU_CASES[5], GPU_CASES[7], GPU_CASES[8], GPU_CASES[9]],
-                         ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
-def test_slot_ring_equals_the_twin(case):
-    """plan(slot_ring=True) (prepared in session 25): slot-sized ring buffers, 3 stages, raw tiles and the tail read
-    from global memory by the tile code (rows past the tail's valid ones as zeros) — format 1 staged as stored and
-    format version 2 (the kernel's 3) give the twin's bits (the twin planned with the same splits and warps) at 1, 3
-    and the default split count, with raw tiles, tails of every length and left-padded rows; close to the reference."""
-    b, h, nrep, _, d, _, _, _ = case
-    for fmt in (1, 2):
-        (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case, fmt)
-        kernel_fmt = {"format_version": 3} if fmt == 2 else {"dense_slots": True}
-        for nsplit in (1, 3, None):
-            pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, ws=0, nsplit=nsplit,
-                      slot_ring=True, **kernel_fmt)
-            assert "-DGAAC_SLOT_RING=1" in pc.options and pc.stages == 3
-            pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, ws=0, nsplit=pc.nsplit, warps=pc.warps)
-            got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
-            want = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
-            assert torch.equal(bits(got), bits(want)), (fmt, nsplit, pc.warps, layout.slot_bytes)
-            err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
-            assert err < 1e-2, (fmt, nsplit, err)
 
 
 @gpu

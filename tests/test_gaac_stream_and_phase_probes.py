@@ -133,32 +133,6 @@ def test_w16_probe_plans_the_twin_with_the_variants_warps():
     assert max(gaac.warps * gaac.warp_bytes, twin.warps * twin.warp_bytes) + 1024 <= 227 * 1024
 
 
-def test_slot_ring_probe_plans_fit_and_split_like_their_twins():
-    """`warps_probe.py --set slot_ring`: at head_dim 128 the 11-warp slot ring and the two-stage kernel at 11 warps
-    fit one CTA per SM and split (and group their splits) like the twin planned from their split keys; the 12-warp
-    slot ring fits at head_dim 64 only (the probe records the refusal at 128)."""
-    import gaac_cuda
-    from benchmarks.balance_probe import SPLIT_KEYS
-    from benchmarks.warps_probe import SLOT_RING_GAAC
-
-    def plans(label, hkv, rep, d, slot, n):
-        kw = dict(SLOT_RING_GAAC[label])
-        kw["nsplit"] = kw["nsplit"](n) if callable(kw.get("nsplit")) else kw.get("nsplit", n)
-        gaac = gaac_cuda.plan(1, hkv, rep, d, 65536, "cpu", slot_bytes=slot, format_version=3, ws=0, **kw)
-        twin = gaac_cuda.plan(1, hkv, rep, d, 65536, "cpu", plain=True,
-                              **{k: v for k, v in kw.items() if k in SPLIT_KEYS})
-        assert (gaac.warps, gaac.nsplit, gaac.cta_merge) == (twin.warps, twin.nsplit, twin.cta_merge), label
-        assert max(gaac.smem, twin.smem) + 1024 <= 232448 and gaac.items <= 132 * gaac.warps, label
-        return gaac
-
-    for label in ("gaac_11_warps", "gaac_slot_ring_11"):
-        g = plans(label, 8, 4, 128, 2944, 198)
-        assert (g.warps, g.nsplit) == (11, 181) and (g.stages == 3) == ("slot_ring" in label)
-    assert plans("gaac_slot_ring_12", 3, 3, 64, 1472, 528).stages == 3
-    with pytest.raises(ValueError, match="do not fit"):
-        plans("gaac_slot_ring_12", 8, 4, 128, 2944, 198)
-
-
 def test_stream_probe_phases_from_stamps():
     """`stream_probe.phases`: per-warp stamps (entry, first unit landed, done; done 0 for a warp with no units) ->
     first-ready and done times after the first entry, and the per-unit pace; `phase_cells` prints them."""

@@ -26,6 +26,9 @@
 #   `encode`, `append`. Session 25: `entries`, `frame2`, `frame3` (twice), `aligned`, `lines`, `srclines` (its
 #   probe set and kernel option GAAC_SRC_LINES removed since: slower), `final25`, `rering` (1x64K only). First next session:
 #   `slotring` (prepared: the slot-sized ring with a third stage), then `rering` (its other shapes and ncu).
+#   Session 26: `slotring` (slower; its mode, set and kernel option removed since), `ncu26` (Nsight Compute at the
+#   aligned default), `s26` (IMAD base adds, lazy running max, 2-stage slot ring in 16 warps: removed since),
+#   `bounds` (prepass, scan and softmax bounds on the aligned ring).
 #   `... fence` (session 20): the GPU tests of the kernels, head dims and eager generate, then
 #     benchmarks/device/ws_race_probe.py over every configuration (32 of them: each should print 'bad': 0).
 #   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
@@ -311,16 +314,6 @@ if [ "$MODE" = rering ]; then  # prepared in session 25: ring depths and CTA sha
     --shapes ${SHAPES:-3,0,2,4} --out "$OUT/warps_probe_rering.json" 2>&1 | tee "$OUT/warps_probe_rering.log" | tail -8
   timeout ${NCU_TIMEOUT:-240} bash benchmarks/device/ncu_quick_h200.sh
 fi
-if [ "$MODE" = slotring ]; then  # prepared in session 25: slot-sized ring buffers and a third stage
-  # (plan(slot_ring=True)): its GPU bit test, then warps_probe.py --set slot_ring at six shapes (traced: the default
-  # and the slot rings), then the rest of the rering set if time is left
-  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x tests/test_gaac_cuda_ops.py -k "slot_ring" 2>&1 \
-    | tee "$OUT/gpu_tests_slot_ring.log" | tail -3
-  timeout ${PROBE_TIMEOUT:-250} python3 benchmarks/warps_probe.py --set slot_ring --real-kv .bench/real_kv_2k.safetensors \
-    --shapes ${SHAPES:-1,4,5,2,0,3} --out "$OUT/warps_probe_slot_ring.json" 2>&1 | tee "$OUT/warps_probe_slot_ring.log" | tail -9
-  timeout ${RERING_TIMEOUT:-120} python3 benchmarks/warps_probe.py --set rering --real-kv .bench/real_kv_2k.safetensors \
-    --shapes 3,0 --out "$OUT/warps_probe_rering.json" 2>&1 | tail -4
-fi
 if [ "$MODE" = ncu26 ]; then  # session 26: Nsight Compute's full set and per-SASS-line stalls of the aligned default
   # at 1x64K (GAAC only), then the speed-of-light sections of its loads-only build
   timeout 200 ncu --clock-control none --set full -k regex:gaac_decode_split -c 1 -o /tmp/ncu_gaac \
@@ -332,11 +325,6 @@ if [ "$MODE" = ncu26 ]; then  # session 26: Nsight Compute's full set and per-SA
   timeout 80 ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section LaunchStats \
     -k regex:gaac_decode_split -c 1 python3 benchmarks/device/profile_cuda_kernel.py 3 > "$OUT/ncu_loads.txt" 2>&1
   grep -E "DRAM Throughput|Duration|Warp Cycles Per Issued" "$OUT/ncu_loads.txt" | head -4
-fi
-if [ "$MODE" = s26 ]; then  # session 26: the base adds on the FMA pipe, the lazy running max, the 2-stage slot ring in
-  # 16 warps (warps_probe.py --set s26), each against the twin planned alike
-  timeout ${PROBE_TIMEOUT:-420} python3 benchmarks/warps_probe.py --set s26 --real-kv .bench/real_kv_2k.safetensors \
-    --shapes ${SHAPES:-1,4,5,2,0,3} --out "$OUT/warps_probe_s26.json" 2>&1 | tee "$OUT/warps_probe_s26.log" | tail -9
 fi
 if [ "$MODE" = bounds ]; then  # session 26: the prepass / scan / softmax bounds on the aligned ring (warps_probe --set bounds)
   timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/warps_probe.py --set bounds --real-kv .bench/real_kv_2k.safetensors \

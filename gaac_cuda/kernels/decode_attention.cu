@@ -101,19 +101,10 @@
 #define GAAC_HDR 128
 #endif
 #define HDR GAAC_HDR
-// GAAC_SLOT_RING (compressed KV staged as stored, one tile per head, one-warp kernel; prepared in session 25): ring
-// buffers sized for a slot (not for a BF16 tile), so a third stage fits (11 warps at head_dim 128): with two stages
-// only one unit is in flight while a warp works on the other, and half of each unit's work shows in the pace. Raw
-// tiles and the tail (BF16 rows, <= 0.3% of the units) are not staged: the tile code reads their rows from global
-// memory (rows past the tail's valid ones read as zeros, as the staging zero-fills them), so the bits stay the same.
-#ifndef GAAC_SLOT_RING
-#define GAAC_SLOT_RING 0
-#endif
 #ifndef GAAC_LANE_ENTRIES  // (benchmark option, session 24) compressed KV at one tile per head: the split's table
 #define GAAC_LANE_ENTRIES 0  // entries held by the lanes, lane i those of unit 32 c + i of the current chunk c of 32
 #endif                       // units (and of the next, loaded 32 units ahead), read by shuffles (1); or one global
 #define LANE_ENTRIES (GAAC_LANE_ENTRIES && !GAAC_PLAIN && TILES == 1 && !SPLITBAR)  // load per unit, one ahead (0)
-#define SLOT_RING (GAAC_SLOT_RING && !GAAC_PLAIN && GAAC_DENSE_SLOT && TILES == 1 && !GAAC_WS && !SPLITBAR)
 #ifndef VT_WORDS  // V words decoded per vector load in v_tile (all NVW at once, or halves)
 #define VT_WORDS NVW
 #endif
@@ -597,27 +588,13 @@ __device__ __forceinline__ u32 f3_high(u32 mw, u32 pw, u32 b2) {  // sign | code
 // The high bytes of a pair of words of types (YA, RA), (YB, RB): code bit 2 from the plane-3 scratch words xa, xb
 // (token bit at `rot` + 2), plus the group bases oa, ob.
 // va, vb: the overlay's code bits 3..6, one more term of the same add.
-#ifndef GAAC_IMAD_ADD  // (benchmark option, session 26) the bases added by IMAD (x * one + base, `one` a 1 the compiler
-#define GAAC_IMAD_ADD 0  // cannot see) on the FMA pipe, which the tile code leaves idle, instead of IADD3 on the ALU pipe
-#endif
-__device__ __forceinline__ u32 mad_one(u32 a, u32 one, u32 b) {  // a * one + b, one IMAD
-  u32 r;
-  asm("mad.lo.u32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(one), "r"(b));
-  return r;
-}
-// `one`: 1 (GAAC_IMAD_ADD: from a kernel parameter, so the add stays an IMAD)
 template <int YA, int RA, int YB, int RB>
 __device__ __forceinline__ void f3_pair(u32 mw, u32 pw, u32 xa, u32 xb, u32 oa, u32 ob, u32 rot, u32& ha, u32& hb,
-                                        u32 va = 0u, u32 vb = 0u, u32 one = 1u) {
+                                        u32 va = 0u, u32 vb = 0u) {
   const u32 ba = (GAAC_SKIP & 4) ? 0u : __funnelshift_r(xa, xa, rot) & 0x04040404u;
   const u32 bb = (GAAC_SKIP & 4) ? 0u : __funnelshift_r(xb, xb, rot) & 0x04040404u;
-  if (GAAC_IMAD_ADD) {
-    ha = mad_one(f3_high<YA, RA>(mw, pw, ba) + va, one, oa);
-    hb = mad_one(f3_high<YB, RB>(mw, pw, bb) + vb, one, ob);
-  } else {
-    ha = f3_high<YA, RA>(mw, pw, ba) + oa + va;
-    hb = f3_high<YB, RB>(mw, pw, bb) + ob + vb;
-  }
+  ha = f3_high<YA, RA>(mw, pw, ba) + oa + va;
+  hb = f3_high<YB, RB>(mw, pw, bb) + ob + vb;
 }
 __device__ __forceinline__ void f3_words(const Params& p, const u8* buf, int lane, u32 (&mw)[C / 32], u32 (&pw)[C / 64]) {
   const u8* words = buf + SECTION_SHIFT + PLANES_OFF + 4 * lane;
@@ -635,7 +612,6 @@ __device__ __forceinline__ void k_tile_f3(const Params& p, const u8* buf, const 
   u32 mw[C / 32], pw[C / 64];
   f3_words(p, buf, lane, mw, pw);
   const u32 rot = (g - 2) & 31;
-  const u32 one = GAAC_IMAD_ADD ? (u32)(p.heads > 0) : 1u;
   constexpr int NC = NKS / 2;  // 16-byte chunks of 4 words per lane: chunk kc = 2 s4 + h
   u32 H[NC][4], X[4] = {0u, 0u, 0u, 0u};  // X: the overlay words of chunk pair s4
 #pragma unroll
@@ -647,11 +623,11 @@ __device__ __forceinline__ void k_tile_f3(const Params& p, const u8* buf, const 
     ldv<4>(s.planes + g0, P3);
     if (F3_OVERLAY && h == 0 && any_raw && !(GAAC_SKIP & 8)) ldv<4>(s.ov + (s4 * 32 + lane) * 16, X);
     const u32 m = mw[kc], q = pw[s4];
-    f3_pair<0, 0, 1, 0>(m, q, P3[0], P3[1], O[0], O[1], rot, H[kc][0], H[kc][1], f3_ov(X[0], h), f3_ov(X[1], h), one);
+    f3_pair<0, 0, 1, 0>(m, q, P3[0], P3[1], O[0], O[1], rot, H[kc][0], H[kc][1], f3_ov(X[0], h), f3_ov(X[1], h));
     if (h == 0)
-      f3_pair<2, 0, 3, 1>(m, q, P3[2], P3[3], O[2], O[3], rot, H[kc][2], H[kc][3], f3_ov(X[2], h), f3_ov(X[3], h), one);
+      f3_pair<2, 0, 3, 1>(m, q, P3[2], P3[3], O[2], O[3], rot, H[kc][2], H[kc][3], f3_ov(X[2], h), f3_ov(X[3], h));
     else
-      f3_pair<2, 2, 3, 3>(m, q, P3[2], P3[3], O[2], O[3], rot, H[kc][2], H[kc][3], f3_ov(X[2], h), f3_ov(X[3], h), one);
+      f3_pair<2, 2, 3, 3>(m, q, P3[2], P3[3], O[2], O[3], rot, H[kc][2], H[kc][3], f3_ov(X[2], h), f3_ov(X[3], h));
   }
 #pragma unroll
   for (int s4 = 0; s4 < NKS / 4; ++s4) {
@@ -678,7 +654,6 @@ __device__ __forceinline__ void v_tile_f3(const Params& p, const u8* buf, const 
   u32 mw[C / 32], pw[C / 64];
   f3_words(p, buf, lane, mw, pw);
   const u32 rot = (2 * t - 2) & 31;
-  const u32 one = GAAC_IMAD_ADD ? (u32)(p.heads > 0) : 1u;
   u32 H[NVW][2][2], X[4] = {0u, 0u, 0u, 0u};  // [j][h][k]; X: the overlay words of j, j + 1 (j even)
 #pragma unroll
   for (int j = 0; j < NVW; ++j) {
@@ -692,9 +667,9 @@ __device__ __forceinline__ void v_tile_f3(const Params& p, const u8* buf, const 
       ldv<2>(s.base2 + gd, O);
       ldv<2>(s.p3eo + gd, P);
       const u32 va = f3_ov(X[2 * (j % 2)], h), vb = f3_ov(X[2 * (j % 2) + 1], h);
-      if (h == 0) f3_pair<0, 0, 1, 0>(m, q, P[0], P[1], O[0], O[1], rot, H[j][h][0], H[j][h][1], va, vb, one);
-      else if (j % 2 == 0) f3_pair<2, 0, 3, 1>(m, q, P[0], P[1], O[0], O[1], rot, H[j][h][0], H[j][h][1], va, vb, one);
-      else f3_pair<2, 2, 3, 3>(m, q, P[0], P[1], O[0], O[1], rot, H[j][h][0], H[j][h][1], va, vb, one);
+      if (h == 0) f3_pair<0, 0, 1, 0>(m, q, P[0], P[1], O[0], O[1], rot, H[j][h][0], H[j][h][1], va, vb);
+      else if (j % 2 == 0) f3_pair<2, 0, 3, 1>(m, q, P[0], P[1], O[0], O[1], rot, H[j][h][0], H[j][h][1], va, vb);
+      else f3_pair<2, 2, 3, 3>(m, q, P[0], P[1], O[0], O[1], rot, H[j][h][0], H[j][h][1], va, vb);
     }
   }
 #pragma unroll
@@ -718,11 +693,9 @@ __device__ __forceinline__ void v_tile_f3(const Params& p, const u8* buf, const 
 // (operand A rows g, g+8) and of query head g (operand B column g). KIND 0: BF16 rows (raw tile, plain block,
 // tail); 4: slot (raw groups, if any, patched per word).
 template <int KIND>
-// (KIND 0, unswizzled: `rows` valid rows of `row_bytes` each from `buf`, the rest read as zeros; the staged tiles
-// pass the defaults, so their code does not change; GAAC_SLOT_RING passes a raw tile or the tail in global memory)
 __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
                                        const u32 (&qb)[NKS][2], float (&sc)[2][4], bool any_raw,
-                                       const RowSwizzle& sw, int rows = 16, int row_bytes = 2 * C) {
+                                       const RowSwizzle& sw) {
   if (KIND == 4 && GAAC_FORMAT == 3) {
     if (F3_OVERLAY && GAAC_F3DUP && any_raw) k_tile_f3(p, buf, s, 4 * g + t, g, t, qb, sc, true);
     else k_tile_f3(p, buf, s, 4 * g + t, g, t, qb, sc, F3_OVERLAY && GAAC_F3DUP ? false : any_raw);
@@ -744,11 +717,8 @@ __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scr
           ldv<4>(buf + h * 8 * 2 * C + sw.k[s4 % 2][1], c);
 #pragma unroll
           for (int i = 0; i < 4; ++i) r[i] = a[i], r[4 + i] = c[i];
-        } else if (tok < rows) {
-          ldv<2 * NV>(buf + tok * row_bytes + 8 * w0, r);
         } else {
-#pragma unroll
-          for (int i = 0; i < 2 * NV; ++i) r[i] = 0u;
+          ldv<2 * NV>(buf + tok * 2 * C + 8 * w0, r);
         }
 #pragma unroll
         for (int i = 0; i < NV; ++i) kpairs(r[2 * i], r[2 * i + 1], lo[h][i], hi[h][i]);
@@ -784,7 +754,7 @@ __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scr
 // 8h + 2t, 8h + 2t + 1 (channels 4w..4w+3, w = g*NVW + j) into registers, v_math pairs them into operand A (V^T, two
 // tokens of one channel per register) and runs the output mma.
 __device__ __forceinline__ void v_load(const u8* buf, int g, int t, const RowSwizzle& sw, u32 (&ra)[2][2 * NVW],
-                                       u32 (&rc)[2][2 * NVW], int rows = 16, int row_bytes = 2 * C) {
+                                       u32 (&rc)[2][2 * NVW]) {
   const int w0 = g * NVW;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -802,10 +772,8 @@ __device__ __forceinline__ void v_load(const u8* buf, int g, int t, const RowSwi
         for (int i = 0; i < 4; ++i) ra[h][(4 + i) % (2 * NVW)] = a[i], rc[h][(4 + i) % (2 * NVW)] = c[i];
       }
     } else {
-#pragma unroll
-      for (int i = 0; i < 2 * NVW; ++i) ra[h][i] = rc[h][i] = 0u;  // (rows past `rows`: zeros)
-      if (ta < rows) ldv<2 * NVW>(buf + ta * row_bytes + 8 * w0, ra[h]);
-      if (ta + 1 < rows) ldv<2 * NVW>(buf + (ta + 1) * row_bytes + 8 * w0, rc[h]);
+      ldv<2 * NVW>(buf + ta * 2 * C + 8 * w0, ra[h]);
+      ldv<2 * NVW>(buf + (ta + 1) * 2 * C + 8 * w0, rc[h]);
     }
   }
 }
@@ -833,8 +801,7 @@ __device__ __forceinline__ void v_math(const u32 (&ra)[2][2 * NVW], const u32 (&
 // 8h+2t, 8h+2t+1 of both halves, two tokens of one channel per register.
 template <int KIND>
 __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
-                                       const u32 (&pb)[2], float (&o)[NVM][4], bool any_raw, const RowSwizzle& sw,
-                                       int rows = 16, int row_bytes = 2 * C) {
+                                       const u32 (&pb)[2], float (&o)[NVM][4], bool any_raw, const RowSwizzle& sw) {
   if (KIND == 4 && GAAC_FORMAT == 3) {
     if (F3_OVERLAY && GAAC_F3DUP && any_raw) v_tile_f3(p, buf, s, 4 * g + t, g, t, pb, o, true);
     else v_tile_f3(p, buf, s, 4 * g + t, g, t, pb, o, F3_OVERLAY && GAAC_F3DUP ? false : any_raw);
@@ -842,7 +809,7 @@ __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scr
   }
   if (KIND == 0) {
     u32 ra[2][2 * NVW], rc[2][2 * NVW];
-    v_load(buf, g, t, sw, ra, rc, rows, row_bytes);
+    v_load(buf, g, t, sw, ra, rc);
     v_math(ra, rc, pb, o);
     return;
   }
@@ -908,9 +875,6 @@ __device__ __forceinline__ u32 transpose8x8(u32 x) {  // an 8x8 b16 fragment (ro
 // A padding mask's bytes of tokens g and g + 8 of a unit (0: masked; tokens past `valid` read as masked, never
 // loaded). The one-warp kernel loads them when it issues the unit's copies, so the softmax never waits on a global
 // load (in the captured step every layer gets a mask: a load per unit on the critical path cost ~5 us at 64K).
-#ifndef GAAC_LAZY_MAX  // (benchmark option, session 26) softmax threshold in log2 units (0: the exact running max)
-#define GAAC_LAZY_MAX 0
-#endif
 #ifndef GAAC_MASK_LATE  // (benchmark option, session 22) the mask bytes loaded in the softmax, as before session 22
 #define GAAC_MASK_LATE 0
 #endif
@@ -950,10 +914,7 @@ __device__ __forceinline__ void softmax_unit(const float (&sc2)[2][4], float qk_
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-    // (GAAC_LAZY_MAX) the running max moves only when a score passes it by more than the threshold, so most units
-    // keep alpha = 1 and skip the rescale; probabilities stay below 2^threshold (fp32 sums, bf16 operands: exact
-    // range), and the combine merges each split by its own max as before
-    const float mn = GAAC_LAZY_MAX > 0 ? (mx > m[j] + (float)GAAC_LAZY_MAX ? mx : m[j]) : fmaxf(m[j], mx);
+    const float mn = fmaxf(m[j], mx);
     const float ms = mn == NEG_INF ? 0.f : mn;
     alpha[j] = exp2_(m[j] - ms);
     pr[j] = exp2_(x[j] - ms);
@@ -1391,7 +1352,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         if (!GAAC_PLAIN && !tail && e[kv][T] >= 0) {
           bytes += (u32)(GAAC_DENSE_SLOT ? SLOT_BYTES : SLOT_BYTES - 16 * C);
           slots |= 1u << (kv * TILES + T);
-        } else if (bulk_rows && !SLOT_RING) {  // (SLOT_RING: BF16 rows are read from global memory, not staged)
+        } else if (bulk_rows) {
           bytes += 32 * C;
         }
       }
@@ -1420,8 +1381,6 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
             if (lane == kv * TILES + T)
               bulk_copy(smem_u32(dst + SM_SECTION), src + 16 * C, (u32)(SLOT_BYTES - 16 * C), bar);
           }
-        } else if (SLOT_RING) {
-          // raw tile or tail: its rows are read from global memory by the tile code
         } else if (bulk_rows) {
           const u8* src = GAAC_PLAIN ? reinterpret_cast<const u8*>(rows_src(kv, u, T)) : raw_src(ent);
           if (lane == kv * TILES + T) bulk_copy(smem_u32(dst), src, 32 * C, bar);
@@ -1504,7 +1463,6 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   // flight while its V tile is still being consumed.
   // the mask bytes of the units in the ring, oldest first, loaded as their copies are issued (padding masks only)
   UnitMask mq[GAAC_STAGES];
-  int eq[GAAC_STAGES][2];  // (SLOT_RING) the K and V table entries of the units in the ring, oldest first
   auto queue_mask = [&](int i, int j) {  // mq[i] = the mask bytes of the split's j-th unit
     if (mrow) mq[i] = unit_mask(mrow, u0 + j, g, u0 + j >= nb ? tl : 16);
   };
@@ -1525,12 +1483,8 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   for (int j = -(GAAC_STAGES - 1); j < n; ++j) {
     const int next = j + GAAC_STAGES - 1;
 #pragma unroll
-    for (int i = 0; i + 1 < GAAC_STAGES; ++i) {
-      mq[i] = mq[i + 1];
-      if (SLOT_RING) eq[i][0] = eq[i + 1][0], eq[i][1] = eq[i + 1][1];
-    }
+    for (int i = 0; i + 1 < GAAC_STAGES; ++i) mq[i] = mq[i + 1];
     if (next < n) {
-      if (SLOT_RING) eq[GAAC_STAGES - 1][0] = ent[0][0], eq[GAAC_STAGES - 1][1] = ent[1][0];
       issue(u0 + next, next % GAAC_STAGES, ent);
       load_entries(next + 1, ent);
       queue_mask(GAAC_STAGES - 1, next);
@@ -1552,12 +1506,6 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     if (GAAC_TRACE && lane == 0 && j == 0) p.trace[4 * item + 1] = gtimer();
     const bool tail = u >= nb;
     const int valid = tail ? tl : 16;
-    // (SLOT_RING) where a BF16 tile of the unit that was not staged lies in global memory: the tail's rows, or the
-    // raw tile of table entry eq[0][kv]; and its bytes per row
-    auto rows_in_global = [&](int kv) -> const u8* {
-      return tail ? reinterpret_cast<const u8*>(rows_src(kv, u, 0)) : raw_src(eq[0][kv]);
-    };
-    const int global_row_bytes = tail ? 2 * (int)p.kv_ss : 2 * C;
 
     // mode tags and escape offsets of the unit's slots: one scan for the K and V tile of each T
     LaneTags tk[TILES], tv[TILES];
@@ -1587,11 +1535,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         k_tile<4>(p, buf, scr, g, t, qb[T], sc2, tk[T].any_raw, sw);
         __syncwarp();
       } else {
-        if (SLOT_RING && !((slots_here >> T) & 1)) {  // a raw tile or the tail, from global memory
-          k_tile<0>(p, rows_in_global(0), scr, g, t, qb[T], sc2, false, sw, valid, global_row_bytes);
-        } else {
-          k_tile<0>(p, buf, scr, g, t, qb[T], sc2, false, sw);
-        }
+        k_tile<0>(p, buf, scr, g, t, qb[T], sc2, false, sw);
       }
     }
 #if SPLITBAR
@@ -1618,11 +1562,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
         v_tile<4>(p, buf, scr, g, t, pb, o[T], tv[T].any_raw, sw);
         __syncwarp();
       } else {
-        if (SLOT_RING && !((slots_here >> (TILES + T)) & 1)) {
-          v_tile<0>(p, rows_in_global(1), scr, g, t, pb, o[T], false, sw, valid, global_row_bytes);
-        } else {
-          v_tile<0>(p, buf, scr, g, t, pb, o[T], false, sw);
-        }
+        v_tile<0>(p, buf, scr, g, t, pb, o[T], false, sw);
       }
     }
     __syncwarp();
