@@ -328,6 +328,18 @@ BOUNDS_GAAC = {
 }
 
 
+# Session 26 (`--set ov`): the raw groups' overlay built per owner lane with the plane bytes read by every lane
+# (GAAC_OV_UNIFORM=1, the default now: ~39 warp instructions per raw group against ~62) against the loop before it.
+# With it the table entries by a running pointer (GAAC_ENTRY_PTR=1, the default now: 3,384 SASS instructions
+# against 3,680) against the row address computed per unit, and both as before.
+OV_GAAC = {
+    "gaac": {"balance": ()},
+    "gaac_ov_per_group": {"balance": (), "defines": ("GAAC_OV_UNIFORM=0",)},
+    "gaac_entry_per_unit": {"balance": (), "defines": ("GAAC_ENTRY_PTR=0",)},
+    "gaac_before_s26": {"balance": (), "defines": ("GAAC_OV_UNIFORM=0", "GAAC_ENTRY_PTR=0")},
+}
+
+
 SETS = {  # --set: (compressed variants, twin variants, the variants also run with globaltimer stamps)
     "s17": (GAAC_VARIANTS, TWIN_VARIANTS, TRACED),
     "next": (NEXT_GAAC, NEXT_TWIN, ("gaac_half_splits_6_warps",)),
@@ -347,6 +359,7 @@ SETS = {  # --set: (compressed variants, twin variants, the variants also run wi
     "w16": (W16_GAAC, W16_TWIN, ("gaac", "gaac_16_warps")),
     "rering": (RERING_GAAC, ISSUE_TWIN, ("gaac", "gaac_8_warps_3_stages")),
     "hdr": (HDR_GAAC, ISSUE_TWIN, ("gaac", "gaac_hdr64")),
+    "ov": (OV_GAAC, ISSUE_TWIN, ()),
     "bounds": (BOUNDS_GAAC, ISSUE_TWIN, ("gaac_prepass_first_unit_no_scan", "gaac_stripped")),
     "frame2": (FRAME2_GAAC, ISSUE_TWIN, ("gaac_split_only", "gaac_bare_split_only", "gaac_bare_split_only_no_pdl")),
 }

@@ -330,6 +330,13 @@ if [ "$MODE" = bounds ]; then  # session 26: the prepass / scan / softmax bounds
   timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/warps_probe.py --set bounds --real-kv .bench/real_kv_2k.safetensors \
     --shapes ${SHAPES:-1,2,3} --out "$OUT/warps_probe_bounds.json" 2>&1 | tee "$OUT/warps_probe_bounds.log" | tail -6
 fi
+if [ "$MODE" = ov ]; then  # session 26: the overlay per owner lane (GAAC_OV_UNIFORM): format-3 GPU bit tests, then the probe
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q tests/test_gaac_cuda_ops.py -k "format_2 or fragment_order or \
+    const_layout_equals or off_a_line or cuda_compressed or cta_merge_equals or fused_combine_equals" 2>&1 \
+    | tee "$OUT/gpu_tests_ov.log" | tail -3
+  timeout ${PROBE_TIMEOUT:-200} python3 benchmarks/warps_probe.py --set ov --real-kv .bench/real_kv_2k.safetensors \
+    --shapes ${SHAPES:-1,4,5,2,0,3} --out "$OUT/warps_probe_ov.json" 2>&1 | tee "$OUT/warps_probe_ov.log" | tail -9
+fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)
   timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q tests/test_gaac_gpu_generate.py tests/test_gaac_head_dims.py \

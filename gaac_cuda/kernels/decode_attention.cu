@@ -416,13 +416,52 @@ __device__ __forceinline__ void plane3_window(const Params& p, const u8* esc, u3
 // its 4 plane bytes) and lanes 0..7 OR in token b = lane (atomically: two V tokens, or two groups, share a word).
 // The 4 plane bytes of the r-th raw group (in group order, which is the loop's order) are escape bytes
 // n_wide + 4r .. + 3: every wide group's plane-3 byte comes first (format version 2's escape order).
+#ifndef GAAC_ENTRY_PTR  // (session 26) the one-warp kernel's table entries by a running pointer (1) or by the row's address
+#define GAAC_ENTRY_PTR 1  // computed per unit (0, before session 26); the same entries
+#endif
+#ifndef GAAC_OV_UNIFORM  // (session 26) the overlay's loop over raw groups: per owner lane, plane bytes read by every lane
+#define GAAC_OV_UNIFORM 1  // (1), or per group with the owner's bytes and group index shuffled (0, before session 26)
+#endif
 template <bool IS_V>
 __device__ __forceinline__ void f3_overlay(const u8* esc, int esc_max, const Scratch& s, int lane, const LaneTags& lt) {
 #pragma unroll
   for (int x = 0; x < C / 64; ++x) *reinterpret_cast<uint4*>(s.ov + (x * 32 + lane) * 16) = make_uint4(0, 0, 0, 0);
   __syncwarp();
-  u32 rem = lt.rb;
   int o = __shfl_sync(0xffffffffu, lt.off + __popc(lt.wb), 31);  // the tile's plane-3 bytes: where planes 4..7 start
+  // raw group gi with plane bytes e4 (planes 4..7): lanes 0..7 OR in token 8 h + b = lane of channel ch (bit b of
+  // each plane byte, gathered into bits 0..3)
+  auto scatter = [&](u32 gi, u32 e4) {  // (unsigned: the divisions are shifts)
+    if (lane < 8) {
+      const u32 b = lane, h = gi / C, ch = gi % C, w = ch >> 2;
+      const u32 nib = ((((e4 >> b) & 0x01010101u) * 0x00204081u) >> 21) & 0xFu;
+      u32 at, e;
+      if (IS_V) {  // channels 4w + 2k2 + (e >> 1) x tokens 8h + 2t + (e & 1), w = g NVW + j
+        const u32 j = w % NVW, k2 = (ch >> 1) & 1;
+        at = ((j / 2) * 32 + 4 * (w / NVW) + b / 2) * 16 + 4 * (2 * (j % 2) + k2);
+        e = 2 * (ch & 1) + (b & 1);
+      } else {  // channels 4w .. 4w + 3 of token 8h + g, w = t NKS + 4 s4 + i
+        at = (((w % NKS) / 4) * 32 + 4 * b + w / NKS) * 16 + 4 * (w % 4);
+        e = ch & 3;
+      }
+      const u32 v = nib << (8 * e + 3);
+      atomicOr(reinterpret_cast<u32*>(s.ov + at), h ? __funnelshift_l(v, v, 4) : v);
+    }
+  };
+#if GAAC_OV_UNIFORM
+  // the owner lanes of raw groups one at a time (one shuffle brings the owner's raw bits), their groups in order; the
+  // escape offset is warp-uniform, so every lane reads the group's 4 plane bytes itself (two aligned words)
+#pragma unroll 1
+  for (u32 who = __ballot_sync(0xffffffffu, lt.rb != 0); who; who &= who - 1) {
+    const int src = __ffs(who) - 1;
+#pragma unroll 1
+    for (u32 srb = __shfl_sync(0xffffffffu, lt.rb, src); srb; srb &= srb - 1, o += 4) {
+      const int oc = min(o, esc_max);
+      const u32* wp = reinterpret_cast<const u32*>(esc + (oc & ~3));
+      scatter((u32)(src * GPL + __ffs(srb) - 1), __funnelshift_r(wp[0], wp[1], 8 * (oc & 3)));
+    }
+  }
+#else
+  u32 rem = lt.rb;
 #pragma unroll 1
   for (u32 who = __ballot_sync(0xffffffffu, rem != 0); who; who = __ballot_sync(0xffffffffu, rem != 0), o += 4) {
     const int src = __ffs(who) - 1;
@@ -434,24 +473,9 @@ __device__ __forceinline__ void f3_overlay(const u8* esc, int esc_max, const Scr
       gi = lane * GPL + k;
       rem &= rem - 1;
     }
-    gi = __shfl_sync(0xffffffffu, gi, src);
-    e4 = __shfl_sync(0xffffffffu, e4, src);
-    if (lane < 8) {  // token 8 h + b of channel ch: bit b of each plane byte, gathered into bits 0..3
-      const int b = lane, h = gi / C, ch = gi % C, w = ch >> 2;
-      const u32 nib = ((((e4 >> b) & 0x01010101u) * 0x00204081u) >> 21) & 0xFu;
-      int at, e;
-      if (IS_V) {  // channels 4w + 2k2 + (e >> 1) x tokens 8h + 2t + (e & 1), w = g NVW + j
-        const int j = w % NVW, k2 = (ch >> 1) & 1;
-        at = ((j / 2) * 32 + 4 * (w / NVW) + b / 2) * 16 + 4 * (2 * (j % 2) + k2);
-        e = 2 * (ch & 1) + (b & 1);
-      } else {  // channels 4w .. 4w + 3 of token 8h + g, w = t NKS + 4 s4 + i
-        at = (((w % NKS) / 4) * 32 + 4 * b + w / NKS) * 16 + 4 * (w % 4);
-        e = ch & 3;
-      }
-      const u32 v = nib << (8 * e + 3);
-      atomicOr(reinterpret_cast<u32*>(s.ov + at), h ? __funnelshift_l(v, v, 4) : v);
-    }
+    scatter(__shfl_sync(0xffffffffu, gi, src), __shfl_sync(0xffffffffu, e4, src));
   }
+#endif
 }
 __device__ __forceinline__ u32 f3_ov(u32 x, int h) { return (h ? __funnelshift_r(x, x, 4) : x) & 0x78787878u; }
 
@@ -1286,9 +1310,11 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   // slot bits of each stage (SPLITBAR: K's, then V's); the barriers of stage st: bars + 8 st, and with
   // SPLITBAR K's at bars + 8 st, V's at bars + 8 (STAGES + st)
   volatile u32* kinds = reinterpret_cast<volatile u32*>(ws + 8 * (SPLITBAR ? 2 : 1) * GAAC_STAGES);
+#if LANE_ENTRIES || !GAAC_ENTRY_PTR
   auto entry = [&](int u, int kv, int T) -> int {
     return (GAAC_PLAIN || u >= nb) ? 0 : trow[(i64)u * tstride + (kv * p.heads + hk) * TILES + T];
   };
+#endif
   // kind of a tile: 1 = slot, 0 = BF16 rows (raw tile, plain block, tail)
   // Stage copies of unit u into ring stage st. A slot: its sign+mantissa rows by 16-byte cp.async into rows padded
   // to C + 16 bytes (conflict-free fragment loads), its group section (planes, tags, escapes) by one bulk copy. A
@@ -1434,6 +1460,18 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     }
     e[0][0] = __shfl_sync(~0u, cur_k, j & 31);
     e[1][0] = __shfl_sync(~0u, cur_v, j & 31);
+  };
+#elif GAAC_ENTRY_PTR
+  // called for j = 0, 1, 2, ... in order (the one-warp loop and its prologue): a running pointer to unit u0 + j's row
+  // of the table instead of the row's 64-bit address computed per call
+  const int* erow = trow + (i64)u0 * tstride + hk * TILES;
+  auto load_entries = [&](int j, int (&e)[2][TILES]) {  // of the split's j-th unit
+    const bool in = !GAAC_PLAIN && j < n && u0 + j < nb;
+#pragma unroll
+    for (int kv = 0; kv < 2; ++kv)
+#pragma unroll
+      for (int T = 0; T < TILES; ++T) e[kv][T] = in ? erow[kv * p.heads * TILES + T] : 0;
+    erow += tstride;
   };
 #else
   auto load_entries = [&](int j, int (&e)[2][TILES]) {  // of the split's j-th unit
