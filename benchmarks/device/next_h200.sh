@@ -336,6 +336,9 @@ if [ "$MODE" = ov ]; then  # session 26: the overlay per owner lane (GAAC_OV_UNI
     | tee "$OUT/gpu_tests_ov.log" | tail -3
   timeout ${PROBE_TIMEOUT:-200} python3 benchmarks/warps_probe.py --set ov --real-kv .bench/real_kv_2k.safetensors \
     --shapes ${SHAPES:-1,4,5,2,0,3} --out "$OUT/warps_probe_ov.json" 2>&1 | tee "$OUT/warps_probe_ov.log" | tail -9
+  timeout ${GEN_TIMEOUT:-220} python3 benchmarks/generate.py --contexts ${CONTEXTS:-65536 131072} \
+    --steps 10 --warmup 3 --eager-steps 3 --reps 10 --variants captured captured-twin --skip-module-guards \
+    --out "$OUT/generate_ov.json" 2>&1 | grep -v "it/s\]" | tee "$OUT/generate_ov.log" | grep -E "ms/step|lossless|\| " | tail -8
 fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)
