@@ -422,32 +422,34 @@ __device__ __forceinline__ void plane3_window(const Params& p, const u8* esc, u3
 #ifndef GAAC_OV_UNIFORM  // (session 26) the overlay's loop over raw groups: per owner lane, plane bytes read by every lane
 #define GAAC_OV_UNIFORM 0  // (1; prepared, not yet run on a GPU), or per group with the owner's bytes and index shuffled (0)
 #endif
+// Raw group gi with plane bytes e4 (planes 4..7) into the overlay: lanes 0..7 OR in token 8 h + b = lane of channel
+// ch (bit b of each plane byte, gathered into bits 0..3). I: the type of the index math (unsigned: the divisions are
+// shifts; int: the code before session 26).
+template <bool IS_V, typename I>
+__device__ __forceinline__ void f3_scatter(const Scratch& s, int lane, u32 gi, u32 e4) {
+  if (lane < 8) {
+    const I b = lane, h = gi / C, ch = gi % C, w = ch >> 2;
+    const u32 nib = ((((e4 >> b) & 0x01010101u) * 0x00204081u) >> 21) & 0xFu;
+    I at, e;
+    if (IS_V) {  // channels 4w + 2k2 + (e >> 1) x tokens 8h + 2t + (e & 1), w = g NVW + j
+      const I j = w % NVW, k2 = (ch >> 1) & 1;
+      at = ((j / 2) * 32 + 4 * (w / NVW) + b / 2) * 16 + 4 * (2 * (j % 2) + k2);
+      e = 2 * (ch & 1) + (b & 1);
+    } else {  // channels 4w .. 4w + 3 of token 8h + g, w = t NKS + 4 s4 + i
+      at = (((w % NKS) / 4) * 32 + 4 * b + w / NKS) * 16 + 4 * (w % 4);
+      e = ch & 3;
+    }
+    const u32 v = nib << (8 * e + 3);
+    atomicOr(reinterpret_cast<u32*>(s.ov + at), h ? __funnelshift_l(v, v, 4) : v);
+  }
+}
 template <bool IS_V>
 __device__ __forceinline__ void f3_overlay(const u8* esc, int esc_max, const Scratch& s, int lane, const LaneTags& lt) {
 #pragma unroll
   for (int x = 0; x < C / 64; ++x) *reinterpret_cast<uint4*>(s.ov + (x * 32 + lane) * 16) = make_uint4(0, 0, 0, 0);
   __syncwarp();
-#if GAAC_OV_UNIFORM
   int o = __shfl_sync(0xffffffffu, lt.off + __popc(lt.wb), 31);  // the tile's plane-3 bytes: where planes 4..7 start
-  // raw group gi with plane bytes e4 (planes 4..7): lanes 0..7 OR in token 8 h + b = lane of channel ch (bit b of
-  // each plane byte, gathered into bits 0..3)
-  auto scatter = [&](u32 gi, u32 e4) {  // (unsigned: the divisions are shifts)
-    if (lane < 8) {
-      const u32 b = lane, h = gi / C, ch = gi % C, w = ch >> 2;
-      const u32 nib = ((((e4 >> b) & 0x01010101u) * 0x00204081u) >> 21) & 0xFu;
-      u32 at, e;
-      if (IS_V) {  // channels 4w + 2k2 + (e >> 1) x tokens 8h + 2t + (e & 1), w = g NVW + j
-        const u32 j = w % NVW, k2 = (ch >> 1) & 1;
-        at = ((j / 2) * 32 + 4 * (w / NVW) + b / 2) * 16 + 4 * (2 * (j % 2) + k2);
-        e = 2 * (ch & 1) + (b & 1);
-      } else {  // channels 4w .. 4w + 3 of token 8h + g, w = t NKS + 4 s4 + i
-        at = (((w % NKS) / 4) * 32 + 4 * b + w / NKS) * 16 + 4 * (w % 4);
-        e = ch & 3;
-      }
-      const u32 v = nib << (8 * e + 3);
-      atomicOr(reinterpret_cast<u32*>(s.ov + at), h ? __funnelshift_l(v, v, 4) : v);
-    }
-  };
+#if GAAC_OV_UNIFORM
   // the owner lanes of raw groups one at a time (one shuffle brings the owner's raw bits), their groups in order; the
   // escape offset is warp-uniform, so every lane reads the group's 4 plane bytes itself (two aligned words)
 #pragma unroll 1
@@ -457,12 +459,11 @@ __device__ __forceinline__ void f3_overlay(const u8* esc, int esc_max, const Scr
     for (u32 srb = __shfl_sync(0xffffffffu, lt.rb, src); srb; srb &= srb - 1, o += 4) {
       const int oc = min(o, esc_max);
       const u32* wp = reinterpret_cast<const u32*>(esc + (oc & ~3));
-      scatter((u32)(src * GPL + __ffs(srb) - 1), __funnelshift_r(wp[0], wp[1], 8 * (oc & 3)));
+      f3_scatter<IS_V, u32>(s, lane, src * GPL + __ffs(srb) - 1, __funnelshift_r(wp[0], wp[1], 8 * (oc & 3)));
     }
   }
 #else
   u32 rem = lt.rb;
-  int o = __shfl_sync(0xffffffffu, lt.off + __popc(lt.wb), 31);  // the tile's plane-3 bytes: where planes 4..7 start
 #pragma unroll 1
   for (u32 who = __ballot_sync(0xffffffffu, rem != 0); who; who = __ballot_sync(0xffffffffu, rem != 0), o += 4) {
     const int src = __ffs(who) - 1;
@@ -474,23 +475,7 @@ __device__ __forceinline__ void f3_overlay(const u8* esc, int esc_max, const Scr
       gi = lane * GPL + k;
       rem &= rem - 1;
     }
-    gi = __shfl_sync(0xffffffffu, gi, src);
-    e4 = __shfl_sync(0xffffffffu, e4, src);
-    if (lane < 8) {  // token 8 h + b of channel ch: bit b of each plane byte, gathered into bits 0..3
-      const int b = lane, h = gi / C, ch = gi % C, w = ch >> 2;
-      const u32 nib = ((((e4 >> b) & 0x01010101u) * 0x00204081u) >> 21) & 0xFu;
-      int at, e;
-      if (IS_V) {  // channels 4w + 2k2 + (e >> 1) x tokens 8h + 2t + (e & 1), w = g NVW + j
-        const int j = w % NVW, k2 = (ch >> 1) & 1;
-        at = ((j / 2) * 32 + 4 * (w / NVW) + b / 2) * 16 + 4 * (2 * (j % 2) + k2);
-        e = 2 * (ch & 1) + (b & 1);
-      } else {  // channels 4w .. 4w + 3 of token 8h + g, w = t NKS + 4 s4 + i
-        at = (((w % NKS) / 4) * 32 + 4 * b + w / NKS) * 16 + 4 * (w % 4);
-        e = ch & 3;
-      }
-      const u32 v = nib << (8 * e + 3);
-      atomicOr(reinterpret_cast<u32*>(s.ov + at), h ? __funnelshift_l(v, v, 4) : v);
-    }
+    f3_scatter<IS_V, int>(s, lane, __shfl_sync(0xffffffffu, gi, src), __shfl_sync(0xffffffffu, e4, src));
   }
 #endif
 }
