@@ -330,13 +330,15 @@ BOUNDS_GAAC = {
 
 # Session 26 (`--set ov`, prepared, not yet run: no GPU was lent after it was written): the raw groups' overlay built
 # per owner lane with the plane bytes read by every lane (GAAC_OV_UNIFORM=1: ~39 warp instructions per raw group
-# against ~62; real K tiles hold ~1.5 raw groups in 59% of tiles, V 1.1 in 22%) and the table entries by a running
-# pointer (GAAC_ENTRY_PTR=1: 3,464 SASS instructions against 3,760), each and both, against the default.
+# against ~62; real K tiles hold ~1.5 raw groups in 59% of tiles, V 1.1 in 22%), the tag scan's adds guarded by the
+# shuffle's predicate (GAAC_SCAN_PRED=1: 2 instructions per step against 4) and the table entries by a running pointer
+# (GAAC_ENTRY_PTR=1: 3,464 SASS instructions against 3,760; all three 3,368), each and all, against the default.
 OV_GAAC = {
     "gaac": {"balance": ()},
     "gaac_ov_uniform": {"balance": (), "defines": ("GAAC_OV_UNIFORM=1",)},
+    "gaac_scan_pred": {"balance": (), "defines": ("GAAC_SCAN_PRED=1",)},
     "gaac_entry_ptr": {"balance": (), "defines": ("GAAC_ENTRY_PTR=1",)},
-    "gaac_ov_uniform_entry_ptr": {"balance": (), "defines": ("GAAC_OV_UNIFORM=1", "GAAC_ENTRY_PTR=1")},
+    "gaac_all_three": {"balance": (), "defines": ("GAAC_OV_UNIFORM=1", "GAAC_SCAN_PRED=1", "GAAC_ENTRY_PTR=1")},
 }
 
 

@@ -363,6 +363,9 @@ __device__ __forceinline__ void load_tags(const Params& p, const u8* slot, int l
     lt.rb = (tags[G / 8 + (lane >> 1)] >> ((lane & 1) * 4)) & 0xF;
   }
 }
+#ifndef GAAC_SCAN_PRED  // (session 26, prepared) the tag scan's adds guarded by the shuffle's valid-lane predicate (1)
+#define GAAC_SCAN_PRED 0  // or by a lane compare and select (0); the same sums
+#endif
 // Escape offsets of the K and V tiles of one unit by one warp scan (counts packed in 16-bit halves; a tile that is
 // not a slot counts nothing). Format 1: each group's escape bytes together (1 per wide group, 4 more per raw one);
 // format 3 (version 2): the plane-3 bytes of the wide groups come first, so a lane's offset counts those alone.
@@ -373,8 +376,13 @@ __device__ __forceinline__ void scan_tags(LaneTags& k, LaneTags& v, int lane) {
   u32 incl = cnt;
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
+#if GAAC_SCAN_PRED  // the shuffle's own valid-lane predicate guards the add (no compare and select per step)
+    asm volatile("{\n .reg .pred p;\n .reg .b32 r;\n shfl.sync.up.b32 r|p, %0, %1, 0, 0xffffffff;\n"
+                 " @p add.u32 %0, %0, r;\n}" : "+r"(incl) : "r"(d));
+#else
     const u32 x = __shfl_up_sync(0xffffffffu, incl, d);
     if (lane >= d) incl += x;
+#endif
   }
   const u32 excl = incl - cnt;
   k.off = excl & 0xFFFF;
