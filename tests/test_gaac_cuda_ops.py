@@ -256,10 +256,11 @@ def test_plan_of_the_warp_specialized_kernel():
                                     (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_LANE_ENTRIES=1"),
                                     (64, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_LANE_ENTRIES=1"),
                                     (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_OV_UNIFORM=1",
-                                     "GAAC_ENTRY_PTR=1", "GAAC_SCAN_PRED=1"),
+                                     "GAAC_ENTRY_PTR=1", "GAAC_SCAN_PRED=1", "GAAC_LATE_Q=1"),
                                     (64, 1, 6, "GAAC_WARPS=12", "GAAC_OV_UNIFORM=1", "GAAC_ENTRY_PTR=1",
-                                     "GAAC_SCAN_PRED=1"),
-                                    (128, 1, 4, "GAAC_ENTRY_PTR=1")])
+                                     "GAAC_SCAN_PRED=1", "GAAC_LATE_Q=1"),
+                                    (128, 1, 4, "GAAC_ENTRY_PTR=1", "GAAC_LATE_Q=1"),
+                                    (128, 1, 2, "GAAC_WARPS=12", "GAAC_ENTRY_PTR=1", "GAAC_LATE_Q=1")])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     """The sm_90a build of every head_dim-64/128 variant, at the plan's register cap (12 warps per SM: 3 CTAs of 4
     warps, or one of 12), keeps its state in registers: no stack, no local memory."""
@@ -774,13 +775,14 @@ def test_const_layout_equals_the_twin(case):
 @gpu
 @pytest.mark.parametrize("case", [GPU_CASES[1], GPU_CASES[3], GPU_CASES[8], GPU_CASES[9], GPU_CASES[10]],
                          ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
-def test_overlay_scan_and_entry_trims_equal_the_twin(case):
+def test_session_26_trims_equal_the_twin(case):
     """Kernel options prepared in session 26: GAAC_OV_UNIFORM (format 3: the raw groups' overlay built per owner
     lane, every lane reading the group's plane bytes itself), GAAC_SCAN_PRED (the tag scan's adds guarded by the
-    shuffle's own predicate) and GAAC_ENTRY_PTR (the table entries by a running pointer): no bit changes — compressed
-    KV equals its twin at 1 split, 5, 3 x 4 warps and the default, with raw tiles, all-raw groups and padded rows, and
-    on format version 2 (where the overlay runs)."""
-    opt = {"defines": ("GAAC_OV_UNIFORM=1", "GAAC_ENTRY_PTR=1", "GAAC_SCAN_PRED=1")}
+    shuffle's own predicate), GAAC_ENTRY_PTR (the table entries by a running pointer) and GAAC_LATE_Q (the query and
+    windows loaded after the first copies are issued): no bit changes — compressed KV equals its twin (which takes the
+    same options) at 1 split, 5, 3 x 4 warps and the default, with raw tiles, all-raw groups and padded rows, and on
+    format version 2 (where the overlay runs)."""
+    opt = {"defines": ("GAAC_OV_UNIFORM=1", "GAAC_ENTRY_PTR=1", "GAAC_SCAN_PRED=1", "GAAC_LATE_Q=1")}
     for pc in _option_equals_twin(case, opt, {}, ((1, None), (5, None), (3, 4), (None, None))):
         assert "-DGAAC_ENTRY_PTR=1" in pc.options
     _format2_equals_twin(case, opt)

@@ -331,9 +331,10 @@ if [ "$MODE" = bounds ]; then  # session 26: the prepass / scan / softmax bounds
     --shapes ${SHAPES:-1,2,3} --out "$OUT/warps_probe_bounds.json" 2>&1 | tee "$OUT/warps_probe_bounds.log" | tail -6
 fi
 if [ "$MODE" = ov ]; then  # prepared in session 26 (not yet run): the overlay per owner lane (GAAC_OV_UNIFORM), the
-  # scan's predicated adds (GAAC_SCAN_PRED) and the table entries by a running pointer (GAAC_ENTRY_PTR): their GPU bit
-  # test, the probe, then the captured pair at the default (make the faster ones defaults and rerun the pair)
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q tests/test_gaac_cuda_ops.py -k "overlay_scan_and_entry" 2>&1 \
+  # scan's predicated adds (GAAC_SCAN_PRED), the table entries by a running pointer (GAAC_ENTRY_PTR) and the query
+  # loaded after the first copies (GAAC_LATE_Q): their GPU bit test, the probe, then the captured pair at the default
+  # (make the faster ones defaults and rerun the pair)
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q tests/test_gaac_cuda_ops.py -k "session_26_trims" 2>&1 \
     | tee "$OUT/gpu_tests_ov.log" | tail -3
   timeout ${PROBE_TIMEOUT:-200} python3 benchmarks/warps_probe.py --set ov --real-kv .bench/real_kv_2k.safetensors \
     --shapes ${SHAPES:-1,4,5,2,0,3} --out "$OUT/warps_probe_ov.json" 2>&1 | tee "$OUT/warps_probe_ov.log" | tail -9

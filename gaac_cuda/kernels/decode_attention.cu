@@ -427,6 +427,9 @@ __device__ __forceinline__ void plane3_window(const Params& p, const u8* esc, u3
 #ifndef GAAC_ENTRY_PTR  // (session 26) the one-warp kernel's table entries by a running pointer (1) or by the row's address
 #define GAAC_ENTRY_PTR 0  // computed per unit (0); the same entries (1: prepared in session 26, not yet run on a GPU)
 #endif
+#ifndef GAAC_LATE_Q  // (session 26, prepared) the one-warp kernel loads the query and the windows after issuing its
+#define GAAC_LATE_Q 0   // first units' copies (1: the copies' proxy fence, a MEMBAR, then waits for the table entries
+#endif                  // alone) or before them (0); the same values
 #ifndef GAAC_OV_UNIFORM  // (session 26) the overlay's loop over raw groups: per owner lane, plane bytes read by every lane
 #define GAAC_OV_UNIFORM 0  // (1; prepared, not yet run on a GPU), or per group with the owner's bytes and index shuffled (0)
 #endif
@@ -1299,9 +1302,11 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #endif
 
   u32 qb[TILES][NKS][2];
-  load_query(p, b, hk, g, t, qb);
   u32 b3[2][TILES][GPL / 4], b4[2][TILES][GPL / 4];
+#if !GAAC_LATE_Q
+  load_query(p, b, hk, g, t, qb);
   load_bases(p, hk, lane, b3, b4);
+#endif
 
   // the lane's first sign+mantissa chunk in a slot's buffer (issue_kv's 16-byte copies)
   const u32 sm_lane = (lane / (C / 16)) * SM_ROW + 16 * (lane % (C / 16));
@@ -1538,6 +1543,12 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       queue_mask(GAAC_STAGES - 1, next);
     }
     if (j < 0) continue;
+#endif
+#if GAAC_LATE_Q
+    if (j == 0) {  // after the first copies' issue, so their proxy fences do not wait for these loads
+      load_query(p, b, hk, g, t, qb);
+      load_bases(p, hk, lane, b3, b4);
+    }
 #endif
     const int u = u0 + j;
     const int st = j % GAAC_STAGES;
