@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import math
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +94,10 @@ FUSED_COMBINE = {"1": True, "0": False}.get(os.environ.get("GAAC_HF_CUDA_FUSED_C
 # 24.7 -> 24.5, 9/3/64 1x64K 21.6 -> 20.8 / 18.5 -> 18.4, 1x128K 111.9 -> 111.8 / 130.2 -> 129.8; bit-identical. On
 # by default wherever the plan knows the slot size (plain KV always); GAAC_HF_CUDA_CONST_LAYOUT=0 turns it off.
 CONST_LAYOUT = os.environ.get("GAAC_HF_CUDA_CONST_LAYOUT", "1") != "0"
+# Kernel defines for every plan of the process (benchmarks: a prepared kernel option inside the captured step, whose
+# caches plan by themselves), e.g. GAAC_HF_CUDA_DEFINES="GAAC_LATE_Q=1,GAAC_ENTRY_PTR=1"; compressed KV and its twin
+# alike, so the bits still match. Each must be NAME=VALUE with a GAAC_ name.
+PROCESS_DEFINES = tuple(d.strip() for d in os.environ.get("GAAC_HF_CUDA_DEFINES", "").split(",") if d.strip())
 # CTA size of the one-warp kernel at one tile per head where `plan` is given none: SPLIT_WARPS warps in one CTA per SM
 # (the same splits as 3 CTAs of 4 warps, and the same bits), where shared memory holds such a CTA; else 4 warps, 3 CTAs
 # per SM. The warp schedulers favour an SM's older CTAs (see RANK_PACE): one CTA per SM has no older CTA, and its warps
@@ -276,7 +281,11 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         if plain or head_dim not in (64, 128):
             raise ValueError("format 3 (the fragment-order prototype) is compressed KV at head_dim 64 or 128")
         dense_slots = True
-    extra = tuple(f"-D{d}" for d in defines)
+    for d in PROCESS_DEFINES + tuple(defines):
+        if not re.fullmatch(r"GAAC_[A-Z0-9_]+=[0-9A-Za-z_]+", d):
+            raise ValueError(f"kernel define {d!r}: expected NAME=VALUE with a GAAC_ name (GAAC_HF_CUDA_DEFINES or "
+                             "`defines`)")
+    extra = tuple(f"-D{d}" for d in PROCESS_DEFINES + tuple(defines))
     if ws and buf_bytes is not None:
         raise ValueError("buf_bytes is a one-warp kernel option (ws=0)")
     if (cta_merge or fused_combine or const_layout) and ws:

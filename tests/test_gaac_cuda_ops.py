@@ -176,6 +176,28 @@ def test_pdl_option():
     assert cfg.attrs[0].id == CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION and cfg.attrs[0].value[0] == 1
 
 
+def test_process_defines_reach_every_plan(monkeypatch):
+    """GAAC_HF_CUDA_DEFINES (read at import into PROCESS_DEFINES): kernel defines for every plan of the process —
+    compressed KV and its twin, one-warp and warp-specialized — before the plan's own `defines`; a define that is not
+    NAME=VALUE with a GAAC_ name is refused with a clear error."""
+    import importlib
+
+    da = importlib.import_module(plan.__module__)  # (the package's `decode_attention` is the function)
+    monkeypatch.setattr(da, "PROCESS_DEFINES", ("GAAC_LATE_Q=1", "GAAC_ENTRY_PTR=1"))
+    for kw in ({"plain": True}, {"plain": True, "ws": 4}, {"slot_bytes": 2944, "format_version": 3},
+               {"slot_bytes": 2944, "format_version": 3, "defines": ("GAAC_SCAN_PRED=1",)}):
+        opts = plan(1, 8, 4, 128, 65536, "cpu", **kw).options
+        assert "-DGAAC_LATE_Q=1" in opts and "-DGAAC_ENTRY_PTR=1" in opts, kw
+    assert "-DGAAC_SCAN_PRED=1" in opts
+    for bad in (("LATE_Q=1",), ("GAAC_LATE_Q",), ("GAAC_X=1 -DFOO",)):
+        monkeypatch.setattr(da, "PROCESS_DEFINES", bad)
+        with pytest.raises(ValueError, match="NAME=VALUE"):
+            plan(1, 8, 4, 128, 65536, "cpu", plain=True)
+    monkeypatch.setattr(da, "PROCESS_DEFINES", ())
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        plan(1, 8, 4, 128, 65536, "cpu", plain=True, defines=("GAAC_A=1;",))
+
+
 def test_plan_refuses_warps_beyond_shared_memory():
     """16 warps of BF16-tile ring buffers (18.5 KB each at head_dim 128) do not fit in one CTA: a clear error, not a
     failed launch. (Session 19's slot-sized ring fitted them, and was slower: benchmarks/results/attention_cuda.md.)"""

@@ -341,6 +341,11 @@ if [ "$MODE" = ov ]; then  # prepared in session 26 (not yet run): the overlay p
   timeout ${GEN_TIMEOUT:-220} python3 benchmarks/generate.py --contexts ${CONTEXTS:-65536 131072} \
     --steps 10 --warmup 3 --eager-steps 3 --reps 10 --variants captured captured-twin --skip-module-guards \
     --out "$OUT/generate_ov.json" 2>&1 | grep -v "it/s\]" | tee "$OUT/generate_ov.log" | grep -E "ms/step|lossless|\| " | tail -8
+  # the same pair at 64K with all four options in every plan of the process (GAAC and twin alike)
+  GAAC_HF_CUDA_DEFINES="GAAC_OV_UNIFORM=1,GAAC_SCAN_PRED=1,GAAC_ENTRY_PTR=1,GAAC_LATE_Q=1" \
+    timeout ${GEN2_TIMEOUT:-150} python3 benchmarks/generate.py --contexts 65536 \
+    --steps 10 --warmup 3 --eager-steps 3 --reps 10 --variants captured captured-twin --skip-module-guards \
+    --out "$OUT/generate_ov_all4.json" 2>&1 | grep -v "it/s\]" | grep -E "ms/step|lossless|\| " | tail -6
 fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)
