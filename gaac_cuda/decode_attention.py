@@ -281,11 +281,12 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         if plain or head_dim not in (64, 128):
             raise ValueError("format 3 (the fragment-order prototype) is compressed KV at head_dim 64 or 128")
         dense_slots = True
-    for d in PROCESS_DEFINES + tuple(defines):
+    defines = PROCESS_DEFINES + tuple(defines)  # (the process's first: a plan's own define comes later and wins)
+    for d in defines:
         if not re.fullmatch(r"GAAC_[A-Z0-9_]+=[0-9A-Za-z_]+", d):
             raise ValueError(f"kernel define {d!r}: expected NAME=VALUE with a GAAC_ name (GAAC_HF_CUDA_DEFINES or "
                              "`defines`)")
-    extra = tuple(f"-D{d}" for d in PROCESS_DEFINES + tuple(defines))
+    extra = tuple(f"-D{d}" for d in defines)
     if ws and buf_bytes is not None:
         raise ValueError("buf_bytes is a one-warp kernel option (ws=0)")
     if (cta_merge or fused_combine or const_layout) and ws:
@@ -314,7 +315,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         buf = buf_bytes
     scratch = 0 if plain else _scratch(channels, format_version)
     # stage barriers and slot bits before the ring: the kernel's HDR (a define may override it, for the probes)
-    header = next((int(x.split("=")[1]) for x in defines if x.startswith("GAAC_HDR=")), RING_HEADER)
+    header = next((int(x.split("=")[1]) for x in reversed(defines) if x.startswith("GAAC_HDR=")), RING_HEADER)
     warp_bytes = -(-(header + stages * 2 * tiles * buf + scratch) // 128) * 128
     if v_words is None:
         v_words = channels // 32

@@ -794,6 +794,15 @@ def test_const_layout_equals_the_twin(case):
     _format2_equals_twin(case, {"const_layout": True})
 
 
+def _defines_equal_twin(case, *defines):
+    """Kernel `defines` (benchmark options that must not change a bit): compressed KV equals its twin planned alike at
+    1 split, 5, 3 x 4 warps and the default, and on format version 2."""
+    opt = {"defines": defines}
+    for pc in _option_equals_twin(case, opt, {}, ((1, None), (5, None), (3, 4), (None, None))):
+        assert all(f"-D{d}" in pc.options for d in defines)
+    _format2_equals_twin(case, opt)
+
+
 @gpu
 @pytest.mark.parametrize("case", [GPU_CASES[1], GPU_CASES[3], GPU_CASES[8], GPU_CASES[9], GPU_CASES[10]],
                          ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
@@ -804,10 +813,7 @@ def test_session_26_trims_equal_the_twin(case):
     windows loaded after the first copies are issued): no bit changes — compressed KV equals its twin (which takes the
     same options) at 1 split, 5, 3 x 4 warps and the default, with raw tiles, all-raw groups and padded rows, and on
     format version 2 (where the overlay runs)."""
-    opt = {"defines": ("GAAC_OV_UNIFORM=1", "GAAC_ENTRY_PTR=1", "GAAC_SCAN_PRED=1", "GAAC_LATE_Q=1")}
-    for pc in _option_equals_twin(case, opt, {}, ((1, None), (5, None), (3, 4), (None, None))):
-        assert "-DGAAC_ENTRY_PTR=1" in pc.options
-    _format2_equals_twin(case, opt)
+    _defines_equal_twin(case, "GAAC_OV_UNIFORM=1", "GAAC_ENTRY_PTR=1", "GAAC_SCAN_PRED=1", "GAAC_LATE_Q=1")
 
 
 @gpu
@@ -817,10 +823,7 @@ def test_lane_entries_equals_the_twin(case):
     """Kernel option GAAC_LANE_ENTRIES (session 24, benchmark option): the split's table entries held by the lanes in
     chunks of 32 units and read by shuffles change no bit — compressed KV equals its twin at 1 split (past 32 units:
     the chunks roll over), 5, 3 x 4 warps and the default, with raw tiles and padded rows; and on format version 2."""
-    opt = {"defines": ("GAAC_LANE_ENTRIES=1",)}
-    for pc in _option_equals_twin(case, opt, {}, ((1, None), (5, None), (3, 4), (None, None))):
-        assert "-DGAAC_LANE_ENTRIES=1" in pc.options
-    _format2_equals_twin(case, opt)
+    _defines_equal_twin(case, "GAAC_LANE_ENTRIES=1")
 
 
 @gpu

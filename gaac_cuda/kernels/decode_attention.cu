@@ -105,6 +105,18 @@
 #define GAAC_LANE_ENTRIES 0  // entries held by the lanes, lane i those of unit 32 c + i of the current chunk c of 32
 #endif                       // units (and of the next, loaded 32 units ahead), read by shuffles (1); or one global
 #define LANE_ENTRIES (GAAC_LANE_ENTRIES && !GAAC_PLAIN && TILES == 1 && !SPLITBAR)  // load per unit, one ahead (0)
+#ifndef GAAC_SCAN_PRED  // (session 26, prepared) the tag scan's adds guarded by the shuffle's valid-lane predicate (1)
+#define GAAC_SCAN_PRED 0  // or by a lane compare and select (0); the same sums
+#endif
+#ifndef GAAC_ENTRY_PTR  // (session 26) the one-warp kernel's table entries by a running pointer (1) or by the row's address
+#define GAAC_ENTRY_PTR 0  // computed per unit (0); the same entries (1: prepared in session 26, not yet run on a GPU)
+#endif
+#ifndef GAAC_LATE_Q  // (session 26, prepared) the one-warp kernel loads the query and the windows after issuing its
+#define GAAC_LATE_Q 0   // first units' copies (1: the copies' proxy fence, a MEMBAR, then waits for the table entries
+#endif                  // alone) or before them (0); the same values
+#ifndef GAAC_OV_UNIFORM  // (session 26) the overlay's loop over raw groups: per owner lane, plane bytes read by every lane
+#define GAAC_OV_UNIFORM 0  // (1; prepared, not yet run on a GPU), or per group with the owner's bytes and index shuffled (0)
+#endif
 #ifndef VT_WORDS  // V words decoded per vector load in v_tile (all NVW at once, or halves)
 #define VT_WORDS NVW
 #endif
@@ -363,9 +375,6 @@ __device__ __forceinline__ void load_tags(const Params& p, const u8* slot, int l
     lt.rb = (tags[G / 8 + (lane >> 1)] >> ((lane & 1) * 4)) & 0xF;
   }
 }
-#ifndef GAAC_SCAN_PRED  // (session 26, prepared) the tag scan's adds guarded by the shuffle's valid-lane predicate (1)
-#define GAAC_SCAN_PRED 0  // or by a lane compare and select (0); the same sums
-#endif
 // Escape offsets of the K and V tiles of one unit by one warp scan (counts packed in 16-bit halves; a tile that is
 // not a slot counts nothing). Format 1: each group's escape bytes together (1 per wide group, 4 more per raw one);
 // format 3 (version 2): the plane-3 bytes of the wide groups come first, so a lane's offset counts those alone.
@@ -414,25 +423,6 @@ __device__ __forceinline__ void plane3_window(const Params& p, const u8* esc, u3
 }
 
 #define F3_OVERLAY (GAAC_FORMAT == 3)
-// Format 3: the raw groups' code bits 3..6 (planes 4..7) scattered into an overlay in fragment order, C/16 words
-// per lane in C/64 16-byte chunks (chunk x of lane L at (x * 32 + L) * 16). A word holds two of the lane's fragment
-// words, A at bits 3..6 of each byte and B rotated left by 4 (so bits 7 and 0..2 of the next byte): K chunk s4, word
-// i: A = word (s4, h = 0, i), B = (s4, h = 1, i); V chunk j / 2, word 2 (j % 2) + k: A = (j, h = 0, k), B = (j, h = 1,
-// k). The tile takes A as x & M and B as rotr(x, 4) & M (M = 0x78787878) and adds it with the group base (disjoint
-// bits: a raw group's base is 0, every other group's overlay bits are 0). Only in tiles with a raw group: the lanes
-// zero their own words, then the warp takes the raw groups one at a time (their owner lane broadcasts the group and
-// its 4 plane bytes) and lanes 0..7 OR in token b = lane (atomically: two V tokens, or two groups, share a word).
-// The 4 plane bytes of the r-th raw group (in group order, which is the loop's order) are escape bytes
-// n_wide + 4r .. + 3: every wide group's plane-3 byte comes first (format version 2's escape order).
-#ifndef GAAC_ENTRY_PTR  // (session 26) the one-warp kernel's table entries by a running pointer (1) or by the row's address
-#define GAAC_ENTRY_PTR 0  // computed per unit (0); the same entries (1: prepared in session 26, not yet run on a GPU)
-#endif
-#ifndef GAAC_LATE_Q  // (session 26, prepared) the one-warp kernel loads the query and the windows after issuing its
-#define GAAC_LATE_Q 0   // first units' copies (1: the copies' proxy fence, a MEMBAR, then waits for the table entries
-#endif                  // alone) or before them (0); the same values
-#ifndef GAAC_OV_UNIFORM  // (session 26) the overlay's loop over raw groups: per owner lane, plane bytes read by every lane
-#define GAAC_OV_UNIFORM 0  // (1; prepared, not yet run on a GPU), or per group with the owner's bytes and index shuffled (0)
-#endif
 // Raw group gi with plane bytes e4 (planes 4..7) into the overlay: lanes 0..7 OR in token 8 h + b = lane of channel
 // ch (bit b of each plane byte, gathered into bits 0..3). I: the type of the index math (unsigned: the divisions are
 // shifts; int: the code before session 26).
@@ -454,6 +444,16 @@ __device__ __forceinline__ void f3_scatter(const Scratch& s, int lane, u32 gi, u
     atomicOr(reinterpret_cast<u32*>(s.ov + at), h ? __funnelshift_l(v, v, 4) : v);
   }
 }
+// Format 3: the raw groups' code bits 3..6 (planes 4..7) scattered into an overlay in fragment order, C/16 words
+// per lane in C/64 16-byte chunks (chunk x of lane L at (x * 32 + L) * 16). A word holds two of the lane's fragment
+// words, A at bits 3..6 of each byte and B rotated left by 4 (so bits 7 and 0..2 of the next byte): K chunk s4, word
+// i: A = word (s4, h = 0, i), B = (s4, h = 1, i); V chunk j / 2, word 2 (j % 2) + k: A = (j, h = 0, k), B = (j, h = 1,
+// k). The tile takes A as x & M and B as rotr(x, 4) & M (M = 0x78787878) and adds it with the group base (disjoint
+// bits: a raw group's base is 0, every other group's overlay bits are 0). Only in tiles with a raw group: the lanes
+// zero their own words, then the warp takes the raw groups one at a time (their owner lane broadcasts the group and
+// its 4 plane bytes) and lanes 0..7 OR in token b = lane (atomically: two V tokens, or two groups, share a word).
+// The 4 plane bytes of the r-th raw group (in group order, which is the loop's order) are escape bytes
+// n_wide + 4r .. + 3: every wide group's plane-3 byte comes first (format version 2's escape order).
 template <bool IS_V>
 __device__ __forceinline__ void f3_overlay(const u8* esc, int esc_max, const Scratch& s, int lane, const LaneTags& lt) {
 #pragma unroll
