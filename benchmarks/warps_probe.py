@@ -344,6 +344,18 @@ OV_GAAC = {
     "gaac_late_q": {"balance": (), "defines": ("GAAC_LATE_Q=1",)},
     "gaac_all_four": {"balance": (), "defines": ("GAAC_OV_UNIFORM=1", "GAAC_SCAN_PRED=1", "GAAC_ENTRY_PTR=1",
                                                  "GAAC_LATE_Q=1")},
+    # session 27 (CPU only; ncu_s26_source.csv.gz read per call site: the tag scan holds 7.4% of the warps' stall
+    # samples for 4% of their instructions, short scoreboard on its five dependent shuffles; the two prepasses 18%,
+    # mostly fixed-latency waits in two chains run one after the other): the scan by ballots of the counts' bit
+    # slices (GAAC_SCAN_BALLOT=1: no shuffle, ~55 instructions against ~36) and the V slot's prepass beside the K
+    # slot's before the K tile (GAAC_KV_PREPASS=1: loads first, then both chains interleaved; 512 more scratch bytes
+    # per warp, still 12 warps per SM), each alone, together, and with the session-26 options (GAAC_SCAN_PRED is
+    # moot beside GAAC_SCAN_BALLOT)
+    "gaac_scan_ballot": {"balance": (), "defines": ("GAAC_SCAN_BALLOT=1",)},
+    "gaac_kv_prepass": {"balance": (), "defines": ("GAAC_KV_PREPASS=1",)},
+    "gaac_ballot_kv": {"balance": (), "defines": ("GAAC_SCAN_BALLOT=1", "GAAC_KV_PREPASS=1")},
+    "gaac_all": {"balance": (), "defines": ("GAAC_OV_UNIFORM=1", "GAAC_SCAN_BALLOT=1", "GAAC_KV_PREPASS=1",
+                                            "GAAC_ENTRY_PTR=1", "GAAC_LATE_Q=1")},
 }
 
 

@@ -313,7 +313,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
             raise ValueError(f"buf_bytes {buf_bytes}: compressed KV staged as stored, a multiple of 128 bytes that "
                              f"holds a {slot_bytes}-byte slot and {ESCAPE_SLACK} bytes past it")
         buf = buf_bytes
-    scratch = 0 if plain else _scratch(channels, format_version)
+    scratch = 0 if plain else _scratch(channels, format_version, extra)
     # stage barriers and slot bits before the ring: the kernel's HDR (a define may override it, for the probes)
     header = next((int(x.split("=")[1]) for x in reversed(defines) if x.startswith("GAAC_HDR=")), RING_HEADER)
     warp_bytes = -(-(header + stages * 2 * tiles * buf + scratch) // 128) * 128
@@ -497,11 +497,12 @@ def _default_nsplit(batch, kv_heads, max_tokens, device, tiles=1) -> int:
     return max(1, min(want, math.ceil(units / MIN_UNITS_PER_SPLIT)))
 
 
-def _scratch(channels: int, format_version: int) -> int:
+def _scratch(channels: int, format_version: int, extra: tuple[str, ...] = ()) -> int:
     """Per-consumer scratch for one slot: per group its base, planes 3..7 and raw mask (7 bytes); format 3 holds the
     base, plane 3, code bits 3..6 as a 4-bit-per-element overlay and the V tiles' split plane-3 bytes (8 in all;
-    their doubled bases overlay base and plane 3): the kernel's SCRATCH_GROUPS."""
-    per_group = 7 if format_version != 3 else 8
+    their doubled bases overlay base and plane 3; 10 with the kernel option GAAC_KV_PREPASS=1, where the V slot's
+    doubled bases have their own): the kernel's SCRATCH_GROUPS."""
+    per_group = 7 if format_version != 3 else 10 if "-DGAAC_KV_PREPASS=1" in extra else 8
     return per_group * 2 * channels
 
 
@@ -526,7 +527,7 @@ def _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, *, slot_bytes, 
     channels = head_dim
     dense_slots = bool(dense_slots and not plain)
     buf = _stage_buffer(channels, slot_bytes, plain, dense_slots)
-    scratch = 0 if plain else _scratch(channels, format_version)
+    scratch = 0 if plain else _scratch(channels, format_version, extra)
     header = -(-20 * stages // 128) * 128
     cta_bytes = -(-(header + stages * 2 * buf + ws * scratch) // 128) * 128
     ctas = 1 if min_ctas is None else min_ctas

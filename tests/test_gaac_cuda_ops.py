@@ -176,6 +176,20 @@ def test_pdl_option():
     assert cfg.attrs[0].id == CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION and cfg.attrs[0].value[0] == 1
 
 
+def test_kv_prepass_plans_its_scratch():
+    """GAAC_KV_PREPASS=1 (format 3) gives the V slot's doubled bases scratch of their own: 2 more bytes per group in
+    every warp's shared memory (512 at head_dim 128), and the default 12 warps per SM still fit; formats 1 and the
+    twin are planned as before."""
+    kw = {"slot_bytes": 2944, "format_version": 3, "ws": 0}
+    base = plan(1, 8, 4, 128, 65536, "cpu", **kw)
+    kv = plan(1, 8, 4, 128, 65536, "cpu", defines=("GAAC_KV_PREPASS=1",), **kw)
+    assert kv.warp_bytes - base.warp_bytes == 2 * 256 and kv.warps == base.warps == 12
+    assert "-DGAAC_KV_PREPASS=1" in kv.options
+    for other in ({"plain": True, "ws": 0}, {"slot_bytes": 2944, "dense_slots": True, "ws": 0}):
+        assert (plan(1, 8, 4, 128, 65536, "cpu", defines=("GAAC_KV_PREPASS=1",), **other).warp_bytes
+                == plan(1, 8, 4, 128, 65536, "cpu", **other).warp_bytes), other
+
+
 def test_process_defines_reach_every_plan(monkeypatch):
     """GAAC_HF_CUDA_DEFINES (read at import into PROCESS_DEFINES): kernel defines for every plan of the process —
     compressed KV and its twin, one-warp and warp-specialized — before the plan's own `defines`; a define that is not
@@ -282,6 +296,11 @@ def test_plan_of_the_warp_specialized_kernel():
                                     (64, 1, 6, "GAAC_WARPS=12", "GAAC_OV_UNIFORM=1", "GAAC_ENTRY_PTR=1",
                                      "GAAC_SCAN_PRED=1", "GAAC_LATE_Q=1"),
                                     (128, 1, 4, "GAAC_ENTRY_PTR=1", "GAAC_LATE_Q=1"),
+                                    (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_SCAN_BALLOT=1",
+                                     "GAAC_KV_PREPASS=1", "GAAC_OV_UNIFORM=1", "GAAC_ENTRY_PTR=1", "GAAC_LATE_Q=1"),
+                                    (64, 1, 6, "GAAC_WARPS=12", "GAAC_SCAN_BALLOT=1", "GAAC_KV_PREPASS=1"),
+                                    (128, 1, 3, "GAAC_WARPS=12", "GAAC_SCAN_BALLOT=1"), (64, 1, 0, "GAAC_SCAN_BALLOT=1"),
+                                    (128, 1, 7, "GAAC_SCAN_BALLOT=1", "GAAC_KV_PREPASS=1"),
                                     (128, 1, 2, "GAAC_WARPS=12", "GAAC_ENTRY_PTR=1", "GAAC_LATE_Q=1")])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     """The sm_90a build of every head_dim-64/128 variant, at the plan's register cap (12 warps per SM: 3 CTAs of 4
@@ -814,6 +833,17 @@ def test_session_26_trims_equal_the_twin(case):
     same options) at 1 split, 5, 3 x 4 warps and the default, with raw tiles, all-raw groups and padded rows, and on
     format version 2 (where the overlay runs)."""
     _defines_equal_twin(case, "GAAC_OV_UNIFORM=1", "GAAC_ENTRY_PTR=1", "GAAC_SCAN_PRED=1", "GAAC_LATE_Q=1")
+
+
+@gpu
+@pytest.mark.parametrize("case", [GPU_CASES[1], GPU_CASES[3], GPU_CASES[8], GPU_CASES[9], GPU_CASES[10]],
+                         ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
+def test_session_27_scan_and_prepass_equal_the_twin(case):
+    """Kernel options prepared in session 27: GAAC_SCAN_BALLOT (the escape offsets by ballots of the counts' bit
+    slices, formats 1 and 3) and GAAC_KV_PREPASS (format 3: the V slot's group words beside the K slot's, in scratch
+    of their own): no bit changes — compressed KV equals its twin at 1 split, 5, 3 x 4 warps and the default, and on
+    format version 2; the plan sizes the larger scratch."""
+    _defines_equal_twin(case, "GAAC_SCAN_BALLOT=1", "GAAC_KV_PREPASS=1")
 
 
 @gpu

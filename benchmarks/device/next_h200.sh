@@ -28,7 +28,9 @@
 #   `slotring` (prepared: the slot-sized ring with a third stage), then `rering` (its other shapes and ncu).
 #   Session 26: `slotring` (slower; its mode, set and kernel option removed since), `ncu26` (Nsight Compute at the
 #   aligned default), `s26` (IMAD base adds, lazy running max, 2-stage slot ring in 16 warps: removed since),
-#   `bounds` (prepass, scan and softmax bounds on the aligned ring). First next session: `ov` (prepared).
+#   `bounds` (prepass, scan and softmax bounds on the aligned ring). First next session: `ov` (prepared), then `ovstep`
+#   (the captured pair; DEFINES=... the options `ov` found faster). Session 27 (CPU only) added GAAC_SCAN_BALLOT and
+#   GAAC_KV_PREPASS to `ov`.
 #   `... fence` (session 20): the GPU tests of the kernels, head dims and eager generate, then
 #     benchmarks/device/ws_race_probe.py over every configuration (32 of them: each should print 'bad': 0).
 #   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
@@ -330,22 +332,25 @@ if [ "$MODE" = bounds ]; then  # session 26: the prepass / scan / softmax bounds
   timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/warps_probe.py --set bounds --real-kv .bench/real_kv_2k.safetensors \
     --shapes ${SHAPES:-1,2,3} --out "$OUT/warps_probe_bounds.json" 2>&1 | tee "$OUT/warps_probe_bounds.log" | tail -6
 fi
-if [ "$MODE" = ov ]; then  # prepared in session 26 (not yet run): the overlay per owner lane (GAAC_OV_UNIFORM), the
-  # scan's predicated adds (GAAC_SCAN_PRED), the table entries by a running pointer (GAAC_ENTRY_PTR) and the query
-  # loaded after the first copies (GAAC_LATE_Q): their GPU bit test, the probe, then the captured pair at the default
-  # (make the faster ones defaults and rerun the pair)
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q tests/test_gaac_cuda_ops.py -k "session_26_trims" 2>&1 \
-    | tee "$OUT/gpu_tests_ov.log" | tail -3
-  timeout ${PROBE_TIMEOUT:-200} python3 benchmarks/warps_probe.py --set ov --real-kv .bench/real_kv_2k.safetensors \
+if [ "$MODE" = ov ]; then  # prepared in sessions 26-27 (not yet run): the overlay per owner lane (GAAC_OV_UNIFORM),
+  # the scan's predicated adds (GAAC_SCAN_PRED), the table entries by a running pointer (GAAC_ENTRY_PTR), the query
+  # loaded after the first copies (GAAC_LATE_Q), the scan by ballots (GAAC_SCAN_BALLOT) and the V prepass beside the
+  # K prepass (GAAC_KV_PREPASS): their GPU bit tests, then the probe at six shapes (then `ovstep` with the faster ones)
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q tests/test_gaac_cuda_ops.py -k "session_26_trims or session_27" \
+    2>&1 | tee "$OUT/gpu_tests_ov.log" | tail -3
+  timeout ${PROBE_TIMEOUT:-280} python3 benchmarks/warps_probe.py --set ov --real-kv .bench/real_kv_2k.safetensors \
     --shapes ${SHAPES:-1,4,5,2,0,3} --out "$OUT/warps_probe_ov.json" 2>&1 | tee "$OUT/warps_probe_ov.log" | tail -9
-  timeout ${GEN_TIMEOUT:-220} python3 benchmarks/generate.py --contexts ${CONTEXTS:-65536 131072} \
+fi
+if [ "$MODE" = ovstep ]; then  # the captured pair at the defaults, then with DEFINES (the options the `ov`
+  # probe found faster, e.g. DEFINES=GAAC_OV_UNIFORM=1,GAAC_SCAN_BALLOT=1,GAAC_KV_PREPASS=1) in every plan of the
+  # process (GAAC and twin alike)
+  timeout ${GEN_TIMEOUT:-240} python3 benchmarks/generate.py --contexts ${CONTEXTS:-65536 131072} \
     --steps 10 --warmup 3 --eager-steps 3 --reps 10 --variants captured captured-twin --skip-module-guards \
     --out "$OUT/generate_ov.json" 2>&1 | grep -v "it/s\]" | tee "$OUT/generate_ov.log" | grep -E "ms/step|lossless|\| " | tail -8
-  # the same pair at 64K with all four options in every plan of the process (GAAC and twin alike)
-  GAAC_HF_CUDA_DEFINES="GAAC_OV_UNIFORM=1,GAAC_SCAN_PRED=1,GAAC_ENTRY_PTR=1,GAAC_LATE_Q=1" \
-    timeout ${GEN2_TIMEOUT:-150} python3 benchmarks/generate.py --contexts 65536 \
+  GAAC_HF_CUDA_DEFINES="${DEFINES:-GAAC_OV_UNIFORM=1,GAAC_SCAN_BALLOT=1,GAAC_KV_PREPASS=1,GAAC_ENTRY_PTR=1,GAAC_LATE_Q=1}" \
+    timeout ${GEN2_TIMEOUT:-200} python3 benchmarks/generate.py --contexts ${CONTEXTS2:-65536 131072} \
     --steps 10 --warmup 3 --eager-steps 3 --reps 10 --variants captured captured-twin --skip-module-guards \
-    --out "$OUT/generate_ov_all4.json" 2>&1 | grep -v "it/s\]" | grep -E "ms/step|lossless|\| " | tail -6
+    --out "$OUT/generate_ov_defines.json" 2>&1 | grep -v "it/s\]" | grep -E "ms/step|lossless|\| " | tail -8
 fi
 if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
   # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)

@@ -117,6 +117,12 @@
 #ifndef GAAC_OV_UNIFORM  // (session 26) the overlay's loop over raw groups: per owner lane, plane bytes read by every lane
 #define GAAC_OV_UNIFORM 0  // (1; prepared, not yet run on a GPU), or per group with the owner's bytes and index shuffled (0)
 #endif
+#ifndef GAAC_SCAN_BALLOT  // (session 27, prepared) the tag scan by bit slices: each bit of the lanes' counts balloted and
+#define GAAC_SCAN_BALLOT 0  // counted below the lane by one popc (1: no shuffle chain), or by five shuffle steps (0)
+#endif
+#ifndef GAAC_KV_PREPASS  // (session 27, prepared) format 3, one tile per head: the V slot's prepass (all but its overlay)
+#define GAAC_KV_PREPASS 0  // beside the K slot's before the K tile, into scratch of its own (1: two independent chains
+#endif                     // to interleave; 10 scratch bytes per group), or before the V tile (0)
 #ifndef VT_WORDS  // V words decoded per vector load in v_tile (all NVW at once, or halves)
 #define VT_WORDS NVW
 #endif
@@ -342,7 +348,10 @@ struct Scratch {  // per-warp dense group data of the slot being read
   u8* p3eo;       // [2G] after the overlay
   u8* ov;         // format 3: [4G] code bits 3..6 of raw elements in fragment order (f3_overlay), over planes 4..7
 };
-#if GAAC_FORMAT == 3
+#define KV_PREPASS (GAAC_KV_PREPASS && GAAC_FORMAT == 3 && TILES == 1 && !GAAC_PLAIN)
+#if GAAC_FORMAT == 3 && KV_PREPASS
+#define SCRATCH_GROUPS 10  // K's base and plane 3, the overlay, V's p3eo and base2 (base2 apart: both prepasses first)
+#elif GAAC_FORMAT == 3
 #define SCRATCH_GROUPS 8  // base, plane 3, the overlay (4 bits per element), p3eo
 #if !GAAC_DENSE_SLOT
 #error "GAAC_FORMAT 3 (fragment-order slots) is staged as stored: GAAC_DENSE_SLOT=1"
@@ -354,7 +363,7 @@ __device__ __forceinline__ void scratch_at(Scratch& s, u8* at) {
   s.base = at;
   s.planes = s.base + G;
   s.raw = s.planes + 5 * G;
-  s.base2 = s.base;
+  s.base2 = KV_PREPASS ? s.base + 8 * G : s.base;
   s.ov = s.planes + G;
   s.p3eo = GAAC_FORMAT == 3 ? s.ov + 4 * G : s.raw + G;
 }
@@ -381,6 +390,21 @@ __device__ __forceinline__ void load_tags(const Params& p, const u8* slot, int l
 __device__ __forceinline__ void scan_tags(LaneTags& k, LaneTags& v, int lane) {
   constexpr u32 RAW_BYTES = GAAC_FORMAT == 3 ? 0u : 4u;  // bytes a raw group adds to the lane's plane-3 run
   const u32 ck = __popc(k.wb) + RAW_BYTES * __popc(k.rb), cv = __popc(v.wb) + RAW_BYTES * __popc(v.rb);
+#if GAAC_SCAN_BALLOT
+  // exclusive sums by bit slices: sum over bits j of 2^j x (lanes below with bit j of their count set); counts are at
+  // most 8 (format 3) or 8 + 4 x 8 (format 1), so 4 or 6 slices
+  constexpr int SLICES = GAAC_FORMAT == 3 ? 4 : 6;
+  u32 below;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(below));
+  u32 ek = 0, ev = 0;
+#pragma unroll
+  for (int j = 0; j < SLICES; ++j) {
+    ek += (u32)__popc(__ballot_sync(0xffffffffu, (ck & (1u << j)) != 0) & below) << j;
+    ev += (u32)__popc(__ballot_sync(0xffffffffu, (cv & (1u << j)) != 0) & below) << j;
+  }
+  k.off = ek;
+  v.off = ev;
+#else
   const u32 cnt = ck | (cv << 16);
   u32 incl = cnt;
 #pragma unroll
@@ -396,6 +420,7 @@ __device__ __forceinline__ void scan_tags(LaneTags& k, LaneTags& v, int lane) {
   const u32 excl = incl - cnt;
   k.off = excl & 0xFFFF;
   v.off = excl >> 16;
+#endif
   k.any_raw = __any_sync(0xffffffffu, k.rb != 0);
   v.any_raw = __any_sync(0xffffffffu, v.rb != 0);
 }
@@ -492,6 +517,29 @@ __device__ __forceinline__ void f3_overlay(const u8* esc, int esc_max, const Scr
 }
 __device__ __forceinline__ u32 f3_ov(u32 x, int h) { return (h ? __funnelshift_r(x, x, 4) : x) & 0x78787878u; }
 
+// The lane's groups into the scratch: per group its base (base3, base4 or 0 by mode) and plane-3 byte p3 (format 3's
+// V tiles: both doubled and split by token parity, over base2 and p3eo), format 1's raw masks.
+template <bool IS_V>
+__device__ __forceinline__ void group_words(const Scratch& s, const u32 (&p3)[GPL / 4], const u32 (&b3)[GPL / 4],
+                                            const u32 (&b4)[GPL / 4], int lane, const LaneTags& lt) {
+  const u32 wb = lt.wb, rb = lt.rb;
+#pragma unroll
+  for (int w = 0; w < GPL / 4; ++w) {
+    const u32 wm = lane_mask((wb >> (4 * w)) & 0xF), rm = lane_mask((rb >> (4 * w)) & 0xF);
+    const int g0 = lane * GPL + 4 * w;
+    const u32 bw = bitsel(b4[w], b3[w], wm) & ~rm;
+    if (GAAC_FORMAT == 3 && IS_V) {  // V words of format 3: (2 tokens) x (2 channels)
+      *reinterpret_cast<uint2*>(s.base2 + 2 * g0) = make_uint2(prmt(bw, 0u, 0x1100u), prmt(bw, 0u, 0x3322u));
+      const u32 ev = p3[w] & 0x55555555u, od = (p3[w] >> 1) & 0x55555555u;
+      *reinterpret_cast<uint2*>(s.p3eo + 2 * g0) = make_uint2(prmt(ev, od, 0x5140u), prmt(ev, od, 0x7362u));
+    } else {
+      *reinterpret_cast<u32*>(s.base + g0) = bw;
+      *reinterpret_cast<u32*>(s.planes + g0) = p3[w];
+    }
+    if (lt.any_raw && !F3_OVERLAY) *reinterpret_cast<u32*>(s.raw + g0) = rm;
+  }
+}
+
 // Prepass over one slot in shared memory: bases and dense escape planes per group into the scratch.
 template <bool IS_V = false>
 __device__ __forceinline__ void prepass(const Params& p, const u8* slot, const Scratch& s, const u32 (&b3)[GPL / 4],
@@ -514,21 +562,7 @@ __device__ __forceinline__ void prepass(const Params& p, const u8* slot, const S
 #pragma unroll
     for (int w = 0; w < GPL / 4; ++w) p3[w] = (u32)(acc >> (32 * w));
   }
-#pragma unroll
-  for (int w = 0; w < GPL / 4; ++w) {
-    const u32 wm = lane_mask((wb >> (4 * w)) & 0xF), rm = lane_mask((rb >> (4 * w)) & 0xF);
-    const int g0 = lane * GPL + 4 * w;
-    const u32 bw = bitsel(b4[w], b3[w], wm) & ~rm;
-    if (GAAC_FORMAT == 3 && IS_V) {  // V words of format 3: (2 tokens) x (2 channels)
-      *reinterpret_cast<uint2*>(s.base2 + 2 * g0) = make_uint2(prmt(bw, 0u, 0x1100u), prmt(bw, 0u, 0x3322u));
-      const u32 ev = p3[w] & 0x55555555u, od = (p3[w] >> 1) & 0x55555555u;
-      *reinterpret_cast<uint2*>(s.p3eo + 2 * g0) = make_uint2(prmt(ev, od, 0x5140u), prmt(ev, od, 0x7362u));
-    } else {
-      *reinterpret_cast<u32*>(s.base + g0) = bw;
-      *reinterpret_cast<u32*>(s.planes + g0) = p3[w];
-    }
-    if (lt.any_raw && !F3_OVERLAY) *reinterpret_cast<u32*>(s.raw + g0) = rm;
-  }
+  group_words<IS_V>(s, p3, b3, b4, lane, lt);
   if (F3_OVERLAY) {
     if (lt.any_raw) f3_overlay<IS_V>(esc, BUF_BYTES - SECTION_SHIFT - ESC_OFF - 4, s, lane, lt);
   } else if (lt.any_raw) {  // planes 4..7 of raw groups: the 4 escape bytes after plane 3
@@ -548,6 +582,27 @@ __device__ __forceinline__ void prepass(const Params& p, const u8* slot, const S
         *reinterpret_cast<u32*>(s.planes + (1 + j) * G + lane * GPL + 4 * w) = (u32)(hi[j] >> (32 * w));
   }
 }
+
+#if KV_PREPASS
+// GAAC_KV_PREPASS: the unit's K and V slots (HK, HV: which are slots) in one pass, the escape windows loaded first,
+// then the group words of both, so the two independent chains can interleave; the overlays stay with their tiles
+// (they share one region of the scratch: kv_overlay).
+template <bool HK, bool HV>
+__device__ __forceinline__ void prepass_kv(const Params& p, const u8* kslot, const u8* vslot, const Scratch& s,
+                                           const u32 (&b3)[2][TILES][GPL / 4], const u32 (&b4)[2][TILES][GPL / 4],
+                                           int lane, const LaneTags& tk, const LaneTags& tv) {
+  u32 kp3[GPL / 4], vp3[GPL / 4];
+  if (HK) plane3_window(p, kslot + SECTION_SHIFT + ESC_OFF, tk.wb, tk.off, kp3);
+  if (HV) plane3_window(p, vslot + SECTION_SHIFT + ESC_OFF, tv.wb, tv.off, vp3);
+  if (HK) group_words<false>(s, kp3, b3[0][0], b4[0][0], lane, tk);
+  if (HV) group_words<true>(s, vp3, b3[1][0], b4[1][0], lane, tv);
+}
+template <bool IS_V>
+__device__ __forceinline__ void kv_overlay(const Params& p, const u8* slot, const Scratch& s, int lane,
+                                           const LaneTags& lt) {
+  if (lt.any_raw) f3_overlay<IS_V>(slot + SECTION_SHIFT + ESC_OFF, BUF_BYTES - SECTION_SHIFT - ESC_OFF - 4, s, lane, lt);
+}
+#endif
 
 // N consecutive 32-bit words from shared memory in one vector load (the caller guarantees 4N-byte alignment).
 template <int N>
@@ -1580,6 +1635,16 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       }
     }
 
+    const bool pre = !(GAAC_SKIP & 16) && (!(GAAC_SKIP & 64) || j == 0);  // (breakdown options leave it out)
+#if KV_PREPASS
+    if (DECODE && pre && !(GAAC_SKIP & 128)) {  // both slots' group words first (then each tile's overlay)
+      const u8* kb = ring + st * 2 * BUF_BYTES;
+      if ((slots_here & 3) == 3) prepass_kv<true, true>(p, kb, kb + BUF_BYTES, scr, b3, b4, lane, tk[0], tv[0]);
+      else if (slots_here & 1) prepass_kv<true, false>(p, kb, kb + BUF_BYTES, scr, b3, b4, lane, tk[0], tv[0]);
+      else if (slots_here & 2) prepass_kv<false, true>(p, kb, kb + BUF_BYTES, scr, b3, b4, lane, tk[0], tv[0]);
+    }
+#endif
+
     // S^T (even, odd k-slices): tokens g, g + 8 x heads 2t, 2t + 1
     float sc2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
@@ -1588,8 +1653,11 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       if (GAAC_SKIP & 128) {  // (breakdown) one word of the tile read, as the copy-pipeline probe reads
         sc2[0][0] = __uint_as_float(lds(buf + 4 * lane) & 0x3f000000u);
       } else if (DECODE && ((slots_here >> T) & 1)) {
-        if (!(GAAC_SKIP & 16) && (!(GAAC_SKIP & 64) || j == 0))
-          prepass(p, buf, scr, b3[0][T], b4[0][T], lane, tk[T]);
+#if KV_PREPASS
+        if (pre) kv_overlay<false>(p, buf, scr, lane, tk[T]);
+#else
+        if (pre) prepass(p, buf, scr, b3[0][T], b4[0][T], lane, tk[T]);
+#endif
         __syncwarp();
         k_tile<4>(p, buf, scr, g, t, qb[T], sc2, tk[T].any_raw, sw);
         __syncwarp();
@@ -1615,8 +1683,11 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       if (GAAC_SKIP & 128) {
         o[T][0][0] += __uint_as_float((lds(buf + 4 * lane) ^ pb[0]) & 0x3f000000u);
       } else if (DECODE && ((slots_here >> (TILES + T)) & 1)) {
-        if (!(GAAC_SKIP & 16) && (!(GAAC_SKIP & 64) || j == 0))
-          prepass<true>(p, buf, scr, b3[1][T], b4[1][T], lane, tv[T]);
+#if KV_PREPASS
+        if (pre) kv_overlay<true>(p, buf, scr, lane, tv[T]);
+#else
+        if (pre) prepass<true>(p, buf, scr, b3[1][T], b4[1][T], lane, tv[T]);
+#endif
         __syncwarp();
         v_tile<4>(p, buf, scr, g, t, pb, o[T], tv[T].any_raw, sw);
         __syncwarp();
