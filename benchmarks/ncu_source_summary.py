@@ -92,17 +92,27 @@ def by_call_site(rows: list[dict], lines: list[tuple[str, int | None]], source: 
     two opcode sequences (the unaligned share is reported, not guessed)."""
     ncu_ops = [_opcode(r["Source"]) for r in rows]
     counts = [num(r["Instructions Executed"]) for r in rows]
+    samples = [num(r.get("Warp Stall Sampling (All Samples)", "0")) for r in rows]
+    reasons = [c for c in (rows[0] if rows else {}) if c.startswith("stall_") and "Not Issued" not in c]
     sm = difflib.SequenceMatcher(None, ncu_ops, [op.split(".")[0] for op, _ in lines], autojunk=False)
-    per_line, matched = collections.Counter(), 0
+    per_line, per_line_samples, matched = collections.Counter(), collections.Counter(), 0
+    per_line_reasons = collections.defaultdict(collections.Counter)
     for a, b, n in sm.get_matching_blocks():
         for i in range(n):
             line = lines[b + i][1]
             if line is not None:
                 per_line[line] += counts[a + i]
+                per_line_samples[line] += samples[a + i]
+                for c in reasons:
+                    per_line_reasons[line][c[6:]] += num(rows[a + i].get(c, "0"))
                 matched += counts[a + i]
-    total = max(1, sum(counts))
+    total, total_samples = max(1, sum(counts)), max(1, sum(samples))
     return {"aligned_share": round(matched / total, 4),
+            "aligned_sample_share": round(sum(per_line_samples.values()) / total_samples, 4),
             "lines": [{"line": ln, "per_unit": round(c / units, 1), "share": round(c / total, 4),
+                       # where the warps wait: this line's share of all stall samples, and its main reasons
+                       "stall_share": round(per_line_samples[ln] / total_samples, 4),
+                       "reasons": {k: v for k, v in per_line_reasons[ln].most_common(3) if v},
                        "source": source[ln - 1].strip()[:100] if 0 < ln <= len(source) else ""}
                       for ln, c in per_line.most_common(top)]}
 
@@ -132,9 +142,12 @@ def main(argv=None) -> None:
             listing = f.read()
         source = open(args.source).read().splitlines() if args.source else []
         s["call_sites"] = by_call_site(rows, sass_lines(listing, args.function), source, args.units, args.top)
-        print(f"\nper call site ({100 * s['call_sites']['aligned_share']:.1f}% of the executed instructions aligned):")
+        print(f"\nper call site ({100 * s['call_sites']['aligned_share']:.1f}% of the executed instructions and "
+              f"{100 * s['call_sites']['aligned_sample_share']:.1f}% of the stall samples aligned; stall share: where "
+              f"the warps spend their time):")
         for c in s["call_sites"]["lines"]:
-            print(f"  {c['per_unit']:7.1f} per unit  L{c['line']}: {c['source']}")
+            print(f"  {c['per_unit']:7.1f} per unit {100 * c['stall_share']:5.1f}% of samples  L{c['line']}: "
+                  f"{c['source'][:70]}  {c['reasons']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(s, f, indent=1)

@@ -64,3 +64,21 @@ def test_call_sites_align_the_local_listing_to_ncu_rows():
     assert per == {3: 6.0, 5: 1.0, 7: 1.0}
     assert got["aligned_share"] == round(800 / 1000, 4)
     assert got["lines"][0]["source"] == "x = a & b;"
+
+
+def test_call_sites_carry_their_stall_samples():
+    """Per call site, its share of the stall samples (where the warps spend their time, not what they execute) and
+    its main stall reasons; samples of unaligned rows are left out of every site but counted in the total."""
+    lines = sass_lines(LISTING, "k")
+    row = {"Warp Stall Sampling (All Samples)": "0", "stall_wait": "0", "stall_short_sb": "0"}
+    rows = [row | {"Source": "      LOP3.LUT R1, R2, R3, R4, 0xe4, !PT", "Instructions Executed": "400",
+                   "Warp Stall Sampling (All Samples)": "10", "stall_wait": "10"},
+            row | {"Source": "@!PT  LDS RZ, [RZ]", "Instructions Executed": "100",
+                   "Warp Stall Sampling (All Samples)": "30", "stall_short_sb": "25", "stall_wait": "5"},
+            row | {"Source": "      IMAD R1, R2, R3, RZ", "Instructions Executed": "100",
+                   "Warp Stall Sampling (All Samples)": "10", "stall_wait": "10"}]
+    got = by_call_site(rows, lines, [], units=100)
+    site = {c["line"]: c for c in got["lines"]}
+    assert site[3]["stall_share"] == 0.2 and site[3]["reasons"] == {"wait": 10}
+    assert site[5]["stall_share"] == 0.6 and site[5]["reasons"]["short_sb"] == 25
+    assert got["aligned_sample_share"] == 0.8
