@@ -115,7 +115,7 @@ class _Params(ctypes.Structure):  # mirrors `struct Params` in the kernel source
     _fields_ = ([(n, ctypes.c_void_p) for n in ("q", "slots", "raw", "table", "kv_k", "kv_v", "base3", "base4",
                                                  "kv_len", "mask", "part_o", "part_ml", "out", "trace", "split_cum")]
                 + [(n, ctypes.c_longlong) for n in ("slot_bytes", "table_sb", "kv_sb", "kv_sh", "kv_ss", "mask_sb")]
-                + [(n, ctypes.c_int) for n in ("batch", "heads", "rep", "nsplit", "spare1", "buf_bytes", "warp_bytes",
+                + [(n, ctypes.c_int) for n in ("batch", "heads", "rep", "nsplit", "table_nb", "buf_bytes", "warp_bytes",
                                                "planes_off", "tags_off", "esc_off")]
                 + [("qk_scale", ctypes.c_float), ("counters", ctypes.c_void_p)])
 
@@ -650,7 +650,7 @@ def decode_attention(query: torch.Tensor, slot_pool: torch.Tensor, raw_pool: tor
     def fill(prm):
         prm.slots, prm.raw, prm.table = slot_pool.data_ptr(), raw_pool.data_ptr(), table.data_ptr()
         prm.kv_k, prm.kv_v, prm.base3, prm.base4 = tail_k.data_ptr(), tail_v.data_ptr(), base3.data_ptr(), base4.data_ptr()
-        prm.slot_bytes, prm.table_sb = layout.slot_bytes, table.stride(0)
+        prm.slot_bytes, prm.table_sb, prm.table_nb = layout.slot_bytes, table.stride(0), table.shape[1]
         prm.kv_sb, prm.kv_sh, prm.kv_ss = tail_k.stride(0), tail_k.stride(1), tail_k.stride(2)
         prm.planes_off, prm.tags_off, prm.esc_off = layout.planes_offset, layout.tags_offset, layout.escape_offset
         return (slot_pool, raw_pool, table, tail_k, tail_v, base3, base4)

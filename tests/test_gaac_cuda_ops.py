@@ -301,6 +301,11 @@ def test_plan_of_the_warp_specialized_kernel():
                                     (64, 1, 6, "GAAC_WARPS=12", "GAAC_SCAN_BALLOT=1", "GAAC_KV_PREPASS=1"),
                                     (128, 1, 3, "GAAC_WARPS=12", "GAAC_SCAN_BALLOT=1"), (64, 1, 0, "GAAC_SCAN_BALLOT=1"),
                                     (128, 1, 7, "GAAC_SCAN_BALLOT=1", "GAAC_KV_PREPASS=1"),
+                                    (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_STRIDED=1", "GAAC_ENTRY_PTR=1",
+                                     "GAAC_LATE_Q=1", "GAAC_SCAN_BALLOT=1", "GAAC_KV_PREPASS=1", "GAAC_OV_UNIFORM=1"),
+                                    (128, 1, 1, "GAAC_WARPS=12", "GAAC_STRIDED=1"),
+                                    (64, 1, 6, "GAAC_WARPS=12", "GAAC_STRIDED=1", "GAAC_LANE_ENTRIES=1"),
+                                    (128, 1, 0, "GAAC_STRIDED=1", "GAAC_CTA_MERGE=1", "GAAC_FUSED_COMBINE=1"),
                                     (128, 1, 2, "GAAC_WARPS=12", "GAAC_ENTRY_PTR=1", "GAAC_LATE_Q=1")])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     """The sm_90a build of every head_dim-64/128 variant, at the plan's register cap (12 warps per SM: 3 CTAs of 4
@@ -838,12 +843,14 @@ def test_session_26_trims_equal_the_twin(case):
 @gpu
 @pytest.mark.parametrize("case", [GPU_CASES[1], GPU_CASES[3], GPU_CASES[8], GPU_CASES[9], GPU_CASES[10]],
                          ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
-def test_session_27_scan_and_prepass_equal_the_twin(case):
+def test_session_27_scan_prepass_and_strided_equal_the_twin(case):
     """Kernel options prepared in session 27: GAAC_SCAN_BALLOT (the escape offsets by ballots of the counts' bit
-    slices, formats 1 and 3) and GAAC_KV_PREPASS (format 3: the V slot's group words beside the K slot's, in scratch
-    of their own): no bit changes — compressed KV equals its twin at 1 split, 5, 3 x 4 warps and the default, and on
-    format version 2; the plan sizes the larger scratch."""
-    _defines_equal_twin(case, "GAAC_SCAN_BALLOT=1", "GAAC_KV_PREPASS=1")
+    slices, formats 1 and 3), GAAC_KV_PREPASS (format 3: the V slot's group words beside the K slot's, in scratch of
+    their own) and GAAC_STRIDED (split s takes units s, s + nsplit, ...; its first unit's table entries read before
+    the row's length, inside the table): no bit changes — compressed KV equals its twin (strided alike) at 1 split,
+    5, 3 x 4 warps and the default, with raw tiles, padded rows and rows shorter than the split count, and on format
+    version 2. (`warps_probe.py --set ov` checks each option alone against its twin at the benchmark shapes.)"""
+    _defines_equal_twin(case, "GAAC_SCAN_BALLOT=1", "GAAC_KV_PREPASS=1", "GAAC_STRIDED=1")
 
 
 @gpu

@@ -93,6 +93,7 @@
 // benchmarks/results/attention_cuda.md, sessions 7 and 24). A warp-specialized build's one-warp kernel is never
 // launched and keeps one barrier per stage.
 #define SPLITBAR (GAAC_PLAIN && !GAAC_WS)
+#define STRIDED (GAAC_STRIDED && !GAAC_BALANCE)
 // Per-warp header: stage barriers and slot bits, then the ring. 128 bytes, so every bulk copy lands on a 128-byte
 // aligned shared-memory destination: the compressed kernel's 64-byte header put them 64 bytes off and cost a quarter
 // of the copy pipeline's rate (1x64K, the copies alone: 56.2 -> 46.9 us; benchmarks/frame_probe.py, session 25).
@@ -123,6 +124,9 @@
 #ifndef GAAC_KV_PREPASS  // (session 27, prepared) format 3, one tile per head: the V slot's prepass (all but its overlay)
 #define GAAC_KV_PREPASS 0  // beside the K slot's before the K tile, into scratch of its own (1: two independent chains
 #endif                     // to interleave; 10 scratch bytes per group), or before the V tile (0)
+#ifndef GAAC_STRIDED  // (session 27, prepared) the one-warp kernel's split s takes units s, s + nsplit, s + 2 nsplit, ...
+#define GAAC_STRIDED 0  // (1: its first unit is known before the row's length, so that unit's table entries load
+#endif                  // beside kv_len at the start, one round trip less) or a contiguous range (0)
 #ifndef VT_WORDS  // V words decoded per vector load in v_tile (all NVW at once, or halves)
 #define VT_WORDS NVW
 #endif
@@ -168,15 +172,15 @@ struct Params {
   float* part_ml;      // [items, rep, 2]
   u16* out;            // [B, Hq, D]
   unsigned long long* trace;  // GAAC_TRACE: [items, 4] split stamps (entry, first unit ready, done, SM), combine starts
-  const int* split_cum;  // GAAC_BALANCE: [B, nsplit + 1] cumulative split weights per row (else unused: it and
-                        // spare1 keep the offsets of the fields after them, and with them the
-                       // code of every build as measured (dropping them changes register allocation)
+  const int* split_cum;  // GAAC_BALANCE: [B, nsplit + 1] cumulative split weights per row (else unused: it keeps
+                        // the offsets of the fields after it, and with them the code of every build as measured;
+                       // dropping it changes register allocation)
   i64 slot_bytes;
   i64 table_sb;        // table stride per batch row, in int32
   i64 kv_sb, kv_sh, kv_ss;  // strides of kv_k / kv_v in elements
   i64 mask_sb;
   int batch, heads, rep, nsplit;
-  int spare1;          // unused (see split_cum)
+  int table_nb;        // compressed KV: the table's block capacity (GAAC_STRIDED's early entries stay inside it)
   int buf_bytes;       // bytes of one tile buffer in the ring
   int warp_bytes;      // shared memory per warp
   int planes_off, tags_off, esc_off;  // slot layout (format.py)
@@ -1344,16 +1348,34 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     p.trace[4 * item + 3] = sm;
   }
 
+  const int* trow = p.table + (i64)b * p.table_sb;
+  const int tstride = 2 * p.heads * TILES;
+#if STRIDED && !GAAC_PLAIN && !LANE_ENTRIES
+  // the split's first unit is `split` whatever the length: its table entries load beside kv_len (inside the table;
+  // used only if the unit turns out to be a finalized block of the row)
+  int early[2][TILES];
+#pragma unroll
+  for (int kv = 0; kv < 2; ++kv)
+#pragma unroll
+    for (int T = 0; T < TILES; ++T)
+      early[kv][T] = split < p.table_nb ? trow[(i64)split * tstride + (kv * p.heads + hk) * TILES + T] : 0;
+#endif
   const int len = p.kv_len[b];
   const int nb = len >> 4, tl = len & 15;
   const int units = nb + (tl > 0 ? 1 : 0);
 #if GAAC_BALANCE
   int u0, n;
   split_range(p, b, split, units, u0, n);
+  constexpr int us = 1;  // the split's units: u0, u0 + us, ..., n of them
+#elif STRIDED
+  // the split's units strided: split, split + nsplit, ... (n of them)
+  const int u0 = split, us = p.nsplit;
+  const int n = units > split ? (units - 1 - split) / p.nsplit + 1 : 0;
 #else
   // the split's units: a contiguous range of ceil(units / nsplit), u0 .. u0 + n - 1
   const int per = (units + p.nsplit - 1) / p.nsplit;
   const int u0 = min(units, split * per), n = min(units, u0 + per) - u0;
+  constexpr int us = 1;
 #endif
 
   u32 qb[TILES][NKS][2];
@@ -1365,8 +1387,6 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 
   // the lane's first sign+mantissa chunk in a slot's buffer (issue_kv's 16-byte copies)
   const u32 sm_lane = (lane / (C / 16)) * SM_ROW + 16 * (lane % (C / 16));
-  const int* trow = p.table + (i64)b * p.table_sb;
-  const int tstride = 2 * p.heads * TILES;
   // rows of a BF16 tile: plain blocks at row 16u of the plain KV; the compressed tail at row 0 of the tail
   auto rows_src = [&](int kv, int u, int T) -> const u16* {
     const u16* base = kv ? p.kv_v : p.kv_k;
@@ -1517,8 +1537,8 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   // and loads the chunk after it, so each chunk's loads have 32 units to land
   auto chunk_entries = [&](int c, int& ek, int& ev) {
     const int jc = 32 * c + lane;
-    ek = jc < n ? entry(u0 + jc, 0, 0) : 0;
-    ev = jc < n ? entry(u0 + jc, 1, 0) : 0;
+    ek = jc < n ? entry(u0 + jc * us, 0, 0) : 0;
+    ev = jc < n ? entry(u0 + jc * us, 1, 0) : 0;
   };
   int cur_k, cur_v, nxt_k, nxt_v;
   chunk_entries(0, cur_k, cur_v);
@@ -1536,19 +1556,35 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   // of the table instead of the row's 64-bit address computed per call
   const int* erow = trow + (i64)u0 * tstride + hk * TILES;
   auto load_entries = [&](int j, int (&e)[2][TILES]) {  // of the split's j-th unit
-    const bool in = !GAAC_PLAIN && j < n && u0 + j < nb;
+    const bool in = !GAAC_PLAIN && j < n && u0 + j * us < nb;
 #pragma unroll
     for (int kv = 0; kv < 2; ++kv)
 #pragma unroll
-      for (int T = 0; T < TILES; ++T) e[kv][T] = in ? erow[kv * p.heads * TILES + T] : 0;
-    erow += tstride;
+      for (int T = 0; T < TILES; ++T) {
+#if STRIDED && !GAAC_PLAIN
+        if (j == 0) {  // (the first call) loaded at the start (a table the launcher did not size: loaded now)
+          e[kv][T] = in ? (u0 < p.table_nb ? early[kv][T] : erow[kv * p.heads * TILES + T]) : 0;
+          continue;
+        }
+#endif
+        e[kv][T] = in ? erow[kv * p.heads * TILES + T] : 0;
+      }
+    erow += (i64)us * tstride;
   };
 #else
   auto load_entries = [&](int j, int (&e)[2][TILES]) {  // of the split's j-th unit
 #pragma unroll
     for (int kv = 0; kv < 2; ++kv)
 #pragma unroll
-      for (int T = 0; T < TILES; ++T) e[kv][T] = j < n ? entry(u0 + j, kv, T) : 0;
+      for (int T = 0; T < TILES; ++T) {
+#if STRIDED && !GAAC_PLAIN
+        if (j == 0) {  // (the first call) loaded at the start (a table the launcher did not size: loaded now)
+          e[kv][T] = n > 0 && u0 < nb ? (u0 < p.table_nb ? early[kv][T] : entry(u0, kv, T)) : 0;
+          continue;
+        }
+#endif
+        e[kv][T] = j < n ? entry(u0 + j * us, kv, T) : 0;
+      }
   };
 #endif
   int ent[2][TILES];
@@ -1557,7 +1593,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   // stage st's V half re-issued with the split's unit j + STAGES (its last reader is done)
   auto reissue_v = [&](int j, int st) {
     if (j + GAAC_STAGES < n) {
-      issue_half(u0 + (j + GAAC_STAGES), st, ent, 1);
+      issue_half(u0 + (j + GAAC_STAGES) * us, st, ent, 1);
       load_entries(j + GAAC_STAGES + 1, ent);
     }
   };
@@ -1572,7 +1608,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   // the mask bytes of the units in the ring, oldest first, loaded as their copies are issued (padding masks only)
   UnitMask mq[GAAC_STAGES];
   auto queue_mask = [&](int i, int j) {  // mq[i] = the mask bytes of the split's j-th unit
-    if (mrow) mq[i] = unit_mask(mrow, u0 + j, g, u0 + j >= nb ? tl : 16);
+    if (mrow) mq[i] = unit_mask(mrow, u0 + j * us, g, u0 + j * us >= nb ? tl : 16);
   };
 #pragma unroll
   for (int i = 0; i < GAAC_STAGES; ++i) mq[i] = {1u, 1u};
@@ -1580,8 +1616,8 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #pragma unroll
   for (int i = 0; i < GAAC_STAGES; ++i) {
     if (i < n) {
-      issue_half(u0 + i, i, ent, 0);
-      issue_half(u0 + i, i, ent, 1);
+      issue_half(u0 + i * us, i, ent, 0);
+      issue_half(u0 + i * us, i, ent, 1);
       load_entries(i + 1, ent);
       queue_mask(i, i);
     }
@@ -1593,7 +1629,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #pragma unroll
     for (int i = 0; i + 1 < GAAC_STAGES; ++i) mq[i] = mq[i + 1];
     if (next < n) {
-      issue(u0 + next, next % GAAC_STAGES, ent);
+      issue(u0 + next * us, next % GAAC_STAGES, ent);
       load_entries(next + 1, ent);
       queue_mask(GAAC_STAGES - 1, next);
     }
@@ -1605,10 +1641,10 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       load_bases(p, hk, lane, b3, b4);
     }
 #endif
-    const int u = u0 + j;
+    const int u = u0 + j * us;
     const int st = j % GAAC_STAGES;
-    if (!GAAC_PLAIN && !LANE_ENTRIES && lane == 0 && u + 8 < nb)
-      asm volatile("prefetch.global.L1 [%0];" ::"l"(trow + (i64)(u + 8) * tstride));
+    if (!GAAC_PLAIN && !LANE_ENTRIES && lane == 0 && u + 8 * us < nb)
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(trow + (i64)(u + 8 * us) * tstride));
     mbar_wait(bars + 8 * st, (phases >> st) & 1);
 #if SPLITBAR
     mbar_wait(bars + 8 * (GAAC_STAGES + st), (phases >> st) & 1);
@@ -1667,7 +1703,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     }
 #if SPLITBAR
     __syncwarp();  // every lane has read the stage's K tiles
-    if (j + GAAC_STAGES < n) issue_half(u0 + (j + GAAC_STAGES), st, ent, 0);
+    if (j + GAAC_STAGES < n) issue_half(u0 + (j + GAAC_STAGES) * us, st, ent, 0);
 #endif
     // online softmax (base 2) of heads 2t, 2t+1 over the 16 tokens, then the output rescaled if the max moved
     u32 pb[2] = {__float_as_uint(sc2[0][0]), 0u};
