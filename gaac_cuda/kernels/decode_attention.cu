@@ -1560,15 +1560,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #pragma unroll
     for (int kv = 0; kv < 2; ++kv)
 #pragma unroll
-      for (int T = 0; T < TILES; ++T) {
-#if STRIDED && !GAAC_PLAIN
-        if (j == 0) {  // (the first call) loaded at the start (a table the launcher did not size: loaded now)
-          e[kv][T] = in ? (u0 < p.table_nb ? early[kv][T] : erow[kv * p.heads * TILES + T]) : 0;
-          continue;
-        }
-#endif
-        e[kv][T] = in ? erow[kv * p.heads * TILES + T] : 0;
-      }
+      for (int T = 0; T < TILES; ++T) e[kv][T] = in ? erow[kv * p.heads * TILES + T] : 0;
     erow += (i64)us * tstride;
   };
 #else
@@ -1576,19 +1568,25 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #pragma unroll
     for (int kv = 0; kv < 2; ++kv)
 #pragma unroll
-      for (int T = 0; T < TILES; ++T) {
-#if STRIDED && !GAAC_PLAIN
-        if (j == 0) {  // (the first call) loaded at the start (a table the launcher did not size: loaded now)
-          e[kv][T] = n > 0 && u0 < nb ? (u0 < p.table_nb ? early[kv][T] : entry(u0, kv, T)) : 0;
-          continue;
-        }
-#endif
-        e[kv][T] = j < n ? entry(u0 + j * us, kv, T) : 0;
-      }
+      for (int T = 0; T < TILES; ++T) e[kv][T] = j < n ? entry(u0 + j * us, kv, T) : 0;
   };
 #endif
   int ent[2][TILES];
+#if STRIDED && !GAAC_PLAIN && !LANE_ENTRIES
+  if (u0 < p.table_nb) {  // the first unit's entries, read at the start
+#pragma unroll
+    for (int kv = 0; kv < 2; ++kv)
+#pragma unroll
+      for (int T = 0; T < TILES; ++T) ent[kv][T] = n > 0 && u0 < nb ? early[kv][T] : 0;
+#if GAAC_ENTRY_PTR
+    erow += (i64)us * tstride;
+#endif
+  } else {
+    load_entries(0, ent);  // (a table the launcher did not size)
+  }
+#else
   load_entries(0, ent);
+#endif
 #if SPLITBAR
   // stage st's V half re-issued with the split's unit j + STAGES (its last reader is done)
   auto reissue_v = [&](int j, int st) {
