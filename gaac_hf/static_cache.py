@@ -18,7 +18,10 @@ tail and, for rows whose block the token completes, encodes the block and takes 
 device counters, with no host synchronization and no Python branch on data (on CUDA a Triton kernel that runs every
 step and returns early for rows with nothing to finalize). The attention then reads the layer through the
 `gaac::decode_attention` custom op (gaac_hf/ops.py), handed over as the `gaac_record` of the tail tensor `update`
-returns. Prefill (several tokens per row) runs eagerly.
+returns. Prefill and any other update of several tokens per row run eagerly (inside a compiled forward: a graph
+break, as for the verification steps of assisted decoding). `crop(-n)` (assisted decoding, prompt lookup) runs
+eagerly and in place: a block it cuts into is decoded back into the tail, the blocks past it leave the table, and
+the pool counters go back past their tiles when those were the last taken.
 
 Raw pool overflow never passes silently: between steps (`get_mask_sizes`, which `generate` calls eagerly before
 every step, and `check()`, `stats()`) the cache reads the counters, grows the raw pools (all layers' at once: one
@@ -138,7 +141,7 @@ class _LayerStack:
 
 class _StaticLayerBase(CacheLayerMixin):
     is_compileable = True
-    is_croppable = False
+    is_croppable = True  # `crop` (eager) puts the layer back as it was: assisted decoding, prompt lookup
     is_sliding = False
 
     def __init__(self, stack: _LayerStack, layer_idx: int):
@@ -235,6 +238,25 @@ class _StaticLayerBase(CacheLayerMixin):
 
     def _reset_storage(self) -> None:
         pass
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last `-tokens_to_remove` tokens of every row (assisted decoding and prompt lookup reject
+        draft tokens this way), eagerly and in place: buffers keep their addresses, so compiled graphs stay valid."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                "Please use a negative integer to remove that number of tokens from the cache instead.")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        if torch.compiler.is_compiling():
+            raise RuntimeError(f"{type(self).__name__}.crop runs eagerly, between steps")
+        length = self.host_length()
+        new_length = max(length + tokens_to_remove, 0)
+        self._crop_storage(length, new_length)
+        self.kv_len.fill_(new_length)
+
+    def _crop_storage(self, length: int, new_length: int) -> None:
+        pass  # (plain KV: rows past the length are never read, and the next update writes over them)
 
     def offload(self):
         raise NotImplementedError(f"{type(self).__name__} keeps its buffers on the device (no offloading)")
@@ -382,6 +404,29 @@ class GAACStaticLayer(_StaticLayerBase):
         self.counts.zero_()
         self.stack.table[self.j].fill_(-1 - self.n_raw)
 
+    def _crop_storage(self, length: int, new_length: int) -> None:
+        """Finalized blocks the crop cuts into come back: a block cut in the middle is decoded (losslessly) into the
+        tail, the blocks past it leave the table, and the pool counters go back past their tiles when those were the
+        last taken (a tile taken earlier than a kept one stays taken: the pools only ever hand out tiles past the
+        counters, so nothing kept is ever overwritten)."""
+        finalized = length // BLOCK_TOKENS
+        keep, rest = divmod(new_length, BLOCK_TOKENS)
+        if keep >= finalized:
+            return  # only tail tokens go
+        r = self.record
+        if rest:
+            k, v = self._decode(keep, keep + 1)
+            r.tail_k[:, :, :rest].copy_(k[:, :, :rest])
+            r.tail_v[:, :, :rest].copy_(v[:, :, :rest])
+        kept = r.table[:, :keep].reshape(-1)
+        scratch = -1 - self.n_raw
+        slots = kept[kept >= 0]
+        raws = -1 - kept[(kept < 0) & (kept != scratch)]
+        taken = torch.stack([slots.max() + 1 if slots.numel() else slots.new_zeros(()),
+                             raws.max() + 1 if raws.numel() else raws.new_zeros(())]).to(self.counts.dtype)
+        self.counts.copy_(torch.minimum(self.counts, taken))
+        r.table[:, keep:finalized].fill_(scratch)
+
     # --- pools ----------------------------------------------------------------------------------------------------
     @property
     def n_slots(self) -> int:
@@ -448,6 +493,7 @@ class GAACStaticLayer(_StaticLayerBase):
         self.kv_len.add_(q)
         return length
 
+    @torch.compiler.disable  # (several tokens per row: eager, a graph break inside a compiled forward)
     def _prefill(self, key_states: torch.Tensor, value_states: torch.Tensor):
         t = self.host_length() % BLOCK_TOKENS
         old_k, old_v = self.record.tail_k[:, :, :t].clone(), self.record.tail_v[:, :, :t].clone()
@@ -462,20 +508,24 @@ class GAACStaticLayer(_StaticLayerBase):
 
     def expand(self, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`[B, H, max_cache_len, D]` K, V with the first `n_blocks` finalized blocks decoded, zeros elsewhere."""
-        r = self.record
         b, h, d = self.batch, self.num_kv_heads, self.head_dim
         keys = torch.zeros(b, h, self.max_cache_len, d, dtype=torch.bfloat16, device=self.device)
         values = torch.zeros_like(keys)
-        p, c = self.tile_positions, self.channels
-        step = max(1, ENCODE_MAX_TILES // (b * p))
+        step = max(1, ENCODE_MAX_TILES // (b * self.tile_positions))
         for b0 in range(0, n_blocks, step):
             b1 = min(n_blocks, b0 + step)
-            tiles = ops.expand_tiles(r.table[:, b0:b1].reshape(b, b1 - b0, p), r.slot_pool, r.raw_pool,
-                                     r.base3.reshape(p, c), r.base4.reshape(p, c), r.format_version)
-            kv = ops.blocks_of(tiles, h)
-            keys[:, :, b0 * BLOCK_TOKENS:b1 * BLOCK_TOKENS] = kv[:, 0]
-            values[:, :, b0 * BLOCK_TOKENS:b1 * BLOCK_TOKENS] = kv[:, 1]
+            keys[:, :, b0 * BLOCK_TOKENS:b1 * BLOCK_TOKENS], values[:, :, b0 * BLOCK_TOKENS:b1 * BLOCK_TOKENS] = \
+                self._decode(b0, b1)
         return keys, values
+
+    def _decode(self, b0: int, b1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V `[B, H, 16 (b1 - b0), D]` of finalized blocks b0 .. b1 - 1, decoded from their tiles."""
+        r = self.record
+        p, c = self.tile_positions, self.channels
+        tiles = ops.expand_tiles(r.table[:, b0:b1].reshape(self.batch, b1 - b0, p), r.slot_pool, r.raw_pool,
+                                 r.base3.reshape(p, c), r.base4.reshape(p, c), r.format_version)
+        kv = ops.blocks_of(tiles, self.num_kv_heads)
+        return kv[:, 0], kv[:, 1]
 
     # --- accounting -----------------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -555,6 +605,11 @@ class PlainStaticLayer(_StaticLayerBase):
             record = self.stack.record(self.j)
             ops.plain_append_token(key_states, value_states, record)
             return self._hand_over(record, record.key, record.value)
+        return self._prefill(key_states, value_states)
+
+    @torch.compiler.disable  # (several tokens per row: eager, as GAAC's, a graph break inside a compiled forward)
+    def _prefill(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        q = key_states.shape[-2]
         self._room(self.host_length(), q)
         pos = self.kv_len.long()[:, None] + torch.arange(q, device=self.device)  # [B, q]
         rows = torch.arange(self.batch, device=self.device)[:, None]

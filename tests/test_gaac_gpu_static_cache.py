@@ -75,6 +75,20 @@ def test_gpu_compile_config_without_module_guards_equals_twin(model_and_calibrat
     assert same_generation(out, ref)
 
 
+@pytest.mark.parametrize("calibration_version", [1, 2])
+def test_gpu_prompt_lookup_equals_twin(model_and_calibration, calibration_v2, calibration_version):
+    """Prompt lookup under generate's own compile on CUDA (inductor, CUDA graphs): the verification forwards run
+    eagerly inside the compiled call, rejected drafts are cropped (blocks cut into come back to the tail), and tokens
+    and logit bits equal the twin's, formats 1 and 2."""
+    model, calibration = model_and_calibration
+    calibration = calibration_v2 if calibration_version == 2 else calibration
+    ids = torch.randint(0, 512, (1, 11), generator=torch.Generator().manual_seed(9)).repeat(1, 9).cuda()
+    (out, cache), (ref, _) = _both(model, calibration, ids, 256, do_sample=False, prompt_lookup_num_tokens=6)
+    assert same_generation(out, ref)
+    layer = cache.stats()["layers"][0]
+    assert layer["tokens"] == ids.shape[1] + 39 and layer["slots_taken"] == layer["slots"]
+
+
 def test_gpu_compiled_long_generation(model_and_calibration):
     """1,100 compiled decode steps (69 block finalizations inside the CUDA graph)."""
     model, calibration = model_and_calibration

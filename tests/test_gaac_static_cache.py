@@ -22,7 +22,8 @@ from gaac_hf.calibrate import calibrate
 from gaac_hf.calibration import CalibrationMismatchError, GAACCalibration
 from gaac_hf.format import TileLayout
 from gaac_hf.model_layers import cache_kwarg
-from gaac_hf.static_cache import (GAACCacheFullError, GAACPoolOverflowError, GAACStaticCache, PlainStaticCache)
+from gaac_hf.static_cache import (GAACCacheFullError, GAACPoolOverflowError, GAACStaticCache, GAACStaticLayer,
+                                   PlainStaticCache)
 
 VOCAB = 512
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels' tests: interpreted on the CPU
@@ -159,16 +160,19 @@ def test_triton_kernels_in_the_compiled_step(llama, monkeypatch):
 
 
 def _decode_logits(model, cache, ids, steps, forward):
-    name = cache_kwarg(model)
     with torch.no_grad():
-        model(input_ids=ids, use_cache=True, **{name: cache})  # prefill, eager
-        tok = torch.full((ids.shape[0], 1), 7)
-        logits = []
-        for i in range(steps):
-            pos = torch.full((ids.shape[0], 1), ids.shape[1] + i)
-            out = forward(input_ids=tok, position_ids=pos, use_cache=True, **{name: cache})
-            logits.append(out.logits[:, -1].clone())
-            tok = out.logits[:, -1:].argmax(-1)
+        model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})  # prefill, eager
+        return _steps(model, cache, ids.shape[0], ids.shape[1], steps, forward)
+
+
+def _steps(model, cache, rows, start, steps, forward=None):
+    """`steps` greedy single-token decode steps from position `start` (token 7 first): their logits."""
+    name, forward = cache_kwarg(model), forward or model
+    tok, logits = torch.full((rows, 1), 7), []
+    for i in range(steps):
+        out = forward(input_ids=tok, position_ids=torch.full((rows, 1), start + i), use_cache=True, **{name: cache})
+        logits.append(out.logits[:, -1].clone())
+        tok = out.logits[:, -1:].argmax(-1)
     return torch.stack(logits)
 
 
@@ -197,6 +201,79 @@ def test_decode_step_is_one_graph(llama, cls):
     assert (ex.graph_count, ex.graph_break_count) == (1, 0), ex.break_reasons
     if cls == "gaac":
         assert cache.stats()["layers"][0]["blocks"] == 2
+
+
+# --- crop: assisted decoding, prompt lookup ---------------------------------------------------------------------
+def _decode_after(model, cache, ids, cut, steps):
+    """Prefill `ids`, crop the last `cut` tokens, then `steps` eager single-token decode steps: their logits."""
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
+        cache.crop(-cut)
+        return _steps(model, cache, 1, ids.shape[1] - cut, steps)
+
+
+@pytest.mark.parametrize("cut", [3, 16, 21, 37, 53])
+def test_crop_leaves_the_cache_as_if_the_tokens_never_came(llama, cut):
+    """`crop(-n)` within the tail, to a block boundary, into a finalized block, across several blocks and to
+    nothing (53 of 53): the next decode steps give the logit bits of a cache that only ever held the kept tokens, and
+    the twin cropped alike; a block cut into comes back to the tail, the blocks past it leave the table, and the pool
+    counters go back to the kept tiles (batch 1: nothing leaks)."""
+    model, calibration = llama
+    ids = _ids(53, 30)
+    got = _decode_after(model, GAACStaticCache(model.config, 96, calibration), ids, cut, 20)
+    twin = _decode_after(model, PlainStaticCache(model.config, 96), ids, cut, 20)
+    assert torch.equal(got.view(torch.int32), twin.view(torch.int32))
+    if cut < ids.shape[1]:  # (nothing kept: compared with the twin only)
+        want = _decode_logits(model, GAACStaticCache(model.config, 96, calibration), ids[:, :ids.shape[1] - cut], 20,
+                              model)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    cropped = GAACStaticCache(model.config, 96, calibration)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cropped})
+    cropped.crop(-cut)
+    for layer in cropped.stats()["layers"].values():
+        assert layer["tokens"] == ids.shape[1] - cut
+        assert (layer["slots_taken"], layer["raw_taken"]) == (layer["slots"], layer["raw_tiles"]), layer
+
+
+def test_crop_rejects_a_positive_count(llama):
+    model, calibration = llama
+    cache = GAACStaticCache(model.config, 64, calibration)
+    with torch.no_grad():
+        model(input_ids=_ids(20, 31), use_cache=True, **{cache_kwarg(model): cache})
+    with pytest.raises(ValueError, match="negative integer"):
+        cache.crop(2)
+    assert cache.is_croppable and PlainStaticCache(model.config, 64).is_croppable
+
+
+@pytest.fixture(scope="module")
+def assistant():
+    torch.manual_seed(1)
+    return AutoModelForCausalLM.from_config(tiny_llama_config(num_hidden_layers=1), dtype=torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize("how", ["prompt_lookup", "assistant"])
+def test_assisted_decoding_equals_the_twin(llama, assistant, how, monkeypatch):
+    """Prompt lookup and an assistant model under `generate`'s compiled call (transformers sends the verification
+    forwards, several tokens each, through it: they break the graph and run eagerly): tokens and every logit bit
+    equal the twin's, and some crop cut into a finalized block."""
+    model, calibration = llama
+    cuts = []
+    crop_storage = GAACStaticLayer._crop_storage
+
+    def record(self, length, new_length):
+        cuts.append((length, new_length))
+        crop_storage(self, length, new_length)
+
+    monkeypatch.setattr(GAACStaticLayer, "_crop_storage", record)
+    ids = _ids(9, 32).repeat(1, 5) if how == "prompt_lookup" else _ids(40, 33)
+    extra = {"prompt_lookup_num_tokens": 6} if how == "prompt_lookup" else {"assistant_model": assistant}
+    cc = CompileConfig(fullgraph=False, backend="aot_eager", mode=None)
+    cc._compile_all_devices = True
+    (gaac, _), (plain, _) = _generate_both(model, calibration, ids, 160, compile_backend=None, do_sample=False,
+                                           max_new_tokens=40, min_new_tokens=40, compile_config=cc, **extra)
+    assert _same(gaac, plain)
+    assert any(new // 16 < old // 16 for old, new in cuts), cuts
 
 
 # --- pools -------------------------------------------------------------------------------------------------------
