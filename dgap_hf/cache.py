@@ -36,7 +36,8 @@ import functools
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from hf_common.cache_layers import RowSelectionMixin, full_attention_layers, stock_layer_bytes, sum_layer_bytes
+from hf_common.cache_layers import (RowSelectionMixin, full_attention_layers, stock_layer_bytes, sum_layer_bytes,
+                                   tokens_to_crop)
 from hf_common.model_config import text_config
 
 from .lowbit_config import RESIDUAL_WINDOW, LowBitConfig
@@ -262,11 +263,7 @@ class LowBitLayer(RowSelectionMixin, CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens. Cutting into the quantized prefix moves the partial group back
         into the residual, dequantized (it stays at low-bit accuracy)."""
-        if tokens_to_remove > 0:
-            raise ValueError(
-                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
-                "Please use a negative integer to remove that number of tokens from the cache instead.")
-        if tokens_to_remove == 0 or not self.is_initialized:
+        if not tokens_to_crop(tokens_to_remove, self.is_initialized):
             return
         new_len = max(self.get_seq_length() + tokens_to_remove, 0)
         sink = self.sink_tokens

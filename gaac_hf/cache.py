@@ -28,7 +28,8 @@ import torch
 from torch.utils._pytree import tree_map
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from hf_common.cache_layers import RowSelectionMixin, full_attention_layers, stock_layer_bytes, sum_layer_bytes
+from hf_common.cache_layers import (RowSelectionMixin, full_attention_layers, stock_layer_bytes, sum_layer_bytes,
+                                   tokens_to_crop)
 
 from . import ops
 from .calibration import CalibrationMismatchError, GAACCalibration
@@ -440,11 +441,7 @@ class GAACLayer(RowSelectionMixin, CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens; finalized blocks cut into come back to the tail as BF16."""
-        if tokens_to_remove > 0:
-            raise ValueError(
-                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
-                "Please use a negative integer to remove that number of tokens from the cache instead.")
-        if tokens_to_remove == 0 or not self.is_initialized:
+        if not tokens_to_crop(tokens_to_remove, self.is_initialized):
             return
         new_len = max(self.get_seq_length() + tokens_to_remove, 0)
         fin = self.n_blocks * BLOCK_TOKENS

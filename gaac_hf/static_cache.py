@@ -43,7 +43,7 @@ import torch
 from transformers import StaticCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from hf_common.cache_layers import full_attention_layers
+from hf_common.cache_layers import full_attention_layers, tokens_to_crop
 
 from . import ops
 from .cache import GAAC_ATTENTION_NAME, _check_kv_dtype, check_storage_format, choose_format, resolve_calibration
@@ -242,11 +242,7 @@ class _StaticLayerBase(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens of every row (assisted decoding and prompt lookup reject
         draft tokens this way), eagerly and in place: buffers keep their addresses, so compiled graphs stay valid."""
-        if tokens_to_remove > 0:
-            raise ValueError(
-                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
-                "Please use a negative integer to remove that number of tokens from the cache instead.")
-        if tokens_to_remove == 0 or not self.is_initialized:
+        if not tokens_to_crop(tokens_to_remove, self.is_initialized):
             return
         if torch.compiler.is_compiling():
             raise RuntimeError(f"{type(self).__name__}.crop runs eagerly, between steps")

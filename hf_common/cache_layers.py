@@ -26,6 +26,16 @@ def full_attention_layers(config, make_layer: Callable[[int], object], stock: li
     return [make_layer(i) if t == "full_attention" else stock[i] for i, t in enumerate(types)]
 
 
+def tokens_to_crop(tokens_to_remove: int, is_initialized: bool) -> int:
+    """The tokens a layer's `crop(tokens_to_remove)` removes (0: nothing to do). transformers' convention: a negative
+    count removes that many tokens; a positive one is refused, as `DynamicLayer.crop` refuses it."""
+    if tokens_to_remove > 0:
+        raise ValueError(
+            f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+            "Please use a negative integer to remove that number of tokens from the cache instead.")
+    return -tokens_to_remove if is_initialized else 0
+
+
 class RowSelectionMixin:
     """`reorder_cache` / `batch_repeat_interleave` / `batch_select_indices` of a cache layer, all through the layer's
     `_select_rows(index)` (a LongTensor of the rows to keep, in order); `is_initialized`, `batch` and `device` come
