@@ -335,30 +335,27 @@ BOUNDS_GAAC = {
 # (GAAC_ENTRY_PTR=1: 3,464 SASS instructions against 3,760; all three 3,368), and the query and windows loaded after
 # the first copies are issued (GAAC_LATE_Q=1: the copies' fence, a MEMBAR, no longer waits for their 24 loads; the
 # stripped build, which never loads them, had its first unit ready at 2.8 us against the default's 4.1), each alone
-# and all four, against the default.
+# against the default (all of them together in `gaac_all` below).
 OV_GAAC = {
     "gaac": {"balance": ()},
     "gaac_ov_uniform": {"balance": (), "defines": ("GAAC_OV_UNIFORM=1",)},
     "gaac_scan_pred": {"balance": (), "defines": ("GAAC_SCAN_PRED=1",)},
     "gaac_entry_ptr": {"balance": (), "defines": ("GAAC_ENTRY_PTR=1",)},
     "gaac_late_q": {"balance": (), "defines": ("GAAC_LATE_Q=1",)},
-    "gaac_all_four": {"balance": (), "defines": ("GAAC_OV_UNIFORM=1", "GAAC_SCAN_PRED=1", "GAAC_ENTRY_PTR=1",
-                                                 "GAAC_LATE_Q=1")},
     # session 27 (CPU only; ncu_s26_source.csv.gz read per call site: the tag scan holds 7.4% of the warps' stall
     # samples for 4% of their instructions, short scoreboard on its five dependent shuffles; the two prepasses 18%,
     # mostly fixed-latency waits in two chains run one after the other): the scan by ballots of the counts' bit
     # slices (GAAC_SCAN_BALLOT=1: no shuffle, ~55 instructions against ~36) and the V slot's prepass beside the K
     # slot's before the K tile (GAAC_KV_PREPASS=1: loads first, then both chains interleaved; 512 more scratch bytes
-    # per warp, still 12 warps per SM), each alone, together, and with the session-26 options (GAAC_SCAN_PRED is
-    # moot beside GAAC_SCAN_BALLOT)
+    # per warp, still 12 warps per SM), each alone and together
     "gaac_scan_ballot": {"balance": (), "defines": ("GAAC_SCAN_BALLOT=1",)},
     "gaac_kv_prepass": {"balance": (), "defines": ("GAAC_KV_PREPASS=1",)},
     "gaac_ballot_kv": {"balance": (), "defines": ("GAAC_SCAN_BALLOT=1", "GAAC_KV_PREPASS=1")},
     # and the splits strided (GAAC_STRIDED=1: split s takes units s, s + nsplit, ..., so its first unit's table
     # entries load beside kv_len: one global round trip less before the first copies; the first unit was ready at
-    # ~4.1 us in session 26's traces)
+    # ~4.1 us in session 26's traces); then every option of both sessions together (GAAC_SCAN_PRED is moot beside
+    # GAAC_SCAN_BALLOT), and the twin strided
     "gaac_strided": {"balance": (), "defines": ("GAAC_STRIDED=1",)},
-    "gaac_strided_late_q": {"balance": (), "defines": ("GAAC_STRIDED=1", "GAAC_LATE_Q=1")},
     "gaac_all": {"balance": (), "defines": ("GAAC_OV_UNIFORM=1", "GAAC_SCAN_BALLOT=1", "GAAC_KV_PREPASS=1",
                                             "GAAC_ENTRY_PTR=1", "GAAC_LATE_Q=1", "GAAC_STRIDED=1")},
 }

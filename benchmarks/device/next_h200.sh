@@ -28,9 +28,9 @@
 #   `slotring` (prepared: the slot-sized ring with a third stage), then `rering` (its other shapes and ncu).
 #   Session 26: `slotring` (slower; its mode, set and kernel option removed since), `ncu26` (Nsight Compute at the
 #   aligned default), `s26` (IMAD base adds, lazy running max, 2-stage slot ring in 16 warps: removed since),
-#   `bounds` (prepass, scan and softmax bounds on the aligned ring). First next session: `ov` (prepared), then `ovstep`
-#   (the captured pair; DEFINES=... the options `ov` found faster). Session 27 (CPU only) added GAAC_SCAN_BALLOT,
-#   GAAC_KV_PREPASS and GAAC_STRIDED to `ov`.
+#   `bounds` (prepass, scan and softmax bounds on the aligned ring). First next session: `ov` (prepared: the probe),
+#   `ovtests` (the GPU bit tests), then `ovstep` (the captured pair; DEFINES=... the options `ov` found faster).
+#   Session 27 (CPU only) added GAAC_SCAN_BALLOT, GAAC_KV_PREPASS and GAAC_STRIDED, and the static caches' crop test.
 #   `... fence` (session 20): the GPU tests of the kernels, head dims and eager generate, then
 #     benchmarks/device/ws_race_probe.py over every configuration (32 of them: each should print 'bad': 0).
 #   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
@@ -335,12 +335,17 @@ fi
 if [ "$MODE" = ov ]; then  # prepared in sessions 26-27 (not yet run): the overlay per owner lane (GAAC_OV_UNIFORM),
   # the scan's predicated adds (GAAC_SCAN_PRED), the table entries by a running pointer (GAAC_ENTRY_PTR), the query
   # loaded after the first copies (GAAC_LATE_Q), the scan by ballots (GAAC_SCAN_BALLOT), the V prepass beside the K
-  # prepass (GAAC_KV_PREPASS) and strided splits (GAAC_STRIDED): the probe at six shapes (each variant's bits checked
-  # against its twin planned alike), then the GPU bit tests (then `ovstep` with the faster ones)
-  timeout ${PROBE_TIMEOUT:-330} python3 benchmarks/warps_probe.py --set ov --real-kv .bench/real_kv_2k.safetensors \
+  # prepass (GAAC_KV_PREPASS) and strided splits (GAAC_STRIDED): the probe at six shapes, each variant's bits checked
+  # against its twin planned alike (then `ovtests`, then `ovstep` with the faster ones)
+  timeout ${PROBE_TIMEOUT:-480} python3 benchmarks/warps_probe.py --set ov --real-kv .bench/real_kv_2k.safetensors \
     --shapes ${SHAPES:-1,4,5,2,0,3} --out "$OUT/warps_probe_ov.json" 2>&1 | tee "$OUT/warps_probe_ov.log" | tail -9
-  timeout ${TEST_TIMEOUT:-230} python3 -m pytest -q tests/test_gaac_cuda_ops.py -k "session_26_trims or session_27" \
+fi
+if [ "$MODE" = ovtests ]; then  # the GPU bit tests of the session-26/27 kernel options, then the static caches' crop
+  # under generate's own compile (prompt lookup, formats 1 and 2; session 27)
+  timeout ${TEST_TIMEOUT:-360} python3 -m pytest -q tests/test_gaac_cuda_ops.py -k "session_26_trims or session_27" \
     2>&1 | tee "$OUT/gpu_tests_ov.log" | tail -3
+  timeout ${CROP_TIMEOUT:-180} python3 -m pytest -q tests/test_gaac_gpu_static_cache.py -k "prompt_lookup" 2>&1 \
+    | tee "$OUT/gpu_tests_crop.log" | tail -3
 fi
 if [ "$MODE" = ovstep ]; then  # the captured pair at the defaults, then with DEFINES (the options the `ov`
   # probe found faster, e.g. DEFINES=GAAC_OV_UNIFORM=1,GAAC_SCAN_BALLOT=1,GAAC_KV_PREPASS=1) in every plan of the
