@@ -339,6 +339,7 @@ if [ "$MODE" = ov ]; then  # prepared in sessions 26-27 (not yet run): the overl
   # against its twin planned alike (then `ovtests`, then `ovstep` with the faster ones)
   timeout ${PROBE_TIMEOUT:-480} python3 benchmarks/warps_probe.py --set ov --real-kv .bench/real_kv_2k.safetensors \
     --shapes ${SHAPES:-1,4,5,2,0,3} --out "$OUT/warps_probe_ov.json" 2>&1 | tee "$OUT/warps_probe_ov.log" | tail -9
+  python3 benchmarks/probe_pick.py "$OUT/warps_probe_ov.json" --set ov 2>&1 | tee "$OUT/probe_pick_ov.txt" | tail -16
 fi
 if [ "$MODE" = ovtests ]; then  # the GPU bit tests of the session-26/27 kernel options, then the static caches' crop
   # under generate's own compile (prompt lookup, formats 1 and 2; session 27)
