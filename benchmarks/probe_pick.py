@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from pathlib import Path
 
 
 def variant_table(rows: list[dict], baseline: str = "gaac") -> dict:
@@ -57,7 +58,7 @@ def main(argv=None) -> None:
     p.add_argument("--margin", type=float, default=0.005)
     p.add_argument("--worst", type=float, default=0.98)
     args = p.parse_args(argv)
-    rows = json.load(open(args.json))["rows"]
+    rows = json.loads(Path(args.json).read_text())["rows"]
     from warps_probe import SETS
 
     defines = {label: tuple(kw.get("defines", ())) for label, kw in SETS[args.set][0].items()}

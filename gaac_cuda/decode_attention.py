@@ -315,7 +315,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         buf = buf_bytes
     scratch = 0 if plain else _scratch(channels, format_version, extra)
     # stage barriers and slot bits before the ring: the kernel's HDR (a define may override it, for the probes)
-    header = next((int(x.split("=")[1]) for x in reversed(defines) if x.startswith("GAAC_HDR=")), RING_HEADER)
+    header = _define_value(extra, "GAAC_HDR", RING_HEADER)
     warp_bytes = -(-(header + stages * 2 * tiles * buf + scratch) // 128) * 128
     if v_words is None:
         v_words = channels // 32
@@ -502,8 +502,14 @@ def _scratch(channels: int, format_version: int, extra: tuple[str, ...] = ()) ->
     base, plane 3, code bits 3..6 as a 4-bit-per-element overlay and the V tiles' split plane-3 bytes (8 in all;
     their doubled bases overlay base and plane 3; 10 with the kernel option GAAC_KV_PREPASS=1, where the V slot's
     doubled bases have their own): the kernel's SCRATCH_GROUPS."""
-    per_group = 7 if format_version != 3 else 10 if "-DGAAC_KV_PREPASS=1" in extra else 8
+    per_group = 7 if format_version != 3 else 10 if _define_value(extra, "GAAC_KV_PREPASS", 0) else 8
     return per_group * 2 * channels
+
+
+def _define_value(extra: tuple[str, ...], name: str, default: int) -> int:
+    """The value the kernel sees for define `name` among `-DNAME=VALUE` options (the last one wins, as in nvcc and
+    NVRTC), or `default`."""
+    return next((int(x.split("=", 1)[1]) for x in reversed(extra) if x.startswith(f"-D{name}=")), default)
 
 
 def _stage_buffer(channels: int, slot_bytes: int, plain: bool, dense_slots: bool) -> int:
