@@ -176,8 +176,6 @@ def main():
                    help="time the CUDA twin with plain and swizzled BF16 rows in shared memory")
     p.add_argument("--dense-slots-sweep", action="store_true",
                    help="time the CUDA kernel with slots staged as stored (one bulk copy) and with padded rows")
-    p.add_argument("--ws-sweep", default="", help="warp-specialized kernel configs to time beside the default, as "
-                   "ws:stages:ctas_per_sm,... (e.g. 8:16:1,11:22:1)")
     p.add_argument("--no-triton", action="store_true", help="skip the Triton kernel (fused, twin, breakdown)")
     p.add_argument("--graphs", action="store_true", help="also time the CUDA kernel and the baselines replayed from "
                    "CUDA graphs (GPU time without host launch cost)")
@@ -301,10 +299,10 @@ def main():
                     key = f"stages{stages}_warps{warps}_minctas{min_ctas}_split{mult}x"
                     try:
                         pcs = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes,
-                                             stages=stages, warps=warps, min_ctas=min_ctas, ws=0)
+                                             stages=stages, warps=warps, min_ctas=min_ctas)
                         pcm = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes,
                                              stages=stages, warps=warps, min_ctas=min_ctas,
-                                             nsplit=max(1, int(pcs.nsplit * mult)), ws=0)
+                                             nsplit=max(1, int(pcs.nsplit * mult)))
                         us = (bench_graph if args.graphs else bench)(lambda i, pcm=pcm: gaac_cuda.decode_attention(
                             q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout,
                             pcm), args.buffers)
@@ -329,9 +327,9 @@ def main():
                 timer = bench_graph if args.graphs else bench
                 for on in (False, True):
                     # (the one-warp kernel's options: its plans on and off)
-                    po = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, ws=0,
+                    po = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes,
                                         **{option: on})
-                    ppo = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, nsplit=po.nsplit, ws=0,
+                    ppo = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, nsplit=po.nsplit,
                                          **{option: on})
                     go = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout,
                                                     po)
@@ -342,7 +340,7 @@ def main():
                            "registers": po.kernels(dev)[0].registers,
                            **time_pair(po, ppo)}
                     if SHAPES.index((name, hq, hkv, d, b, s)) == args.breakdown_shape:
-                        pv = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, skip=3, ws=0,
+                        pv = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, skip=3,
                                             **{option: on})
                         row["loads_only_us"] = timer(lambda i, pv=pv: gaac_cuda.decode_attention(
                             q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout, pv,
@@ -356,47 +354,6 @@ def main():
             for option, flag in SWEEP_FLAGS.items():
                 if getattr(args, flag):
                     option_sweep(option)
-            if args.ws_sweep:
-                # the warp-specialized kernel (one producer warp + ws consumer warps per CTA, one shared ring):
-                # GAAC and its twin planned alike must give the same bits; times, registers and (at the breakdown
-                # shape) the leave-one-stage-out variants
-                timer = bench_graph if args.graphs else bench
-                wsr = {}
-                for spec in args.ws_sweep.split(","):
-                    parts = spec.split(":")
-                    nc, st, ctas = (int(x) for x in parts[:3])
-                    try:
-                        kw = {"ws": nc, "stages": st, "min_ctas": ctas, "dense_slots": parts[3:] != ["p"]}
-                        pw = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, **kw)
-                        ppw = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, nsplit=pw.nsplit, **kw)
-                        gw = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale,
-                                                        layout, pw)
-                        tw = gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, ppw)
-                        kc, kp = pw.kernels(dev)[0], ppw.kernels(dev)[0]
-                        row = {"nsplit": pw.nsplit, "grid": pw.grid, "smem_per_cta": pw.smem,
-                               "bit_identical_to_twin": torch.equal(gw.view(torch.int16), tw.view(torch.int16)),
-                               "bit_identical_to_one_warp": torch.equal(gw.view(torch.int16),
-                                                                        got_c.view(torch.int16)),
-                               "rel_err_vs_fp32": ((gw.float() - ref).norm() / ref.norm()).item(),
-                               "twin_rel_err_vs_fp32": ((tw.float() - ref).norm() / ref.norm()).item(),
-                               "registers": kc.registers, "local_bytes": kc.local_bytes,
-                               "twin_registers": kp.registers,
-                               "ctas_per_sm": kc.blocks_per_sm(pw.warps * 32, pw.smem), **time_pair(pw, ppw)}
-                        if SHAPES.index((name, hq, hkv, d, b, s)) == args.breakdown_shape:
-                            for label, skip in (("no_math", 1), ("no_reconstruction", 2), ("loads_only", 3)):
-                                pv = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes,
-                                                    skip=skip, **kw)
-                                row[f"{label}_us"] = timer(lambda i, pv=pv: gaac_cuda.decode_attention(
-                                    q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout, pv,
-                                    combine=False), args.buffers)
-                            row["split_kernel_only_us"] = timer(lambda i, pw=pw: gaac_cuda.decode_attention(
-                                q, *bufs[i][0][:5], bufs[i][0][5], bufs[i][0][6], kv_len, None, scale, layout, pw,
-                                combine=False), args.buffers)
-                        wsr[spec] = row
-                    except Exception as e:  # noqa: BLE001 - a variant may not fit
-                        wsr[spec] = f"{type(e).__name__}: {e}"[:200]
-                    print("ws", spec, wsr[spec], flush=True)
-                cuda_info["ws_us"] = wsr
             if args.twin_sweep and s == 65536 and b == 1 and hq == 32:
                 # the twin's ring depth and CTA shape (its bits depend on the split count alone, kept)
                 twin_sweep = {}
@@ -404,7 +361,7 @@ def main():
                     key = f"stages{stages}_warps{warps}"
                     try:
                         ppv = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, stages=stages, warps=warps,
-                                             nsplit=pc.nsplit, ws=0)
+                                             nsplit=pc.nsplit)
                         same = torch.equal(gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, ppv)
                                            .view(torch.int16), twin.view(torch.int16))
                         us = (bench_graph if args.graphs else bench)(lambda i, ppv=ppv: gaac_cuda.plain_decode_attention(

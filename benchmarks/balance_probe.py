@@ -5,7 +5,7 @@ Session 15 found the one-warp kernel's tail in the warp schedulers' preference f
 on an SM the first-launched finishes 26-29% sooner, the last sets the kernel's time
 (`benchmarks/results/warp_finish_probe_s15.json`). `balance` shares each row's units out in proportion to per-rank
 weights, with the kv heads interleaved across warps so a row's splits span the ranks; the twin planned with the same
-weights splits alike (bits checked here, on the warp-specialized and the one-warp kernel). Also timed: combine
+weights splits alike (bits checked here). Also timed: combine
 blocks of 4 and 8 warps instead of 16 (at 121 registers a 16-warp block fills an SM, so 4x64K's 512 blocks take 4
 waves; twin planned alike), one CTA of 12 warps per SM (no CTA age at all), and the default kernel with its split
 indices computed before the barrier set-up (GAAC_EARLY_INDEX), and programmatic dependent launch of the split and
@@ -51,7 +51,7 @@ GAAC_VARIANTS = {k: {**OLD, **kw} for k, kw in GAAC_VARIANTS.items()}
 TWIN_VARIANTS = {  # label: plan options of the plain twin
     "twin": {"balance": ()},
     "twin_balanced": {"balance": RANK_PACE},
-    "twin_one_warp_balanced": {"balance": RANK_PACE, "ws": 0, "warps": 4},
+    "twin_one_warp_balanced": {"balance": RANK_PACE, "warps": 4},
     "twin_combine_4": {"balance": (), "combine_warps": 4},
     "twin_pdl": {"balance": (), "pdl": True},
     "twin_balanced_combine_4_pdl": {"balance": RANK_PACE, "combine_warps": 4, "pdl": True},
@@ -116,7 +116,7 @@ def run_probe(args, gaac_variants: dict, twin_variants: dict, traced: tuple, scr
         packed, layout, info = compress_v2(k, v)
         bufs = [packed] + [tuple(x.clone() for x in packed) for _ in range(args.buffers - 1)]
         kvs = [(k, v)] + [(k.clone(), v.clone()) for _ in range(args.buffers - 1)]
-        nsplit = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, ws=0).nsplit
+        nsplit = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True).nsplit
         row = {"shape": f"{hq}/{hkv}/{d} {b}x{s}", "nsplit": nsplit, "bytes": info["bytes"]}
 
         ones = torch.ones(b, s, dtype=torch.bool, device=dev)  # a padding mask that masks nothing (the same bits)
@@ -136,7 +136,7 @@ def run_probe(args, gaac_variants: dict, twin_variants: dict, traced: tuple, scr
             return {**{k2: v2 for k2, v2 in kw.items() if k2 not in ("mask", "combine")},
                     "nsplit": n(nsplit) if callable(n) else n}
 
-        twins = {}  # the bits of the default (warp-specialized) twin, per value of the SPLIT_KEYS options
+        twins = {}  # the bits of the default twin, per value of the SPLIT_KEYS options
 
         def twin_bits(kw):
             split_kw = {k2: v2 for k2, v2 in splits(kw).items() if k2 in SPLIT_KEYS}
@@ -147,7 +147,7 @@ def run_probe(args, gaac_variants: dict, twin_variants: dict, traced: tuple, scr
 
         def gaac_variant(label, kw):
             pl = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, format_version=3,
-                                ws=0, **splits(kw))
+                                **splits(kw))
             mk, cb = kw.get("mask", False), kw.get("combine", True)
             out = gaac(pl, mask=mk, combine=cb)
             want = twin_bits(kw)
@@ -159,7 +159,7 @@ def run_probe(args, gaac_variants: dict, twin_variants: dict, traced: tuple, scr
                 print(row["shape"], label, json.dumps(entry), flush=True)
                 return
             pt = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, format_version=3,
-                                ws=0, trace=True, **splits(kw))
+                                trace=True, **splits(kw))
             tr = torch.full((gaac_cuda.trace_size(pt),), -(2 ** 62), dtype=torch.int64, device=dev)
             gaac(pt, trace=tr, mask=mk, combine=cb)
             torch.cuda.synchronize()

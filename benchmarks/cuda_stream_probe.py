@@ -103,8 +103,8 @@ def main():
     gaac_bytes, bf16_bytes = info["bytes"], 4 * k.numel()
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "context": s, "gaac_bytes": gaac_bytes,
            "bf16_bytes": bf16_bytes, "times_us": {}, "traces": {}, "checks": {}}
-    base = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, ws=0)
-    plain_base = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, ws=0)
+    base = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes)
+    plain_base = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True)
     res["default_nsplit"] = base.nsplit
 
     def gaac(pl, combine=True, trace=None):
@@ -117,11 +117,11 @@ def main():
 
     def gplan(**kw):
         kw.setdefault("nsplit", base.nsplit)
-        return gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, **kw, ws=0)
+        return gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, **kw)
 
     def pplan(**kw):
         kw.setdefault("nsplit", plain_base.nsplit)
-        return gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, **kw, ws=0)
+        return gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, **kw)
 
     ref = gaac(base)(0)
     res["checks"]["twin_same_bits"] = torch.equal(twin(plain_base)(0).view(torch.int16), ref.view(torch.int16))

@@ -17,8 +17,8 @@ it on Hopper since session 14 (the plane-order format 2 kernel was removed then)
 This script encodes the same real-statistics KV in formats 1 and 3 (format 3 with the caches' own encoder,
 `benchmarks/attention.py`'s `compress(format_version=2)`), checks each
 kernel variant (`VARIANTS`) bit for bit against the plain-BF16 twin at the
-same split count (a warp-specialized variant with fewer than 12 consumer warps per SM takes proportionally fewer
-splits, so it runs in one wave), and times them and cuDNN, graph-replayed:
+same split count (a variant with fewer than 12 warps per SM takes proportionally fewer splits, so it runs in one
+wave), and times them and cuDNN, graph-replayed:
 
     python benchmarks/format_v2_probe.py --real-kv .bench/real_kv_2k.safetensors --shapes 1,3,0,2 --out $OUT/probe.json
 """
@@ -64,9 +64,8 @@ def compress_v2(k: torch.Tensor, v: torch.Tensor, capacity: int | None = None):
     return packed, TileLayout(tile_split(k.shape[-1])[1], info["escape_capacity"]), info
 
 
-VARIANTS = (  # label, format, ws consumers (0: the one-warp kernel), stages and CTAs per SM (0: the defaults),
-    # more compile-time defines
-    ("format_1", 1, 0, 0, 0, ()), ("format_3", 3, 0, 0, 0, ()), ("format_3_ws6", 3, 6, 12, 2, ()))
+VARIANTS = (  # label, format, stages and CTAs of 4 warps per SM (0: the defaults), more compile-time defines
+    ("format_1", 1, 0, 0, ()), ("format_3", 3, 0, 0, ()))
 # Also measured, none the fastest (the kernel's format 2 and raw patches 1 / 2 removed in session 14): format 2,
 # format 1/2/3 at ws 6, format 3 at ws 3 x 4 CTAs and with raw groups
 # patched per word (raw_patch 1) in session 12 (format_v3_probe_s12_rawbf.json); format 3 with the branch-free patch
@@ -74,8 +73,8 @@ VARIANTS = (  # label, format, ws consumers (0: the one-warp kernel), stages and
 # 5 x 2, 6 x 2 and 11 x 1 in session 13 (format_v3_probe_s13_overlay_first.json), and with each chunk pair fused
 # into its mmas (removed, format_v3_probe_s13_overlay_second.json); the one-warp kernel with 3 stages at 2 CTAs
 # per SM and without the duplicated tile code (GAAC_F3DUP=0) (format_v3_probe_s13_dup.json); slots head-major in the
-# pool (head_major, no faster: format_v3_probe_s13.json); the warp-specialized kernel at ws 2..6 at one wave
-# (format_v3_probe_s13_ws.json); a dynamic split schedule, removed after measuring it (format_v3_probe_s13_dyn.json,
+# pool (head_major, no faster: format_v3_probe_s13.json); the warp-specialized kernel (removed in session 28) at ws
+# 2..6 at one wave (format_v3_probe_s13_ws.json); a dynamic split schedule, removed after measuring it (format_v3_probe_s13_dyn.json,
 # format_v3_probe_s13_dyn_home.json; the kernel is in git history, commit 1d8ca1f).
 
 
@@ -132,29 +131,26 @@ def main():
         l1 = TileLayout(tile_split(d)[1], info1["escape_capacity"])
         p3, l3, info3 = compress_v2(k, v)
         encoded = {1: (p1, l1, info1), 3: (p3, l3, info3)}
-        pp = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, ws=0)
+        pp = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True)
         twin = gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, pp)
         row = {"shape": f"{hq}/{hkv}/{d} {b}x{s}", "bf16_bytes": 4 * k.numel(), "nsplit": pp.nsplit}
-        for label, fmt, ws, stages, ctas, defines in VARIANTS:
+        for label, fmt, stages, ctas, defines in VARIANTS:
             packed, layout, info = encoded[fmt]
             if label.endswith("_hm"):
                 packed = head_major(packed)
-            kw = dict(ws=ws) if not stages else dict(ws=ws, stages=stages, min_ctas=ctas)
-            warps_per_sm = ws * ctas if ws else 4 * ctas if stages else 12
-            kw.update(defines=defines)
-            # one wave: the twin's splits fill 12 warps per SM; a variant with fewer (consumer) warps per SM takes
+            kw = dict(defines=defines) if not stages else dict(stages=stages, min_ctas=ctas, warps=4, defines=defines)
+            warps_per_sm = 4 * ctas if stages else 12
+            # one wave: the twin's splits fill 12 warps per SM; a variant with fewer warps per SM takes
             # proportionally fewer (whole CTAs) and is checked against the twin at that count
-            per_cta = ws or 4
-            nsplit = pp.nsplit if warps_per_sm == 12 else max(
-                per_cta, pp.nsplit * warps_per_sm // 12 // per_cta * per_cta)
+            nsplit = pp.nsplit if warps_per_sm == 12 else max(4, pp.nsplit * warps_per_sm // 12 // 4 * 4)
             pc = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, format_version=fmt,
                                 nsplit=nsplit, **kw)
             got = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout, pc)
-            # (the twin planned alike: the warp-specialized kernel writes a partial per split, no CTA merge)
+            # (the twin planned alike: CTA merge and fused combine as the variant's)
             alike = (pc.cta_merge, pc.fused_combine) == (pp.cta_merge, pp.fused_combine)
             want = twin if nsplit == pp.nsplit and alike else gaac_cuda.plain_decode_attention(
                 q, k, v, kv_len, None, scale, gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, nsplit=nsplit,
-                                                             ws=0, cta_merge=pc.cta_merge,
+                                                             cta_merge=pc.cta_merge,
                                                              fused_combine=pc.fused_combine))
             bufs = [packed] + [tuple(x.clone() for x in packed) for _ in range(args.buffers - 1)]
 
@@ -170,9 +166,7 @@ def main():
                      "registers": pc.kernels(dev)[0].registers, "smem": pc.smem}
             if (b, s, hq) == (1, 65536, 32):
                 skips = ((1, "no_math_us"), (2, "no_reconstruction_us"), (3, "loads_only_us"))
-                if ws:
-                    skips = skips[1:]
-                elif fmt == 3:  # wrong results by design: what code bit 2 and the raw patch cost
+                if fmt == 3:  # wrong results by design: what code bit 2 and the raw patch cost
                     skips += ((4, "no_code_bit2_us"), (8, "no_raw_patch_us"), (12, "neither_us"))
                 for skip, key in skips:
                     pv = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes,

@@ -57,7 +57,7 @@ def main():
            "bytes": info["bytes"], "rounds": []}
 
     def kernel(label, kw):
-        base = dict(slot_bytes=layout.slot_bytes, format_version=3, ws=0, balance=(), **kw)
+        base = dict(slot_bytes=layout.slot_bytes, format_version=3, balance=(), **kw)
         pl = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, **base)
 
         def run(i, pl=pl, trace=None):

@@ -653,7 +653,7 @@ def main(argv=None):
                "param_bytes": param_bytes, "compile": describe(compile_kw), "steps": steps, "warmup": warmup,
                "eager_steps": args.eager_steps, "cuda_split_balance": cuda_default("BALANCE"),
                "cuda_pdl": cuda_default("PDL"), "cuda_split_warps": cuda_default("SPLIT_WARPS"),
-               "cuda_twin_ws": cuda_default("TWIN_WS"), "cuda_twin_swizzle": cuda_default("TWIN_SWIZZLE"),
+               "cuda_twin_swizzle": cuda_default("TWIN_SWIZZLE"),
                "command": "python benchmarks/generate.py " + " ".join(
                    sys.argv[1:] if argv is None else argv),
                "calibration": {"escape_capacity": calibration.config.escape_capacity,

@@ -41,19 +41,19 @@ def main():
     for (hq, hkv, d, b, s), k, v, q, scale, kv_len in probe_shapes(args, dev):
         t0 = time.time()
         encoded = {cap: compress_v2(k, v, capacity=cap) for cap in (None, -1)}
-        pp = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, ws=0)
+        pp = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True)
         row = {"shape": f"{hq}/{hkv}/{d} {b}x{s}", "bf16_bytes": 4 * k.numel(), "twin_nsplit": pp.nsplit}
         for label, cap, compact, warps, stages, ctas in VARIANTS:
             packed, layout, info = encoded[cap]
             assert not compact or info["raw_tiles"] == 0, info
             nsplit = pp.nsplit * warps * ctas // 12
             compact_bytes = -(-(layout.slot_bytes + 112 + gaac_cuda.ESCAPE_SLACK) // 128) * 128
-            kw = dict(ws=0, warps=warps, stages=stages, min_ctas=ctas, format_version=3, nsplit=nsplit,
+            kw = dict(warps=warps, stages=stages, min_ctas=ctas, format_version=3, nsplit=nsplit,
                       slot_bytes=layout.slot_bytes, buf_bytes=compact_bytes if compact else None)
             pc = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, **kw)
             got = gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale, layout, pc)
             twin = gaac_cuda.plain_decode_attention(q, k, v, kv_len, None, scale, gaac_cuda.plan(
-                b, hkv, hq // hkv, d, s, dev, plain=True, nsplit=nsplit, ws=0))
+                b, hkv, hq // hkv, d, s, dev, plain=True, nsplit=nsplit))
             bufs = [packed] + [tuple(x.clone() for x in packed) for _ in range(args.buffers - 1)]
 
             def run(i, pc=pc, layout=layout, bufs=bufs):

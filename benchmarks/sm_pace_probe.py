@@ -58,7 +58,7 @@ def main():
     for (hq, hkv, d, b, s), k, v, q, scale, kv_len in probe_shapes(args, dev):
         t_start = time.time()
         packed, layout, info = compress_v2(k, v)
-        pt = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, format_version=3, ws=0,
+        pt = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, format_version=3,
                             balance=(), trace=True)
         tr = torch.full((gaac_cuda.trace_size(pt),), -(2 ** 62), dtype=torch.int64, device=dev)
 

@@ -35,9 +35,9 @@ def main():
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
     for (hq, hkv, d, b, s), k, v, q, scale, kv_len in probe_shapes(args, dev):
         packed, layout, _ = compress_v2(k, v)
-        pp = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True, ws=0)
+        pp = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, plain=True)
         pt = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, format_version=3,
-                            nsplit=pp.nsplit, ws=0, trace=True)
+                            nsplit=pp.nsplit, trace=True)
         tr = torch.full((gaac_cuda.trace_size(pt),), -(2 ** 62), dtype=torch.int64, device=dev)
 
         g = capture_graph(lambda: gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale,

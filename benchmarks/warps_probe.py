@@ -5,9 +5,8 @@ per SM beats three CTAs of 4 (1x64K 68.7 -> 63.7 us, 4x64K 258.7 -> 233.8: its w
 three CTAs finished by launch rank) and that programmatic dependent launch saves about a microsecond per call; both
 became `gaac_cuda.plan`'s defaults. This probe times the new default (12 warps + PDL) against session 16's (4 warps,
 no PDL) and each change alone, a deeper ring in fewer warps (8 warps of 3 stages at two thirds of the splits), the
-combine block size under the new defaults, and the same CTA shape for the plain twin: the one-warp kernel in one
-12-warp CTA against the warp-specialized twin (6 consumers, 2 CTAs per SM), and a warp-specialized CTA of 12
-consumers per SM (at a split count that is a multiple of 12). Bits of every compressed variant against the twin
+combine block size under the new defaults, and the same CTA shape for the plain twin (session 17 also timed the
+warp-specialized twin, removed in session 28). Bits of every compressed variant against the twin
 planned alike. JSON and a table:
 
     python benchmarks/warps_probe.py --real-kv .bench/real_kv_2k.safetensors --out $OUT/warps_probe.json
@@ -48,17 +47,15 @@ GAAC_VARIANTS = {  # label: plan options of the compressed kernel (one-warp, for
     "gaac_combine_4": {"balance": (), "combine_warps": 4},
     "gaac_combine_8": {"balance": (), "combine_warps": 8},
     "gaac_8_warps_3_stages": {"balance": (), "warps": 8, "stages": 3, "min_ctas": 1, "nsplit": two_thirds},
-    "gaac_twelfths": {"balance": (), "nsplit": twelfths},  # to compare with twin_ws12
 }
 TWIN_VARIANTS = {  # label: plan options of the plain twin
-    "twin": {"balance": ()},  # the default: warp-specialized, 6 consumers + 1 producer, 2 CTAs per SM; PDL
+    "twin": {"balance": ()},  # the default: 12 warps in one CTA per SM, swizzled rows, PDL
     "twin_s16": {"balance": (), "pdl": False},
-    "twin_12_warps": {"balance": (), "ws": 0, "warps": 12},
-    "twin_12_warps_swizzle": {"balance": (), "ws": 0, "warps": 12, "swizzle": True},
+    "twin_12_warps": {"balance": (), "warps": 12},
+    "twin_12_warps_swizzle": {"balance": (), "warps": 12, "swizzle": True},
     "twin_combine_4": {"balance": (), "combine_warps": 4},
-    "twin_12_warps_combine_4": {"balance": (), "ws": 0, "warps": 12, "combine_warps": 4},
-    "twin_ws12": {"balance": (), "ws": 12, "stages": 24, "min_ctas": 1, "nsplit": twelfths},
-    "twin_12_warps_twelfths": {"balance": (), "ws": 0, "warps": 12, "nsplit": twelfths},
+    "twin_12_warps_combine_4": {"balance": (), "warps": 12, "combine_warps": 4},
+    "twin_12_warps_twelfths": {"balance": (), "warps": 12, "nsplit": twelfths},
 }
 TRACED = ("gaac", "gaac_8_warps_3_stages")
 
@@ -77,7 +74,7 @@ NEXT_GAAC = {
 }
 NEXT_TWIN = {
     "twin": {"balance": ()},
-    "twin_half_splits_6_warps": {"balance": (), "ws": 0, "warps": 6, "min_ctas": 2, "nsplit": halves},
+    "twin_half_splits_6_warps": {"balance": (), "warps": 6, "min_ctas": 2, "nsplit": halves},
 }
 
 # Session 19 (`--set stages`): a third ring stage at the default 12 warps. benchmarks/stream_probe.py shows the copy
@@ -90,7 +87,7 @@ STAGES_GAAC = {
 }
 STAGES_TWIN = {
     "twin": {"balance": ()},
-    "twin_12_warps_3_stages": {"balance": (), "ws": 0, "warps": 12, "stages": 3},
+    "twin_12_warps_3_stages": {"balance": (), "warps": 12, "stages": 3},
 }
 
 # Session 19's `--set warps16` / `--set slot_ring` (14-16 warps per CTA with ring buffers sized for a slot; raw tiles

@@ -31,19 +31,15 @@ SPLITS_PER_SM = 12  # warps (= splits) resident per SM at head_dim 64/128 (one C
 COMBINE_WARPS = 16  # warps per combine block (the kernel's GAAC_COMBINE_WARPS default; see `plan(combine_warps=)`)
 SWIZZLE = False  # plain KV: BF16 rows staged with an XOR swizzle against bank conflicts (see `plan`)
 DENSE_SLOTS = False  # compressed KV: slots staged as stored by one bulk copy (see `plan`)
-# The warp-specialized kernel (`plan(ws=n)`): CTAs of n consumer warps + 1 producer warp, the consumers holding
-# the one-warp kernel's splits (same unit ranges, same arithmetic: the same bits at the same split count). The
-# twin's default from session 10 to 16 (WS_TWIN consumers, 2 stages each, WS_TWIN_CTAS_PER_SM CTAs per SM; session 10
-# on the H200, benchmarks/results/attention_cuda.md: 0.90 / 0.94 / 0.91x cuDNN at 1x64K / 1x128K / 4x64K against the
-# one-warp kernel's 0.85 / 0.88 / 0.86x in 4-warp CTAs). TWIN_WS: the twin's default consumer count (0: the one-warp
-# kernel). Since session 17 the twin is the one-warp kernel in SPLIT_WARPS-warp CTAs with its BF16 rows swizzled
-# (TWIN_SWIZZLE), measured faster on the H200 (benchmarks/results/warps_probe_s17.json: 1x64K 73.3 -> 71.3 us, 4x64K
-# 264.4 -> 257.2, 9/3/64 1x64K 21.9 -> 20.6; 1x16K 28.4 -> 28.6).
-WS_TWIN = 6
-WS_TWIN_CTAS_PER_SM = 2
-TWIN_WS = 0
+# The twin is the one-warp kernel in SPLIT_WARPS-warp CTAs with its BF16 rows swizzled (TWIN_SWIZZLE), measured
+# faster on the H200 than the warp-specialized kernel of sessions 10-16 (a producer warp feeding consumer warps,
+# removed in session 28; benchmarks/results/warps_probe_s17.json: 1x64K 73.3 -> 71.3 us, 4x64K 264.4 -> 257.2,
+# 9/3/64 1x64K 21.9 -> 20.6; 1x16K 28.4 -> 28.6).
 TWIN_SWIZZLE = True
-WS_DENSE_SLOTS = True  # slots staged as stored, one bulk copy each (the producer's issue rate)
+# `_default_nsplit` rounds a row's split count down to a multiple of this where it is at least this (the whole
+# 6-consumer CTAs of that warp-specialized twin; every default measured since keeps the rule: the split count sets the
+# bits and the timings)
+SPLIT_MULTIPLE = 6
 # Pace of the one-warp kernel's CTAs by their launch rank on the SM (3 per SM), measured in session 15 (the warp
 # schedulers favour the older CTA: 1.26-1.29 : 1.12 : 1 at 1x16K-4x64K, benchmarks/results/warp_finish_probe_s15.json):
 # `plan(balance=RANK_PACE)` weighs the splits by it (see `split_table`)
@@ -155,7 +151,6 @@ class DecodePlan:
     buf_bytes: int
     warp_bytes: int
     options: tuple
-    ws: int = 0  # consumer warps of the warp-specialized kernel (`plan(ws=n)`); warp_bytes is then per CTA
     split_cum: tuple = ()  # `plan(balance=...)`: cumulative split weights per row, [batch * (nsplit + 1)]
     combine_warps: int = COMBINE_WARPS
     pdl: bool = False  # programmatic dependent launch (`plan(pdl=True)`)
@@ -176,18 +171,12 @@ class DecodePlan:
         return self.items
 
     @property
-    def splits_per_cta(self) -> int:
-        return self.ws if self.ws else self.warps
-
-    @property
     def grid(self) -> int:
-        if self.ws:  # CTAs of ws splits of one (row, kv-head)
-            return self.batch * self.kv_heads * -(-self.nsplit // self.ws)
-        return -(-self.items // self.splits_per_cta)
+        return -(-self.items // self.warps)
 
     @property
     def smem(self) -> int:
-        return self.warp_bytes if self.ws else self.splits_per_cta * self.warp_bytes
+        return self.warps * self.warp_bytes
 
     def kernels(self, device):
         """(split kernel, combine kernel) of this plan on `device`, compiled once (host cost per call: a dict lookup)."""
@@ -196,8 +185,7 @@ class DecodePlan:
         pair = _kernels.get(key)
         if pair is None:
             src = _source()
-            pair = (nvrtc.get_kernel(src, list(self.options), "gaac_decode_ws" if self.ws else "gaac_decode_split",
-                                     device),
+            pair = (nvrtc.get_kernel(src, list(self.options), "gaac_decode_split", device),
                     nvrtc.get_kernel(src, list(self.options), "gaac_combine", device))
             _kernels[key] = pair
         return pair
@@ -207,7 +195,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
          plain: bool = False, nsplit: int | None = None, warps: int | None = None, stages: int | None = None,
          min_ctas: int | None = None, skip: int = 0, trace: bool = False, format_version: int = 1,
          swizzle: bool | None = None, v_words: int | None = None, dense_slots: bool | None = None,
-         ws: int | None = None, defines: tuple[str, ...] = (),
+         defines: tuple[str, ...] = (),
          buf_bytes: int | None = None, balance: tuple[int, ...] | None = None,
          combine_warps: int | None = None, pdl: bool | None = None,
          cta_merge: bool | None = None, fused_combine: bool | None = None,
@@ -229,14 +217,10 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     `v_words` (compressed KV): V words rebuilt per vector load in the output tile, head_dim / 32 (default) or 2
     (fewer registers). `dense_slots` (compressed KV): stage each slot as stored, by one bulk copy, instead of its
     sign+mantissa rows padded against bank conflicts by 16-byte copies per lane (fewer copy instructions, 2-way
-    conflicts; same bits; prepared in session 8, not yet timed). `ws` (head_dim 64/128; not with `trace`,
-    `swizzle` or `warps`, the one-warp kernel's options): the warp-specialized kernel, CTAs of `ws` consumer warps,
-    each holding one of the one-warp kernel's splits (the same bits at the same split count), and one producer warp
-    that streams the CTA's units through a ring of `stages` stages (a multiple of ws; default 2 ws) shared by the
-    CTA. Default: TWIN_WS for plain KV at head_dim 64/128 without one-warp options (0 since session 17), else 0 (the
-    one-warp kernel). `warps` (one-warp kernel): warps per CTA; default SPLIT_WARPS in one CTA per SM at one tile per
+    conflicts; same bits; prepared in session 8, not yet timed). `warps`: warps (splits) per CTA; default
+    SPLIT_WARPS in one CTA per SM at one tile per
     head where shared memory holds it, else 4 (3 CTAs per SM at one tile per head, 1 at head_dim 256). `swizzle`
-    default: TWIN_SWIZZLE for plain KV on the one-warp kernel at head_dim <= 128, else off.
+    default: TWIN_SWIZZLE for plain KV at head_dim <= 128, else off.
     `defines` (benchmarks):
     more `NAME=VALUE` compile-time options of the kernel source, e.g. ("GAAC_F3DUP=0",); they key the kernel cache
     like every option.
@@ -264,16 +248,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         raise ValueError(f"combine_warps takes 1..16 warps per combine block (more would spill), not {combine_warps}")
     if not 1 <= rep <= MAX_GROUP_HEADS:
         raise ValueError(f"the CUDA decode kernel packs at most {MAX_GROUP_HEADS} query heads per kv-head, got {rep}")
-    one_warp = bool(trace or (swizzle and plain) or (warps is not None and warps != 4))
-    if ws is None:
-        ws = TWIN_WS if plain and not one_warp and head_dim in (64, 128) else 0
-        if ws and min_ctas is None:
-            min_ctas = WS_TWIN_CTAS_PER_SM
-    elif ws and one_warp:
-        raise ValueError("ws (the warp-specialized kernel) takes head_dim 64/128 and none of the one-warp kernel's "
-                         "options (trace, swizzle, warps)")
-    if swizzle is None:  # the twin's default on the one-warp kernel at one tile per head
-        swizzle = SWIZZLE or (TWIN_SWIZZLE and plain and not ws and head_dim <= 128)
+    if swizzle is None:  # the twin's default at one tile per head
+        swizzle = SWIZZLE or (TWIN_SWIZZLE and plain and head_dim <= 128)
     if format_version not in (1, 3):
         raise ValueError(f"slot format {format_version}: the kernel reads format 1 (version 1) and 3 (version 2 in "
                          "fragment order)")
@@ -287,17 +263,6 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
             raise ValueError(f"kernel define {d!r}: expected NAME=VALUE with a GAAC_ name (GAAC_HF_CUDA_DEFINES or "
                              "`defines`)")
     extra = tuple(f"-D{d}" for d in defines)
-    if ws and buf_bytes is not None:
-        raise ValueError("buf_bytes is a one-warp kernel option (ws=0)")
-    if (cta_merge or fused_combine or const_layout) and ws:
-        raise ValueError("cta_merge, fused_combine and const_layout are the one-warp kernel's (ws=0)")
-    if ws:
-        return _with_pdl(_plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, slot_bytes=slot_bytes,
-                                  plain=plain, nsplit=nsplit, ws=ws, stages=2 * ws if stages is None else stages,
-                                  min_ctas=min_ctas, skip=skip,
-                                  dense_slots=WS_DENSE_SLOTS if dense_slots is None else dense_slots,
-                                  format_version=format_version, extra=extra, balance=balance,
-                                  combine_warps=combine_warps), pdl)
     if stages is None:
         stages = 2
     if dense_slots is None:
@@ -492,8 +457,8 @@ def _default_nsplit(batch, kv_heads, max_tokens, device, tiles=1) -> int:
     sms = _sm_count(device)
     per_sm = SPLITS_PER_SM if tiles == 1 else SPLITS_PER_SM // 3  # two tiles per stage: one CTA fits
     want = max(1, sms * per_sm // (batch * kv_heads))
-    if tiles == 1 and want >= WS_TWIN:
-        want -= want % WS_TWIN  # whole CTAs of the warp-specialized twin (one wave of them too)
+    if tiles == 1 and want >= SPLIT_MULTIPLE:
+        want -= want % SPLIT_MULTIPLE
     return max(1, min(want, math.ceil(units / MIN_UNITS_PER_SPLIT)))
 
 
@@ -520,37 +485,6 @@ def _stage_buffer(channels: int, slot_bytes: int, plain: bool, dense_slots: bool
     if plain:
         return raw_bytes
     return max(raw_bytes, -(-(slot_bytes + (0 if dense_slots else 16 * 16) + ESCAPE_SLACK) // 128) * 128)
-
-
-def _plan_ws(batch, kv_heads, rep, head_dim, max_tokens, device, *, slot_bytes, plain, nsplit, ws, stages, min_ctas,
-             skip, dense_slots, format_version=1, extra=(), balance=None, combine_warps=None) -> DecodePlan:
-    if head_dim not in (64, 128):
-        raise ValueError(f"the warp-specialized kernel supports head_dim 64 and 128, not {head_dim}")
-    if not 1 <= ws <= 15 or stages < ws or stages % ws:
-        # a consumer waits on a stage barrier by parity, which is sound at most one phase ahead: with stages a
-        # multiple of ws every stage has one consumer, which sees its phases in order
-        raise ValueError(f"ws takes 1..15 consumer warps and a multiple of ws stages, not ws={ws}, stages={stages}")
-    channels = head_dim
-    dense_slots = bool(dense_slots and not plain)
-    buf = _stage_buffer(channels, slot_bytes, plain, dense_slots)
-    scratch = 0 if plain else _scratch(channels, format_version, extra)
-    header = -(-20 * stages // 128) * 128
-    cta_bytes = -(-(header + stages * 2 * buf + ws * scratch) // 128) * 128
-    ctas = 1 if min_ctas is None else min_ctas
-    options = (f"-DGAAC_C={channels}", "-DGAAC_TILES=1", f"-DGAAC_PLAIN={int(plain)}", f"-DGAAC_STAGES={stages}",
-               "-DGAAC_WARPS=4", f"-DGAAC_MIN_CTAS={ctas}", f"-DGAAC_WS={ws}", f"-DVT_WORDS={channels // 32}",
-               f"-DGAAC_DENSE_SLOT={int(dense_slots)}")
-    if format_version != 1:
-        options += (f"-DGAAC_FORMAT={format_version}",)
-    options += extra
-    if skip:
-        options += (f"-DGAAC_SKIP={skip}",)
-    if nsplit is None:  # the one-warp kernel's split count (compressed KV and its twin must split alike)
-        nsplit = _default_nsplit(batch, kv_heads, max_tokens, device)
-    options, cum = _balanced(options, batch, kv_heads, nsplit, device, balance)
-    options, cw = _combine_option(options, combine_warps)
-    return DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, ws + 1, stages, buf, cta_bytes, options,
-                      ws=ws, split_cum=cum, combine_warps=cw)
 
 
 def _ptr(t: torch.Tensor | None) -> int:

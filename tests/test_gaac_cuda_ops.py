@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gaac_cuda import available, decode_attention, plain_decode_attention, plan
-from gaac_cuda.decode_attention import _SOURCE_FILE, CONST_LAYOUT, PDL, RANK_PACE, SPLIT_WARPS, STATIC_SMEM, WS_TWIN, WS_TWIN_CTAS_PER_SM, split_table
+from gaac_cuda.decode_attention import _SOURCE_FILE, CONST_LAYOUT, PDL, RANK_PACE, SPLIT_WARPS, STATIC_SMEM, split_table
 from gaac_hf.format import TileLayout
 from gaac_triton_cases import compress_kv, realistic_kv
 
@@ -46,56 +46,55 @@ def test_the_caches_choose_format_2_where_the_cuda_kernel_reads_it(monkeypatch, 
         assert not ops.fused_reads(2, d, rep, "cpu") and choose_format(None, v2, d, rep, "cpu") == 1
     assert choose_format(None, v2, 128, 4, "cpu") == 2 and choose_format(None, tiny_calibration, 128, 4, "cpu") == 1
     f3 = ops._cuda_plan(1, 8, 4, 128, 256, 2944, False, 6, "cpu", 2)
-    assert "-DGAAC_FORMAT=3" in f3.options and "-DGAAC_DENSE_SLOT=1" in f3.options and f3.ws == 0
+    assert "-DGAAC_FORMAT=3" in f3.options and "-DGAAC_DENSE_SLOT=1" in f3.options
     assert "-DGAAC_FORMAT=1" in ops._cuda_plan(1, 8, 4, 128, 256, 2944, False, 6, "cpu", 1).options
 
 
 def test_plan_rejects_shapes_the_kernel_does_not_cover():
     with pytest.raises(ValueError, match="head_dim"):
-        plan(1, 8, 4, 80, 1024, "cpu", nsplit=4, ws=0)
+        plan(1, 8, 4, 80, 1024, "cpu", nsplit=4)
     with pytest.raises(ValueError, match="query heads per kv-head"):
-        plan(1, 2, 9, 128, 1024, "cpu", nsplit=4, ws=0)
+        plan(1, 2, 9, 128, 1024, "cpu", nsplit=4)
     with pytest.raises(ValueError, match="slot format 4"):
-        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, format_version=4, ws=0)
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, format_version=4)
     with pytest.raises(ValueError, match="format 3"):
-        plan(1, 8, 4, 256, 1024, "cpu", nsplit=4, format_version=3, ws=0)
-    f3 = plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, format_version=3, slot_bytes=2928, ws=3)
+        plan(1, 8, 4, 256, 1024, "cpu", nsplit=4, format_version=3)
+    f3 = plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, format_version=3, slot_bytes=2928)
     assert "-DGAAC_FORMAT=3" in f3.options and "-DGAAC_DENSE_SLOT=1" in f3.options  # staged as stored
-    assert f3.smem == -(-(128 + 6 * 2 * 4096 + 3 * 8 * 256) // 128) * 128  # 8 scratch bytes per group (overlay)
+    assert f3.warp_bytes == 128 + 2 * 2 * 4096 + 8 * 256  # 8 scratch bytes per group (overlay)
     with pytest.raises(ValueError, match="slot format 2"):  # the plane-order prototype was removed
-        plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, format_version=2, slot_bytes=2928, ws=3)
-    p = plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, slot_bytes=2928, ws=0)
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, format_version=2, slot_bytes=2928)
+    p = plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, slot_bytes=2928)
     assert (p.items, p.grid, p.buf_bytes) == (2 * 8 * 33, -(-2 * 8 * 33 // p.warps), 4096)
     assert p.smem <= 227 * 1024
     # the slot format is a compile-time option: it keys the kernel cache
-    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, format_version=3, ws=0, slot_bytes=2928).options != plan(
-        1, 8, 4, 128, 1024, "cpu", nsplit=4, ws=0, slot_bytes=2928, dense_slots=True).options
+    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, format_version=3, slot_bytes=2928).options != plan(
+        1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=2928, dense_slots=True).options
     # the swizzled staging is a plain-KV option: it keys the twin's kernel, not the compressed one
-    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, swizzle=True, ws=0).options != \
-        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, ws=0, swizzle=False).options
-    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, swizzle=True, ws=0).options == plan(
-        1, 8, 4, 128, 1024, "cpu", nsplit=4, ws=0).options
+    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, swizzle=True).options != \
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, swizzle=False).options
+    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, swizzle=True).options == plan(
+        1, 8, 4, 128, 1024, "cpu", nsplit=4).options
     # a 128-byte header before each warp's ring (barriers, slot bits), for plain and compressed KV alike
-    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True, ws=0).warp_bytes == 128 + 2 * 2 * 4096
-    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, ws=0).warp_bytes == 128 + 2 * 2 * 4096 + 14 * 128
-    dense = plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=3200, dense_slots=True, ws=0)
+    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, plain=True).warp_bytes == 128 + 2 * 2 * 4096
+    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4).warp_bytes == 128 + 2 * 2 * 4096 + 14 * 128
+    dense = plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=3200, dense_slots=True)
     assert "-DGAAC_DENSE_SLOT=1" in dense.options and dense.buf_bytes == 4096  # no row padding: the raw tile's size
-    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=4000, ws=0).buf_bytes == 4352  # 4,272 in 128-B lines
+    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=4000).buf_bytes == 4352  # 4,272 in 128-B lines
     # a slot larger than a raw tile keeps 16 bytes past it: the prepass reads 12-byte escape windows clamped to the
     # buffer, and a full escape area (all-raw tiles, 1,280 escape bytes at 128 channels) must not be clamped
-    for ws in (0, 4):
-        assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=4160, dense_slots=True, ws=ws,
-                    format_version=3).buf_bytes == 4224  # 4,176 in whole 128-byte lines
+    assert plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=4160, dense_slots=True,
+                format_version=3).buf_bytes == 4224  # 4,176 in whole 128-byte lines
     with pytest.raises(ValueError, match="16 bytes past it"):
-        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=4160, dense_slots=True, ws=0, buf_bytes=4160)
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=4160, dense_slots=True, buf_bytes=4160)
     with pytest.raises(ValueError, match="v_words"):
-        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, v_words=3, ws=0)
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, v_words=3)
 
 
 def test_ring_buffers_are_128_byte_aligned():
     """Every bulk copy lands on a 128-byte aligned shared-memory destination: the header before a warp's ring, each
     tile buffer and each warp's share are whole 128-byte lines (a 64-byte header cost a quarter of the copies' rate
-    on the H200, session 25), at every head_dim, slot size, format and kernel."""
+    on the H200, session 25), at every head_dim, slot size and format."""
     from gaac_cuda.decode_attention import RING_HEADER
 
     assert RING_HEADER % 128 == 0
@@ -105,18 +104,17 @@ def test_ring_buffers_are_128_byte_aligned():
                    {"slot_bytes": 4160, "format_version": 3, "dense_slots": True}):
             if d == 256 and kw.get("format_version") == 3:
                 continue  # format 3 covers head_dim 64 / 128
-            for ws in ((0, 4) if d < 256 else (0,)):
-                p = plan(1, 8, 4, d, 4096, "cpu", nsplit=4, ws=ws, **kw)
-                assert p.buf_bytes % 128 == 0 and p.warp_bytes % 128 == 0, (d, kw, ws)
+            p = plan(1, 8, 4, d, 4096, "cpu", nsplit=4, **kw)
+            assert p.buf_bytes % 128 == 0 and p.warp_bytes % 128 == 0, (d, kw)
     with pytest.raises(ValueError, match="multiple of 128"):
-        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=2944, dense_slots=True, ws=0, format_version=3,
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=4, slot_bytes=2944, dense_slots=True, format_version=3,
              buf_bytes=2960)
 
 
 def test_balanced_split_table():
     """plan(balance=...): each row's splits weighted by the launch rank of the one-warp CTA that runs them (heads
     interleaved warp by warp, 4 warps per CTA, 132 SMs per rank); the kernel's ranges (units * cum[s] // cum[n])
-    cover every unit once; compressed KV and its twin (one-warp or warp-specialized) get the same table."""
+    cover every unit once; compressed KV and its twin (12- or 4-warp CTAs) get the same table."""
     cum = split_table(2, 8, 198, RANK_PACE, 132)
     assert len(cum) == 2 * 199
     row0, row1 = cum[:199], cum[199:]
@@ -129,16 +127,17 @@ def test_balanced_split_table():
             ranges = [(units * row[s] // row[-1], units * row[s + 1] // row[-1]) for s in range(198)]
             assert ranges[0][0] == 0 and ranges[-1][1] == units
             assert all(a[1] == b[0] and a[0] <= a[1] for a, b in zip(ranges, ranges[1:]))
-    compressed = plan(2, 8, 4, 128, 65536, "cpu", slot_bytes=3000, format_version=3, ws=0, nsplit=198,
+    compressed = plan(2, 8, 4, 128, 65536, "cpu", slot_bytes=3000, format_version=3, nsplit=198,
                       balance=RANK_PACE)
-    twin = plan(2, 8, 4, 128, 65536, "cpu", plain=True, nsplit=198, balance=RANK_PACE, ws=WS_TWIN)
-    twin_one_warp = plan(2, 8, 4, 128, 65536, "cpu", plain=True, nsplit=198, balance=RANK_PACE, ws=0)
-    assert twin.ws and compressed.split_cum == twin.split_cum == twin_one_warp.split_cum == cum
+    twin = plan(2, 8, 4, 128, 65536, "cpu", plain=True, nsplit=198, balance=RANK_PACE, warps=4)
+    twin_one_warp = plan(2, 8, 4, 128, 65536, "cpu", plain=True, nsplit=198, balance=RANK_PACE)
+    assert twin.warps != twin_one_warp.warps
+    assert compressed.split_cum == twin.split_cum == twin_one_warp.split_cum == cum
     assert all("-DGAAC_BALANCE=1" in p.options for p in (compressed, twin, twin_one_warp))
     assert plan(2, 8, 4, 128, 65536, "cpu", plain=True, nsplit=198, balance=()).split_cum == ()
     # no weights given: the process default (gaac_cuda.decode_attention.BALANCE, GAAC_HF_CUDA_BALANCE=1), the same
     # for both kernels; never at head_dim 256
-    default = plan(2, 8, 4, 128, 65536, "cpu", slot_bytes=3000, format_version=3, ws=0, nsplit=198).split_cum
+    default = plan(2, 8, 4, 128, 65536, "cpu", slot_bytes=3000, format_version=3, nsplit=198).split_cum
     assert default == plan(2, 8, 4, 128, 65536, "cpu", plain=True, nsplit=198).split_cum
     assert plan(2, 8, 4, 256, 65536, "cpu", plain=True, nsplit=50).split_cum == ()
     with pytest.raises(ValueError, match="positive integers"):
@@ -151,8 +150,8 @@ def test_combine_warps_option():
     base = plan(1, 8, 4, 128, 65536, "cpu", plain=True, nsplit=48)
     assert base.combine_warps == 16 and not any("COMBINE" in o for o in base.options)
     assert plan(1, 8, 4, 128, 65536, "cpu", plain=True, nsplit=48, combine_warps=16).options == base.options
-    for ws in (None, 0):
-        p4 = plan(1, 8, 4, 128, 65536, "cpu", plain=True, nsplit=48, combine_warps=4, ws=ws)
+    for kw in ({"plain": True}, {"slot_bytes": 3000, "format_version": 3}):
+        p4 = plan(1, 8, 4, 128, 65536, "cpu", nsplit=48, combine_warps=4, **kw)
         assert p4.combine_warps == 4 and "-DGAAC_COMBINE_WARPS=4" in p4.options
     with pytest.raises(ValueError, match="combine_warps"):
         plan(1, 8, 4, 128, 65536, "cpu", plain=True, nsplit=48, combine_warps=17)
@@ -163,8 +162,8 @@ def test_pdl_option():
     the launch flag on the plan; the split count and bits-relevant options unchanged."""
     from gaac_cuda.nvrtc import CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, programmatic_launch_config
 
-    for kw in ({"plain": True, "nsplit": 48}, {"plain": True, "nsplit": 48, "ws": 0},
-               {"slot_bytes": 3000, "format_version": 3, "ws": 0, "nsplit": 48}):
+    for kw in ({"plain": True, "nsplit": 48}, {"plain": True, "nsplit": 48, "warps": 4},
+               {"slot_bytes": 3000, "format_version": 3, "nsplit": 48}):
         base = plan(1, 8, 4, 128, 65536, "cpu", pdl=False, **kw)
         assert plan(1, 8, 4, 128, 65536, "cpu", **kw).pdl == PDL
         on = plan(1, 8, 4, 128, 65536, "cpu", pdl=True, **kw)
@@ -180,25 +179,25 @@ def test_kv_prepass_plans_its_scratch():
     """GAAC_KV_PREPASS=1 (format 3) gives the V slot's doubled bases scratch of their own: 2 more bytes per group in
     every warp's shared memory (512 at head_dim 128), and the default 12 warps per SM still fit; formats 1 and the
     twin are planned as before."""
-    kw = {"slot_bytes": 2944, "format_version": 3, "ws": 0}
+    kw = {"slot_bytes": 2944, "format_version": 3}
     base = plan(1, 8, 4, 128, 65536, "cpu", **kw)
     kv = plan(1, 8, 4, 128, 65536, "cpu", defines=("GAAC_KV_PREPASS=1",), **kw)
     assert kv.warp_bytes - base.warp_bytes == 2 * 256 and kv.warps == base.warps == 12
     assert "-DGAAC_KV_PREPASS=1" in kv.options
-    for other in ({"plain": True, "ws": 0}, {"slot_bytes": 2944, "dense_slots": True, "ws": 0}):
+    for other in ({"plain": True}, {"slot_bytes": 2944, "dense_slots": True}):
         assert (plan(1, 8, 4, 128, 65536, "cpu", defines=("GAAC_KV_PREPASS=1",), **other).warp_bytes
                 == plan(1, 8, 4, 128, 65536, "cpu", **other).warp_bytes), other
 
 
 def test_process_defines_reach_every_plan(monkeypatch):
     """GAAC_HF_CUDA_DEFINES (read at import into PROCESS_DEFINES): kernel defines for every plan of the process —
-    compressed KV and its twin, one-warp and warp-specialized — before the plan's own `defines`; a define that is not
+    compressed KV and its twin, in CTAs of any size — before the plan's own `defines`; a define that is not
     NAME=VALUE with a GAAC_ name is refused with a clear error."""
     import importlib
 
     da = importlib.import_module(plan.__module__)  # (the package's `decode_attention` is the function)
     monkeypatch.setattr(da, "PROCESS_DEFINES", ("GAAC_LATE_Q=1", "GAAC_ENTRY_PTR=1"))
-    for kw in ({"plain": True}, {"plain": True, "ws": 4}, {"slot_bytes": 2944, "format_version": 3},
+    for kw in ({"plain": True}, {"plain": True, "warps": 4}, {"slot_bytes": 2944, "format_version": 3},
                {"slot_bytes": 2944, "format_version": 3, "defines": ("GAAC_SCAN_PRED=1",)}):
         opts = plan(1, 8, 4, 128, 65536, "cpu", **kw).options
         assert "-DGAAC_LATE_Q=1" in opts and "-DGAAC_ENTRY_PTR=1" in opts, kw
@@ -216,66 +215,38 @@ def test_plan_refuses_warps_beyond_shared_memory():
     """16 warps of BF16-tile ring buffers (18.5 KB each at head_dim 128) do not fit in one CTA: a clear error, not a
     failed launch. (Session 19's slot-sized ring fitted them, and was slower: benchmarks/results/attention_cuda.md.)"""
     with pytest.raises(ValueError, match="do not fit in one CTA"):
-        plan(1, 8, 4, 128, 65536, "cpu", nsplit=264, slot_bytes=2960, format_version=3, ws=0, warps=16, min_ctas=1)
+        plan(1, 8, 4, 128, 65536, "cpu", nsplit=264, slot_bytes=2960, format_version=3, warps=16, min_ctas=1)
 
 
-def test_plan_of_the_warp_specialized_kernel():
-    """ws: CTAs of ws consumer warps (each one of the one-warp kernel's splits) + 1 producer warp, one ring per CTA
-    (2 ws stages by default), with the one-warp kernel's split count, so a compressed plan and its twin split alike;
-    the twin's default until session 17, the one-warp kernel's 12-warp CTAs since."""
-    p = plan(2, 8, 4, 128, 65536, "cpu", nsplit=16 * 8, slot_bytes=2928, ws=8)
-    assert "-DGAAC_WS=8" in p.options and "-DGAAC_STAGES=16" in p.options and p.warps == 9
-    assert (p.items, p.grid, p.splits_per_cta) == (2 * 8 * 128, 2 * 8 * 16, 8)
-    assert p.smem == -(-(384 + 16 * 2 * 4096 + 8 * 14 * 128) // 128) * 128 and p.smem <= 227 * 1024
-    twin = plan(2, 8, 4, 128, 65536, "cpu", nsplit=16 * 8, ws=8, plain=True)
-    assert twin.smem == 384 + 16 * 2 * 4096 and "-DGAAC_PLAIN=1" in twin.options
-    assert plan(1, 8, 4, 64, 1024, "cpu", nsplit=6, ws=3, stages=3).options != plan(
-        1, 8, 4, 64, 1024, "cpu", nsplit=6, ws=3, stages=6).options
-    odd = plan(1, 8, 4, 128, 1024, "cpu", nsplit=13, ws=6, plain=True)  # the last CTA of a head holds one split
-    assert odd.grid == 8 * 3 and odd.items == 8 * 13
-    with pytest.raises(ValueError, match="head_dim 64 and 128"):
-        plan(1, 8, 4, 256, 1024, "cpu", nsplit=8, ws=8)
-    # the default since session 17: the twin and compressed KV on the one-warp kernel in one 12-warp CTA per SM, the
-    # twin's rows swizzled (head_dim 256: 4 warps, no swizzle); asking for ws with a one-warp option is an error
+def test_plan_of_the_kernel_shapes():
+    """The twin and compressed KV in one 12-warp CTA per SM (the default since session 17), the twin's rows swizzled
+    (head_dim 256: 4 warps, no swizzle); a CTA that shared memory cannot hold falls back to 4-warp CTAs."""
     t = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, plain=True)
-    assert t.ws == 0 and t.warps == SPLIT_WARPS and "-DGAAC_SWIZZLE=1" in t.options and "-DGAAC_MIN_CTAS=1" in t.options
+    assert t.warps == SPLIT_WARPS and "-DGAAC_SWIZZLE=1" in t.options and "-DGAAC_MIN_CTAS=1" in t.options
     assert t.grid == -(-8 * 198 // SPLIT_WARPS) and t.smem == SPLIT_WARPS * t.warp_bytes <= 227 * 1024
     c = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, slot_bytes=2928, format_version=3)
-    assert c.ws == 0 and c.warps == SPLIT_WARPS and "-DGAAC_SWIZZLE=0" in c.options and c.grid == t.grid
-    assert plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, slot_bytes=2928).ws == 0
+    assert c.warps == SPLIT_WARPS and "-DGAAC_SWIZZLE=0" in c.options and c.grid == t.grid
     wide = plan(1, 8, 4, 256, 65536, "cpu", nsplit=3, plain=True)
-    assert wide.ws == 0 and wide.warps == 4 and "-DGAAC_SWIZZLE=0" in wide.options
-    assert plan(1, 8, 4, 128, 65536, "cpu", nsplit=3, plain=True, swizzle=True).ws == 0
-    # the session-10 twin on request: WS_TWIN consumers, 2 stages each, WS_TWIN_CTAS_PER_SM CTAs per SM, no swizzle
-    w = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, plain=True, ws=WS_TWIN, min_ctas=WS_TWIN_CTAS_PER_SM)
-    assert w.ws == WS_TWIN and f"-DGAAC_STAGES={2 * WS_TWIN}" in w.options and "-DGAAC_SWIZZLE" not in str(w.options)
-    assert f"-DGAAC_MIN_CTAS={WS_TWIN_CTAS_PER_SM}" in w.options and w.grid == 8 * -(-198 // WS_TWIN)
-    # a CTA of 12 warps that shared memory cannot hold (beside the kernel's static shared memory) falls back to
-    # 4-warp CTAs
+    assert wide.warps == 4 and "-DGAAC_SWIZZLE=0" in wide.options
     big = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, slot_bytes=8000, format_version=1)
     assert big.warps == 4 and "-DGAAC_MIN_CTAS=3" in big.options
     assert c.smem + STATIC_SMEM <= 232448
-    with pytest.raises(ValueError, match="one-warp kernel's options"):
-        plan(1, 8, 4, 128, 65536, "cpu", nsplit=8, ws=8, trace=True)
-    for stages in (7, 12):  # parity waits: one consumer per stage, so stages is a multiple of ws
-        with pytest.raises(ValueError, match="multiple of ws stages"):
-            plan(1, 8, 4, 128, 1024, "cpu", nsplit=8, ws=8, stages=stages)
-    # slots staged as stored by default (one bulk copy each), padded rows on request
-    assert "-DGAAC_DENSE_SLOT=1" in p.options and p.buf_bytes == 4096
-    assert "-DGAAC_DENSE_SLOT=0" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=8, ws=8, slot_bytes=4000,
-                                         dense_slots=False).options
+    # slots staged as stored (one bulk copy each) for format 3, padded rows for format 1 unless asked
+    assert "-DGAAC_DENSE_SLOT=1" in c.options and c.buf_bytes == 4096
+    assert "-DGAAC_DENSE_SLOT=0" in plan(1, 8, 4, 128, 1024, "cpu", nsplit=8, slot_bytes=4000).options
+    with pytest.raises(TypeError):  # the warp-specialized kernel was removed in session 28
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=8, ws=8)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or CUOBJDUMP is None or not os.path.isfile(CUOBJDUMP or ""),
                     reason="needs nvcc (CUDA 12.8+) and triton's cuobjdump")
 @pytest.mark.parametrize("config", [(128, 1, 0), (128, 1, 1), (64, 1, 0), (64, 1, 1), (128, 1, 2), (64, 1, 2),
-                                    (128, 1, 3), (64, 1, 3), (128, 1, 4), (64, 1, 4), (128, 1, 5), (64, 1, 5),
-                                    (128, 1, 6), (64, 1, 6), (128, 1, 7), (64, 1, 7),
-                                    (128, 1, 0, "GAAC_BALANCE=1"), (128, 1, 5, "GAAC_BALANCE=1"),
-                                    (64, 1, 5, "GAAC_BALANCE=1"), (128, 1, 6, "GAAC_BALANCE=1"),
-                                    (64, 1, 6, "GAAC_BALANCE=1"), (128, 1, 7, "GAAC_BALANCE=1"),
+                                    (128, 1, 3), (64, 1, 3), (128, 1, 6), (64, 1, 6),
+                                    (128, 1, 0, "GAAC_BALANCE=1"), (128, 1, 1, "GAAC_BALANCE=1"),
+                                    (64, 1, 2, "GAAC_BALANCE=1"), (128, 1, 6, "GAAC_BALANCE=1"),
+                                    (64, 1, 6, "GAAC_BALANCE=1"),
                                     (128, 1, 6, "GAAC_EARLY_INDEX=1"), (128, 1, 6, "GAAC_COMBINE_WARPS=4"),
-                                    (128, 1, 6, "GAAC_PDL=1"), (64, 1, 6, "GAAC_PDL=1"), (128, 1, 5, "GAAC_PDL=1"),
+                                    (128, 1, 6, "GAAC_PDL=1"), (64, 1, 6, "GAAC_PDL=1"), (128, 1, 1, "GAAC_PDL=1"),
                                     (128, 1, 0, "GAAC_PDL=1"), (128, 1, 6, "GAAC_WARPS=12"), (64, 1, 6, "GAAC_WARPS=12"),
                                     (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1"), (128, 1, 0, "GAAC_WARPS=12"),
                                     (128, 1, 1, "GAAC_WARPS=12"), (128, 1, 2, "GAAC_WARPS=12"),
@@ -295,12 +266,11 @@ def test_plan_of_the_warp_specialized_kernel():
                                      "GAAC_ENTRY_PTR=1", "GAAC_SCAN_PRED=1", "GAAC_LATE_Q=1"),
                                     (64, 1, 6, "GAAC_WARPS=12", "GAAC_OV_UNIFORM=1", "GAAC_ENTRY_PTR=1",
                                      "GAAC_SCAN_PRED=1", "GAAC_LATE_Q=1"),
-                                    (128, 1, 4, "GAAC_ENTRY_PTR=1", "GAAC_LATE_Q=1"),
+                                    (128, 1, 3, "GAAC_ENTRY_PTR=1", "GAAC_LATE_Q=1"),
                                     (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_SCAN_BALLOT=1",
                                      "GAAC_KV_PREPASS=1", "GAAC_OV_UNIFORM=1", "GAAC_ENTRY_PTR=1", "GAAC_LATE_Q=1"),
                                     (64, 1, 6, "GAAC_WARPS=12", "GAAC_SCAN_BALLOT=1", "GAAC_KV_PREPASS=1"),
                                     (128, 1, 3, "GAAC_WARPS=12", "GAAC_SCAN_BALLOT=1"), (64, 1, 0, "GAAC_SCAN_BALLOT=1"),
-                                    (128, 1, 7, "GAAC_SCAN_BALLOT=1", "GAAC_KV_PREPASS=1"),
                                     (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_STRIDED=1", "GAAC_ENTRY_PTR=1",
                                      "GAAC_LATE_Q=1", "GAAC_SCAN_BALLOT=1", "GAAC_KV_PREPASS=1", "GAAC_OV_UNIFORM=1"),
                                     (128, 1, 1, "GAAC_WARPS=12", "GAAC_STRIDED=1"),
@@ -311,27 +281,25 @@ def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     """The sm_90a build of every head_dim-64/128 variant, at the plan's register cap (12 warps per SM: 3 CTAs of 4
     warps, or one of 12), keeps its state in registers: no stack, no local memory."""
     # kind 0 compressed, 1 plain (K and V of a stage on their own barriers), 2 plain with swizzled rows, 3 compressed
-    # with slots staged as stored, 4/5 the warp-specialized kernel (8 consumer warps + 1 producer per CTA, one CTA per
-    # SM; slots staged as stored), compressed/plain, 6 format 3 (version 2 in fragment order, staged as stored; raw
-    # groups from the scratch overlay), 7 the same in the warp-specialized kernel
+    # with slots staged as stored, 6 format 3 (version 2 in fragment order, staged as stored; raw groups from the
+    # scratch overlay); kinds 4, 5 and 7 were the warp-specialized kernel's (removed in session 28)
     c, tiles, kind, *extra = config  # extra: a benchmark or plan option (rank-balanced splits, early indices)
-    ws = kind in (4, 5, 7)
     out = tmp_path / "k.cubin"
-    defs = [f"-DGAAC_C={c}", f"-DGAAC_TILES={tiles}", f"-DGAAC_PLAIN={int(kind in (1, 2, 5))}",
-            f"-DGAAC_SWIZZLE={int(kind == 2)}", f"-DVT_WORDS={c // 32}", f"-DGAAC_DENSE_SLOT={int(kind in (3, 4, 6, 7))}",
-            f"-DGAAC_STAGES={16 if ws else 2}", f"-DGAAC_WS={8 if ws else 0}"]
-    defs += (["-DGAAC_FORMAT=3"] if kind in (6, 7) else []) + [f"-D{e}" for e in extra if not e.startswith("GAAC_WARPS")]
+    defs = [f"-DGAAC_C={c}", f"-DGAAC_TILES={tiles}", f"-DGAAC_PLAIN={int(kind in (1, 2))}",
+            f"-DGAAC_SWIZZLE={int(kind == 2)}", f"-DVT_WORDS={c // 32}", f"-DGAAC_DENSE_SLOT={int(kind in (3, 6))}",
+            "-DGAAC_STAGES=2"]
+    defs += (["-DGAAC_FORMAT=3"] if kind == 6 else []) + [f"-D{e}" for e in extra if not e.startswith("GAAC_WARPS")]
     # the CTA: 4 warps, 3 per SM, or the plan's default SPLIT_WARPS warps in one CTA per SM (the same register cap)
     warps = 12 if "GAAC_WARPS=12" in extra else 4
-    defs += [f"-DGAAC_WARPS={warps}", f"-DGAAC_MIN_CTAS={1 if ws or warps == 12 else 3}"]
+    defs += [f"-DGAAC_WARPS={warps}", f"-DGAAC_MIN_CTAS={1 if warps == 12 else 3}"]
     subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", *defs, "-x", "cu",
                     _SOURCE_FILE, "-o", str(out)], check=True, capture_output=True)
     usage = subprocess.run([CUOBJDUMP, "-res-usage", str(out)], check=True, capture_output=True, text=True).stdout
     split = [line for line in usage.splitlines() if "REG" in line]
-    fn = usage.split("gaac_decode_ws" if ws else "gaac_decode_split")[1]
+    fn = usage.split("gaac_decode_split")[1]
     regs = int(re.search(r"REG:(\d+)", fn).group(1))
     assert int(re.search(r"STACK:(\d+)", fn).group(1)) == 0 and int(re.search(r"LOCAL:(\d+)", fn).group(1)) == 0, split
-    assert regs <= (224 if ws else 168), split  # 12 warps per SM, or 9
+    assert regs <= 168, split  # 12 warps per SM
 
 
 def _ptx_of(function: str, defines: list[str], tmp_path) -> str:
@@ -345,18 +313,14 @@ def _ptx_of(function: str, defines: list[str], tmp_path) -> str:
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA 12.8+)")
-def test_issue_paths_and_the_producer_fence_are_compiled_in(tmp_path):
+def test_issue_paths_are_compiled_in(tmp_path):
     """Compressed KV staged as stored (the caches' Hopper default) carries the common unit's two bulk copies beside the
-    general issue path (GAAC_FAST_ISSUE), and the warp-specialized producer fences the async proxy before refilling a
-    stage (without it plain KV gave other bits in about 1 launch in 10 on the H200, session 20)."""
+    general issue path (GAAC_FAST_ISSUE)."""
     split = ["-DGAAC_C=128", "-DGAAC_TILES=1", "-DGAAC_PLAIN=0", "-DGAAC_STAGES=2", "-DGAAC_WARPS=12",
              "-DGAAC_MIN_CTAS=1", "-DGAAC_FORMAT=3", "-DVT_WORDS=4", "-DGAAC_DENSE_SLOT=1"]
     fast = _ptx_of("gaac_decode_split", split, tmp_path).count("cp.async.bulk.shared")
     general = _ptx_of("gaac_decode_split", split + ["-DGAAC_FAST_ISSUE=0"], tmp_path).count("cp.async.bulk.shared")
     assert fast == general + 2, (fast, general)
-    ws = ["-DGAAC_C=128", "-DGAAC_TILES=1", "-DGAAC_PLAIN=1", "-DGAAC_STAGES=8", "-DGAAC_WARPS=4", "-DGAAC_MIN_CTAS=1",
-          "-DGAAC_WS=4", "-DVT_WORDS=4", "-DGAAC_DENSE_SLOT=0"]
-    assert _ptx_of("gaac_decode_ws", ws, tmp_path).count("fence.proxy.async") >= 1
 
 
 def test_partials_leave_as_vector_stores(tmp_path):
@@ -445,17 +409,17 @@ def test_cuda_compressed_equals_plain_twin(case):
     b, h, nrep, _, d, _, _, _ = case
     (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case)
     for nsplit in (1, 3, None):
-        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, ws=0)
-        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, ws=0)
+        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit)
+        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit)
         got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
         twin = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
         assert torch.equal(bits(got), bits(twin)), f"compressed != twin (nsplit {pc.nsplit})"
         # the twin with its BF16 rows staged swizzled (bank-conflict-free loads): the same bits
-        pps = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, swizzle=True, ws=0)
+        pps = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, swizzle=True)
         twin_s = plain_decode_attention(q, k, v, kv_len, mask, scale, pps)
         assert torch.equal(bits(twin_s), bits(twin)), f"swizzled twin differs (nsplit {pc.nsplit})"
         # slots staged as stored (one bulk copy each): the same bits
-        pcd = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=pc.nsplit, ws=0,
+        pcd = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=pc.nsplit,
                    dense_slots=True)
         got_d = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pcd)
         assert torch.equal(bits(got_d), bits(got)), f"dense_slots changed the bits (nsplit {pc.nsplit})"
@@ -464,7 +428,7 @@ def test_cuda_compressed_equals_plain_twin(case):
     # rows further apart than head_dim (a view into wider rows): the same bits as contiguous rows
     kw, vw = (torch.zeros(*x.shape[:3], d + 64, dtype=x.dtype, device=x.device) for x in (k, v))
     kw[..., :d], vw[..., :d] = k, v
-    pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, ws=0)
+    pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True)
     strided = plain_decode_attention(q, kw[..., :d], vw[..., :d], kv_len, mask, scale, pp)
     assert torch.equal(bits(strided), bits(plain_decode_attention(q, k, v, kv_len, mask, scale, pp)))
 
@@ -473,32 +437,25 @@ def test_cuda_compressed_equals_plain_twin(case):
 @gpu
 @pytest.mark.parametrize("case", [c for c in GPU_CASES if c[4] in (64, 128)],
                          ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
-def test_warp_specialized_compressed_equals_plain_twin(case):
-    """The warp-specialized kernel (producer warp + consumer warps, one ring per CTA) holds the one-warp kernel's
-    splits: compressed and plain KV on it, at one, two and three stages per consumer and CTAs of 2-11 consumers,
-    give the one-warp kernel's bits at the same split count (so the default twin matches compressed KV)."""
+def test_compressed_equals_plain_twin_in_every_cta_shape(case):
+    """Compressed KV and its twin planned alike give the same bits whatever the CTA: the default plans, each split's
+    partial written on its own (no CTA merge), and 4-warp CTAs of 2 or 3 ring stages, at one, five and the default
+    split count, launched twice (a second launch reuses nothing of the first)."""
     b, h, nrep, _, d, _, _, _ = case
     (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case)
     for nsplit in (1, 5, None):
         pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit)
-        assert pc.ws == 0
         got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
         twin = plain_decode_attention(q, k, v, kv_len, mask, scale)  # the default twin plan
         if nsplit is None:
             assert torch.equal(bits(got), bits(twin)), "default plans: compressed != twin"
-        # the warp-specialized kernel writes a partial per split: the one-warp kernel's bits without the CTA merge
-        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, cta_merge=False)
-        got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
-        for ws, stages, dense in ((WS_TWIN, 2 * WS_TWIN, True), (2, 2, True), (3, 9, False), (11, 22, False),
-                                  (4, 8, True)):
-            pw = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=pc.nsplit, ws=ws,
-                      stages=stages, dense_slots=dense)
-            pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, ws=ws, stages=stages)
-            for _ in range(2):  # a second launch reuses nothing of the first
+        for kw in ({"cta_merge": False}, {"warps": 4, "min_ctas": 3}, {"warps": 4, "stages": 3, "min_ctas": 2}):
+            pw = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=pc.nsplit, **kw)
+            pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, **kw)
+            for _ in range(2):
                 got_w = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pw)
                 twin_w = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
-                assert torch.equal(bits(got_w), bits(got)), f"ws {ws}/{stages}, nsplit {pc.nsplit}: compressed"
-                assert torch.equal(bits(twin_w), bits(got)), f"ws {ws}/{stages}, nsplit {pc.nsplit}: twin"
+                assert torch.equal(bits(got_w), bits(twin_w)), f"{kw}, nsplit {pc.nsplit}: compressed != twin"
         err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, (err, pc.nsplit)
 
@@ -510,19 +467,18 @@ def test_format_2_slots_equal_plain_twin(case):
     """Slots of format version 2 as the caches store them (even windows, written by the caches' encoder in fragment
     order, escapes ordered by plane): the kernel's format 3 gives the twin's bits at every case of the format-1 test
     (lengths 1 / 15 / 17 / 1000 / 65,537, mixed lengths with padding, all-raw and all-4-bit tiles), at several split
-    counts, in the one-warp and the warp-specialized kernel, and is attention."""
+    counts, in 12- and 4-warp CTAs, with and without the CTA merge, and is attention."""
     if case[5] == "mixed":  # even windows leave more escapes: 32 more bytes keep slots and raw tiles both in use
         case = (*case[:6], case[6] + 32, case[7])
     b, h, nrep, _, d, _, _, _ = case
     (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case, 2)
-    for nsplit, ws in ((1, 0), (3, 0), (None, 0), (6, 6), (5, 5)):
-        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, ws=ws,
-                  format_version=3)
-        # (the warp-specialized kernel writes a partial per split: its twin without the CTA merge)
-        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, ws=0, cta_merge=False if ws else None)
+    for nsplit, kw in ((1, {}), (3, {}), (None, {}), (6, {"warps": 4, "min_ctas": 3}), (5, {"cta_merge": False})):
+        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, format_version=3,
+                  **kw)
+        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, **kw)
         got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
         twin = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
-        assert torch.equal(bits(got), bits(twin)), f"format 2 != twin (nsplit {pc.nsplit}, ws {ws})"
+        assert torch.equal(bits(got), bits(twin)), f"format 2 != twin (nsplit {pc.nsplit}, {kw})"
         err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, (err, pc.nsplit)
 
@@ -532,20 +488,19 @@ def test_format_2_slots_equal_plain_twin(case):
                          ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
 def test_balanced_splits_equal_the_balanced_twin(case):
     """plan(balance=...) (splits weighted by launch rank, heads interleaved across warps): compressed KV of both
-    format versions on the one-warp kernel gives the bits of its plain twin planned with the same weights, on the
-    warp-specialized and on the one-warp kernel, at several split counts, and is attention."""
+    format versions gives the bits of its plain twin planned with the same weights, at several split counts, and is
+    attention."""
     b, h, nrep, _, d, kind, cap, pad = case
     for version, fmt in ((1, 1), (2, 3)):
         c = (b, h, nrep, case[3], d, kind, cap + 32 if version == 2 and kind == "mixed" else cap, pad)
         (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(c, version)
         for nsplit, weights in ((None, RANK_PACE), (5, (3, 1)), (1, (2,))):
-            pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, ws=0,
+            pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit,
                       format_version=fmt, balance=weights)
             got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
-            for ws in (None, 0):
-                pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, ws=ws, balance=weights)
-                twin = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
-                assert torch.equal(bits(got), bits(twin)), f"version {version}, nsplit {pc.nsplit}, twin ws {pp.ws}"
+            pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, balance=weights)
+            twin = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
+            assert torch.equal(bits(got), bits(twin)), f"version {version}, nsplit {pc.nsplit}"
             err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
             assert err < 1e-2, (err, pc.nsplit)
 
@@ -555,17 +510,15 @@ def test_balanced_splits_equal_the_balanced_twin(case):
                          ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
 def test_combine_warps_equal_the_twin_planned_alike(case):
     """plan(combine_warps=n) changes how the combine groups the splits, for compressed KV and its twin alike: the same
-    bits on both twins' kernels, with and without the rank-balanced splits, and attention."""
+    bits, with and without the rank-balanced splits, and attention."""
     b, h, nrep, _, d, _, _, _ = case
     (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case, 2)
     for cw, balance in ((4, None), (3, RANK_PACE), (1, None), (8, None)):
-        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, ws=0, format_version=3,
+        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, format_version=3,
                   combine_warps=cw, balance=balance)
         got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
-        for ws in (None, 0):
-            pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, ws=ws, combine_warps=cw,
-                      balance=balance)
-            assert torch.equal(bits(got), bits(plain_decode_attention(q, k, v, kv_len, mask, scale, pp))), (cw, ws)
+        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, combine_warps=cw, balance=balance)
+        assert torch.equal(bits(got), bits(plain_decode_attention(q, k, v, kv_len, mask, scale, pp))), cw
         err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, (err, cw)
 
@@ -575,7 +528,7 @@ def test_combine_warps_equal_the_twin_planned_alike(case):
                          ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
 def test_pdl_launch_keeps_the_bits(case):
     """plan(pdl=True) (programmatic dependent launch of the split and combine kernels): the bits of the plain launch,
-    for compressed KV (format 3, with and without balanced splits) and the twin (both kernels), called directly and
+    for compressed KV (format 3, with and without balanced splits) and the twin, called directly and
     as three back-to-back calls in one CUDA graph (each split kernel then starts under the previous combine, which
     reads partials in the memory the next call reuses)."""
     b, h, nrep, _, d, _, _, _ = case
@@ -583,13 +536,11 @@ def test_pdl_launch_keeps_the_bits(case):
     for balance in ((), RANK_PACE):
         outs = {}
         for pdl in (False, True):
-            pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, ws=0, format_version=3,
+            pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, format_version=3,
                       balance=balance, pdl=pdl)
             outs[("gaac", pdl)] = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
-            for ws in (None, 0):
-                pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, ws=ws, balance=balance,
-                          pdl=pdl)
-                outs[(f"twin{ws}", pdl)] = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
+            pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, balance=balance, pdl=pdl)
+            outs[("twin", pdl)] = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
             if pdl:
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
@@ -610,7 +561,7 @@ def test_pdl_launch_keeps_the_bits(case):
 @pytest.mark.parametrize("d", [64, 128])
 def test_fragment_order_prototype_equals_plain_twin(d):
     """Format 3 (the fragment-order byte-split prototype of benchmarks/format_v2_probe.py, CPU-checked in
-    tests/test_gaac_format_v3_prototype.py): the one-warp and the warp-specialized kernel give the twin's bits on real-
+    tests/test_gaac_format_v3_prototype.py): the kernel in 12- and 4-warp CTAs gives the twin's bits on real-
     statistics-like KV with 3-bit, 4-bit and raw groups, raw tiles and a tail, at several split counts."""
     from benchmarks.format_v2_probe import compress_v2
 
@@ -622,16 +573,16 @@ def test_fragment_order_prototype_equals_plain_twin(d):
     kv_len = torch.full((b,), s, dtype=torch.int32, device="cuda")
     packed, layout, info = compress_v2(k, v)
     assert info["raw_tiles"] > 0 and min(info["mode_shares"]) > 0, info
-    cases = [(n, w, ()) for n, w in ((1, 0), (7, 0), (12, 6), (10, 5), (11, 11), (12, 3), (8, 4))]
-    cases += [(7, 0, ("GAAC_F3DUP=0",)), (12, 6, ("GAAC_F3DUP=0",))]
-    cases += [(7, 0, ("GAAC_FAST_ISSUE=0",)), (1, 0, ("GAAC_FAST_ISSUE=0",))]  # every unit by the general issue path
-    for nsplit, ws, defines in cases:  # defines: the overlay's tile-code variants, the issue path
-        pc = plan(b, h, nrep, d, s, "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, ws=ws, format_version=3,
+    cases = [(n, w, ()) for n, w in ((1, None), (7, None), (12, 4), (10, 4), (11, 4), (8, 4))]
+    cases += [(7, None, ("GAAC_F3DUP=0",)), (12, 4, ("GAAC_F3DUP=0",))]
+    cases += [(7, None, ("GAAC_FAST_ISSUE=0",)), (1, None, ("GAAC_FAST_ISSUE=0",))]  # every unit by the general path
+    for nsplit, warps, defines in cases:  # defines: the overlay's tile-code variants, the issue path
+        pc = plan(b, h, nrep, d, s, "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, warps=warps, format_version=3,
                   defines=defines)
-        pp = plan(b, h, nrep, d, s, "cuda", plain=True, nsplit=nsplit, ws=0, cta_merge=pc.cta_merge)
+        pp = plan(b, h, nrep, d, s, "cuda", plain=True, nsplit=nsplit, warps=pc.warps, cta_merge=pc.cta_merge)
         got = decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, d ** -0.5, layout, pc)
         twin = plain_decode_attention(q, k, v, kv_len, None, d ** -0.5, pp)
-        assert torch.equal(bits(got), bits(twin)), (nsplit, ws, defines)
+        assert torch.equal(bits(got), bits(twin)), (nsplit, warps, defines)
 
 
 @gpu
@@ -643,8 +594,8 @@ def test_combine_over_many_splits_and_empty_ones():
         b, h, nrep, [4000], d, "mixed", 32, seed=3)
     scale = d ** -0.5
     for nsplit in (300, 997):  # > 256 splits: two or more rounds per warp; 997 over 250 units: most are empty
-        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, ws=0)
-        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=nsplit, ws=0)
+        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit)
+        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=nsplit)
         got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, None, scale, layout, pc)
         twin = plain_decode_attention(q, k, v, kv_len, None, scale, pp)
         assert torch.equal(bits(got), bits(twin)), nsplit
@@ -659,7 +610,7 @@ def _option_equals_twin(case, option: dict, baseline: dict, splits):
     b, h, nrep, _, d, _, _, _ = case
     (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case)
     for nsplit, warps in splits:
-        kw = {"nsplit": nsplit, "ws": 0} | ({} if warps is None else {"warps": warps})
+        kw = {"nsplit": nsplit} | ({} if warps is None else {"warps": warps})
         pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, **kw, **option)
         kw["nsplit"] = pc.nsplit
         pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, **kw, **option)
@@ -691,9 +642,9 @@ def _format2_equals_twin(case, option: dict):
         return
     (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case, 2)
     for nsplit in (3, None):
-        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, ws=0, format_version=3,
+        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, format_version=3,
                   nsplit=nsplit, **option)
-        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, ws=0, nsplit=pc.nsplit, **option)
+        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, **option)
         got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
         assert torch.equal(bits(got), bits(plain_decode_attention(q, k, v, kv_len, mask, scale, pp))), nsplit
 
@@ -715,39 +666,34 @@ def test_cta_merge_equals_the_twin_planned_alike(case):
 
 
 def test_cta_merge_option():
-    """plan(cta_merge=...): the kernel option and the partials' count, refused with the warp-specialized kernel and
-    with rank-balanced splits (they interleave the heads warp by warp)."""
-    p = plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, ws=0, warps=12, cta_merge=True)
+    """plan(cta_merge=...): the kernel option and the partials' count, refused with rank-balanced splits (they interleave the heads warp by warp)."""
+    p = plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, warps=12, cta_merge=True)
     assert p.cta_merge and "-DGAAC_CTA_MERGE=1" in p.options and p.parts == 2 * 8 * (33 // 12 + 2)
-    off = plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, ws=0, warps=12, cta_merge=False)
+    off = plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, warps=12, cta_merge=False)
     assert not off.cta_merge and off.parts == off.items and not any("CTA_MERGE" in o for o in off.options)
     # the default where it pays (an H200's 132 SMs, the one-wave split counts): more than one round of the combine's
     # loads (9/3/64 1x64K: 528 splits per group) or more combine blocks than SMs (64/8 1x64K, 4x64K), not at 1x64K
     for (b, h, r, d, n), want in (((1, 8, 4, 128, 198), False), ((1, 8, 8, 128, 198), True),
                                   ((4, 8, 4, 128, 49), True), ((1, 3, 3, 64, 528), True), ((1, 3, 3, 64, 256), False)):
         for plain in (False, True):
-            assert plan(b, h, r, d, 65536, "cpu", nsplit=n, ws=0, plain=plain).cta_merge is want, (b, h, r, d, n)
-    assert not plan(1, 8, 8, 128, 65536, "cpu", nsplit=198, ws=0, balance=RANK_PACE).cta_merge
-    with pytest.raises(ValueError, match="ws=0"):
-        plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, ws=3, cta_merge=True)
+            assert plan(b, h, r, d, 65536, "cpu", nsplit=n, plain=plain).cta_merge is want, (b, h, r, d, n)
+    assert not plan(1, 8, 8, 128, 65536, "cpu", nsplit=198, balance=RANK_PACE).cta_merge
     # the combine in the split kernel: only with the merge; by default where the combine kernel's blocks (row x query
     # head x 32 channels) outnumber the SMs (64/8 1x64K: 256, 4x64K: 512), not at 9/3/64 (18: merged, not fused)
-    fused = plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, ws=0, cta_merge=True, fused_combine=True)
+    fused = plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, cta_merge=True, fused_combine=True)
     assert fused.fused_combine and "-DGAAC_FUSED_COMBINE=1" in fused.options
-    assert not plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, ws=0, cta_merge=True, fused_combine=False).fused_combine
-    small = plan(1, 2, 4, 128, 65536, "cpu", nsplit=33, ws=0, warps=12, cta_merge=True)  # 32 blocks
+    assert not plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, cta_merge=True, fused_combine=False).fused_combine
+    small = plan(1, 2, 4, 128, 65536, "cpu", nsplit=33, warps=12, cta_merge=True)  # 32 blocks
     assert small.cta_merge and not small.fused_combine and not any("FUSED" in o for o in small.options)
     for (b, h, r, d, n), want in (((1, 8, 8, 128, 198), True), ((4, 8, 4, 128, 49), True), ((1, 3, 3, 64, 528), False),
                                   ((1, 8, 4, 128, 198), False)):
         for plain in (False, True):
-            pl = plan(b, h, r, d, 65536, "cpu", nsplit=n, ws=0, plain=plain)
+            pl = plan(b, h, r, d, 65536, "cpu", nsplit=n, plain=plain)
             assert pl.fused_combine is want and ("-DGAAC_FUSED_COMBINE=1" in pl.options) is want, (b, h, r, d, n)
     with pytest.raises(ValueError, match="needs cta_merge"):
-        plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, ws=0, cta_merge=False, fused_combine=True)
-    with pytest.raises(ValueError, match="ws=0"):
-        plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, ws=3, fused_combine=True)
+        plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, cta_merge=False, fused_combine=True)
     with pytest.raises(ValueError, match="balance"):
-        plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, ws=0, cta_merge=True, balance=RANK_PACE)
+        plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, cta_merge=True, balance=RANK_PACE)
 
 
 @gpu
@@ -767,24 +713,22 @@ def test_fused_combine_equals_the_twin_planned_alike(case):
 
 def test_const_layout_option():
     """plan(const_layout=True): the ring layout (and for compressed KV the slot size) as kernel defines, recorded on
-    the plan; compressed KV needs its slot size; the warp-specialized kernel refuses it; the launcher refuses a pool
+    the plan; compressed KV needs its slot size; the launcher refuses a pool
     whose slots are not the plan's size before touching any tensor."""
-    pc = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, slot_bytes=2944, format_version=3, ws=0, const_layout=True)
+    pc = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, slot_bytes=2944, format_version=3, const_layout=True)
     assert pc.slot_bytes == 2944 and "-DGAAC_SLOT_BYTES=2944" in pc.options
     assert f"-DGAAC_BUF_BYTES={pc.buf_bytes}" in pc.options and f"-DGAAC_WARP_BYTES={pc.warp_bytes}" in pc.options
-    pp = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, plain=True, ws=0, const_layout=True)
+    pp = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, plain=True, const_layout=True)
     assert pp.slot_bytes == 0 and f"-DGAAC_BUF_BYTES={pp.buf_bytes}" in pp.options
     assert not any("SLOT_BYTES" in o for o in pp.options)
     # the default: compiled in wherever the plan knows the slot size (GAAC_HF_CUDA_CONST_LAYOUT=0: nowhere)
-    dflt = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, slot_bytes=2944, format_version=3, ws=0)
+    dflt = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, slot_bytes=2944, format_version=3)
     assert dflt.slot_bytes == (2944 if CONST_LAYOUT else 0)
-    assert plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, ws=0).slot_bytes == 0  # no slot size given: read at launch
-    off = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, slot_bytes=2944, format_version=3, ws=0, const_layout=False)
+    assert plan(1, 8, 4, 128, 65536, "cpu", nsplit=198).slot_bytes == 0  # no slot size given: read at launch
+    off = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, slot_bytes=2944, format_version=3, const_layout=False)
     assert off.slot_bytes == 0 and not any("_BYTES=" in o for o in off.options)
     with pytest.raises(ValueError, match="slot_bytes"):
-        plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, ws=0, const_layout=True)
-    with pytest.raises(ValueError, match="ws=0"):
-        plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, slot_bytes=2944, ws=6, const_layout=True)
+        plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, const_layout=True)
     other = TileLayout.of_slot_bytes(128, 2944 + 16)
     q = torch.zeros(1, 32, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="2944-byte slots compiled in"):
@@ -879,9 +823,9 @@ def test_slots_off_a_line_equal_the_twin(case):
         (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, _ = case_with_reference(case, fmt)
         kernel_fmt = {"format_version": 3} if fmt == 2 else {"dense_slots": True}
         for nsplit in (1, 3, None):
-            pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, ws=0, nsplit=nsplit,
+            pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit,
                       **kernel_fmt)
-            pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, ws=0, nsplit=pc.nsplit)
+            pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit)
             want = bits(plain_decode_attention(q, k, v, kv_len, mask, scale, pp))
             for shift in (0, 16, 48, 64, 112):
                 store = torch.zeros(sp.numel() + 256, dtype=torch.uint8, device=sp.device)
@@ -904,7 +848,7 @@ def test_cta_merge_partials_fit_the_plans_allocation():
     for warps in (4, 12):
         for nsplit in list(range(1, 60)) + [197, 198, 264, 528, 997]:
             groups = 7
-            p = plan(1, groups, 4, 128, 65536, "cpu", nsplit=nsplit, ws=0, warps=warps, cta_merge=True)
+            p = plan(1, groups, 4, 128, 65536, "cpu", nsplit=nsplit, warps=warps, cta_merge=True)
             cap = p.parts // groups
             rows, per_cta = set(), {}
             for item in range(groups * nsplit):

@@ -110,7 +110,7 @@ def test_issue_probe_variants_differ_only_in_the_issue_path():
     import gaac_cuda
     from benchmarks.warps_probe import ISSUE_GAAC
 
-    plans = {label: gaac_cuda.plan(1, 8, 4, 128, 65536, "cpu", slot_bytes=2960, format_version=3, ws=0, nsplit=198,
+    plans = {label: gaac_cuda.plan(1, 8, 4, 128, 65536, "cpu", slot_bytes=2960, format_version=3, nsplit=198,
                                    **kw) for label, kw in ISSUE_GAAC.items()}
     base, general = plans["gaac"], plans["gaac_general_issue"]
     assert sorted(general.options) == sorted(base.options + ("-DGAAC_FAST_ISSUE=0",))
@@ -126,7 +126,7 @@ def test_w16_probe_plans_the_twin_with_the_variants_warps():
 
     kw = dict(W16_GAAC["gaac_16_warps"])
     kw["nsplit"] = kw["nsplit"](528)  # the shape's 12-warp split count on 132 SMs
-    gaac = gaac_cuda.plan(1, 3, 3, 64, 65536, "cpu", slot_bytes=1456, format_version=3, ws=0, **kw)
+    gaac = gaac_cuda.plan(1, 3, 3, 64, 65536, "cpu", slot_bytes=1456, format_version=3, **kw)
     twin = gaac_cuda.plan(1, 3, 3, 64, 65536, "cpu", plain=True,
                           **{k: v for k, v in kw.items() if k in SPLIT_KEYS})
     assert (gaac.warps, gaac.nsplit, gaac.cta_merge) == (twin.warps, twin.nsplit, twin.cta_merge) == (16, 704, True)

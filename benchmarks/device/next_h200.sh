@@ -32,8 +32,7 @@
 #   `ovtests` (the GPU bit tests), then `ovstep` (the captured pair; DEFINES=... the options `ov` found faster).
 #   Session 27 (CPU only) added GAAC_SCAN_BALLOT, GAAC_KV_PREPASS and GAAC_STRIDED, and the static caches' crop test;
 #   `bounds128` (optional) times the loads-only and stripped builds at 1x128K.
-#   `... fence` (session 20): the GPU tests of the kernels, head dims and eager generate, then
-#     benchmarks/device/ws_race_probe.py over every configuration (32 of them: each should print 'bad': 0).
+#   `fence` (session 20: the warp-specialized kernel's race probe) was removed with that kernel in session 28.
 #   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
 #     common unit's copies issued by lane 0 alone, the default, against the general issue path). Session 19's
 #     `warps16` mode ran first in session 20 (slot-sized rings at 14-16 warps: slower) and was removed.
@@ -364,13 +363,6 @@ if [ "$MODE" = ovstep ]; then  # the captured pair at the defaults, then with DE
     timeout ${GEN2_TIMEOUT:-200} python3 benchmarks/generate.py --contexts ${CONTEXTS2:-65536 131072} \
     --steps 10 --warmup 3 --eager-steps 3 --reps 10 --variants captured captured-twin --skip-module-guards \
     --out "$OUT/generate_ov_defines.json" 2>&1 | grep -v "it/s\]" | grep -E "ms/step|lossless|\| " | tail -8
-fi
-if [ "$MODE" = fence ]; then  # session 20: the GPU tests after the fast issue and the warp-specialized producer's proxy
-  # fence, then the race probe over every configuration (the fence fixed ws 4 / 8 stages for plain KV)
-  timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q tests/test_gaac_gpu_generate.py tests/test_gaac_head_dims.py \
-    tests/test_gaac_cuda_ops.py -k "(gpu or cuda) and not compiles and not sass" 2>&1 | tee "$OUT/gpu_tests_fence.log" | tail -4
-  timeout ${PROBE_TIMEOUT:-120} python3 benchmarks/device/ws_race_probe.py --reps 200 --out "$OUT/ws_race_probe.json" \
-    2>&1 | grep -c "'bad': 0,"
 fi
 if [ "$MODE" = issue ]; then  # session 20: the common unit's copy issue by lane 0 alone (GAAC_FAST_ISSUE, default)
   # against the general path; the GPU bit tests of the CUDA kernel first

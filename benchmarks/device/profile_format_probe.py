@@ -28,7 +28,7 @@ else:
     packed, layout, info = compress_v2(k, v)
 q = torch.randn(1, 32, 128, device=dev).to(torch.bfloat16)
 kv_len = torch.full((1,), 65536, dtype=torch.int32, device=dev)
-p = gaac_cuda.plan(1, 8, 4, 128, 65536, dev, slot_bytes=layout.slot_bytes, format_version=fmt, ws=0)
+p = gaac_cuda.plan(1, 8, 4, 128, 65536, dev, slot_bytes=layout.slot_bytes, format_version=fmt)
 for _ in range(3):
     gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, 128 ** -0.5, layout, p)
 torch.cuda.synchronize()

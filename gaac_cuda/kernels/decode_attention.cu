@@ -22,15 +22,12 @@
 // the common path; format 3 stores every plane-3 byte before the raw groups' other planes, so the window serves all).
 //
 // Plain BF16 KV (GAAC_PLAIN) runs the same code from the fragment registers on: the bit-exact twin.
-// gaac_decode_ws (GAAC_WS consumer warps, built only when GAAC_WS > 0) runs the same unit code in consumer warps fed
-// by one producer warp per CTA through a shared ring; each consumer holds one split of gaac_decode_split's layout, so
-// both kernels give the same bits at the same split count (no default uses it since session 17; kept for the probes).
 // Bitstream: docs/format.md; offsets come from the launcher (gaac_hf/format.py is the one definition).
 //
 // Compile-time configuration (NVRTC -D): GAAC_C (64|128 channels per tile), GAAC_TILES (tiles per head: 1|2),
 // GAAC_PLAIN (0|1), GAAC_STAGES (ring depth), GAAC_WARPS, GAAC_MIN_CTAS (register budget), GAAC_SWIZZLE (plain KV:
 // swizzled BF16 rows), VT_WORDS (V words per vector load), GAAC_DENSE_SLOT (compressed KV: slots staged as stored),
-// GAAC_WS (the warp-specialized kernel's consumer warps), GAAC_BALANCE (splits weighted by Params::split_cum),
+// GAAC_BALANCE (splits weighted by Params::split_cum),
 // GAAC_FAST_ISSUE (compressed KV staged as stored: the common unit's copies issued by lane 0 alone), GAAC_STAGED_O
 // (the one-warp kernel's partial outputs staged in shared memory and written as 16-byte stores), GAAC_CTA_MERGE (the
 // one-warp kernel's splits merged per CTA and group before they leave the SM; session 22), and for the benchmarks
@@ -77,22 +74,18 @@
 #define GAAC_SWIZZLE 0
 #endif
 #define SWZ (GAAC_PLAIN && GAAC_SWIZZLE)
-#ifndef GAAC_WS  // consumer warps of the warp-specialized kernel gaac_decode_ws (0: that kernel is not built)
-#define GAAC_WS 0
-#endif
 #ifndef GAAC_CTA_MERGE  // the one-warp kernel's splits merged per CTA before they leave (1: each CTA writes one partial
 #define GAAC_CTA_MERGE 0  // per (row, kv-head) it holds, and the combine merges those) or one partial per split (0)
 #endif
-#define CTA_MERGE (GAAC_CTA_MERGE && !GAAC_WS && !GAAC_BALANCE)  // (GAAC_BALANCE interleaves the heads warp by warp)
+#define CTA_MERGE (GAAC_CTA_MERGE && !GAAC_BALANCE)  // (GAAC_BALANCE interleaves the heads warp by warp)
 #ifndef GAAC_FUSED_COMBINE  // with GAAC_CTA_MERGE: the last CTA of each group to finish merges the group's partials
 #define GAAC_FUSED_COMBINE 0  // into the output (1; no combine kernel) or the combine kernel does (0)
 #endif
 #define FUSED_COMBINE (GAAC_FUSED_COMBINE && CTA_MERGE)
 // The one-warp kernel over plain KV (the twin at head_dim 256, or when asked for): K and V of a stage on their own
 // barriers, each re-issued as soon as its tile is read (measured faster for the twin, slower for compressed KV:
-// benchmarks/results/attention_cuda.md, sessions 7 and 24). A warp-specialized build's one-warp kernel is never
-// launched and keeps one barrier per stage.
-#define SPLITBAR (GAAC_PLAIN && !GAAC_WS)
+// benchmarks/results/attention_cuda.md, sessions 7 and 24).
+#define SPLITBAR GAAC_PLAIN
 #define STRIDED (GAAC_STRIDED && !GAAC_BALANCE)
 // Per-warp header: stage barriers and slot bits, then the ring. 128 bytes, so every bulk copy lands on a 128-byte
 // aligned shared-memory destination: the compressed kernel's 64-byte header put them 64 bytes off and cost a quarter
@@ -253,10 +246,6 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
 }
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-// 16 bytes from global memory, or 16 zero bytes when `full` is false (nothing read): completes like any cp.async
-__device__ __forceinline__ void cp_async16_or_zero(u32 dst, const void* src, bool full) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(full ? 16u : 0u) : "memory");
 }
 // arrive on the mbarrier once this thread's earlier cp.async copies have landed (counted in the barrier's init)
 __device__ __forceinline__ void cp_async_arrive(u32 bar) {
@@ -1748,246 +1737,6 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #endif
   if (GAAC_TRACE && lane == 0) p.trace[4 * item + 2] = gtimer();
 }
-
-#if GAAC_WS
-#if TILES != 1 || GAAC_SWIZZLE || GAAC_TRACE
-#error "GAAC_WS: one tile per head (head_dim 64 or 128), no swizzle, no trace"
-#endif
-#if GAAC_STAGES % GAAC_WS
-#error "GAAC_WS: GAAC_STAGES must be a multiple of GAAC_WS (one consumer per stage)"
-#endif
-#define WS_HDR ((20 * GAAC_STAGES + 127) / 128 * 128)  // full and empty barriers and slot bits of every stage
-
-// One unit (16 tokens of K and V, staged in kbuf / vbuf) into a consumer's online softmax and output: the body of
-// the one-warp kernel's unit loop at its defaults.
-__device__ __forceinline__ void ws_unit(const Params& p, const u8* kbuf, const u8* vbuf, u32 slots, const Scratch& scr,
-                                        int lane, int g, int t, const u32 (&qb)[NKS][2], const u32 (&b3)[2][TILES][GPL / 4],
-                                        const u32 (&b4)[2][TILES][GPL / 4], int valid, const u8* mrow, int u, float (&m)[2],
-                                        float (&l)[2], float (&o)[TILES][NVM][4]) {
-  constexpr bool DECODE = !GAAC_PLAIN && !(GAAC_SKIP & 2);
-  const RowSwizzle sw = {};  // (no swizzle)
-  LaneTags tk, tv;
-  tk.wb = tk.rb = tv.wb = tv.rb = 0;
-  if (DECODE && slots) {
-    if (slots & 1) load_tags(p, kbuf, lane, tk);
-    if (slots & 2) load_tags(p, vbuf, lane, tv);
-    scan_tags(tk, tv, lane);
-  }
-  float sc2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-  if (DECODE && (slots & 1)) {
-    prepass(p, kbuf, scr, b3[0][0], b4[0][0], lane, tk);
-    __syncwarp();
-    k_tile<4>(p, kbuf, scr, g, t, qb, sc2, tk.any_raw, sw);
-    __syncwarp();
-  } else {
-    k_tile<0>(p, kbuf, scr, g, t, qb, sc2, false, sw);
-  }
-  u32 pb[2];
-  float alpha[2];
-  softmax_unit(sc2, p.qk_scale, valid, mrow != nullptr, unit_mask(mrow, u, g, valid), g, m, l, alpha, pb);
-  rescale_o(o, alpha);
-  if (DECODE && (slots & 2)) {
-    prepass<true>(p, vbuf, scr, b3[1][0], b4[1][0], lane, tv);
-    __syncwarp();
-    v_tile<4>(p, vbuf, scr, g, t, pb, o[0], tv.any_raw, sw);
-    __syncwarp();
-  } else {
-    v_tile<0>(p, vbuf, scr, g, t, pb, o[0], false, sw);
-  }
-}
-
-// Warp-specialized split kernel: GAAC_WS consumer warps and one producer warp per CTA. CTA c of a (row, kv-head)
-// holds splits c * GAAC_WS .. c * GAAC_WS + GAAC_WS - 1 of its p.nsplit (consumer w: split c * GAAC_WS + w, the
-// same contiguous unit range as the one-warp kernel's split, so both kernels give the same bits at the same split
-// count). The producer warp streams the CTA's units through one ring of GAAC_STAGES stages, round-robin over its
-// consumers (slot j = k * GAAC_WS + w: consumer w's k-th unit, stage j % GAAC_STAGES, a stage as the one-warp kernel
-// stages it, on a full barrier that completes on lane 0's expect_tx plus the 32 lanes' cp.async arrivals), and
-// refills a stage as soon as its consumer releases it on its empty barrier. GAAC_STAGES is a multiple of GAAC_WS, so
-// every stage has one consumer, which sees its phases in order (a parity wait is only sound at most one phase ahead
-// of the barrier).
-extern "C" __global__ void __launch_bounds__((GAAC_WS + 1) * 32, GAAC_MIN_CTAS) gaac_decode_ws(const Params p) {
-  extern __shared__ __align__(128) u8 smem[];
-  launch_dependents();
-  grid_dependency_wait();
-  constexpr int S = GAAC_STAGES, NC = GAAC_WS;
-  constexpr int SCRATCH = GAAC_PLAIN ? 0 : SCRATCH_GROUPS * G;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int ctas = (p.nsplit + NC - 1) / NC;  // CTAs per (row, kv-head)
-  const int b = blockIdx.x / (p.heads * ctas), hk = (blockIdx.x / ctas) % p.heads, cs = blockIdx.x % ctas;
-  const u32 full = smem_u32(smem), empty = full + 8 * S;
-  volatile u32* kinds = reinterpret_cast<volatile u32*>(smem + 16 * S);
-  u8* ring = smem + WS_HDR;
-  if (threadIdx.x == 0) {
-#pragma unroll 1
-    for (int s = 0; s < S; ++s) {
-      mbar_init(full + 8 * s, 33);  // lane 0's expect_tx + 32 cp.async arrivals of the producer
-      mbar_init(empty + 8 * s, 1);  // the consumer's lane 0
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  const int len = p.kv_len[b];
-  const int nb = len >> 4, tl = len & 15;
-  const int units = nb + (tl > 0 ? 1 : 0);
-#if GAAC_BALANCE
-  // split (cs * NC + w)'s first unit and unit count, as in the one-warp kernel: computed once by lane w of every
-  // warp, read by a shuffle (all callers are whole warps)
-  int lane_u0 = units, lane_n = 0;
-  if (lane < NC && cs * NC + lane < p.nsplit) split_range(p, b, cs * NC + lane, units, lane_u0, lane_n);
-  auto range = [&](int w, int& u0, int& n) {
-    u0 = __shfl_sync(0xffffffffu, lane_u0, w);
-    n = __shfl_sync(0xffffffffu, lane_n, w);
-  };
-  const int per = __reduce_max_sync(0xffffffffu, lane_n);  // the most units of one of the CTA's splits
-#else
-  const int per = (units + p.nsplit - 1) / p.nsplit;  // units per split, as in the one-warp kernel
-  // split (cs * NC + w)'s first unit and unit count
-  auto range = [&](int w, int& u0, int& n) {
-    const int split = cs * NC + w;
-    u0 = min(units, split * per);
-    n = split < p.nsplit ? min(units, u0 + per) - u0 : 0;
-  };
-#endif
-
-  if (warp == NC) {  // the producer
-    const int* trow = p.table + (i64)b * p.table_sb;
-    const int tstride = 2 * p.heads;
-    constexpr int SM_STEP = (32 / (C / 16)) * SM_ROW;  // buffer bytes between a lane's sign+mantissa chunks
-    constexpr int BF_ROWS = 32 / (C / 8);              // BF16 rows between a lane's chunks
-    const u32 sm_lane = (lane / (C / 16)) * SM_ROW + 16 * (lane % (C / 16));
-    const int bf_row = lane / (C / 8), bf_col = 16 * (lane % (C / 8));
-    const i64 row_bytes = 2 * p.kv_ss;
-    const bool bulk_plain = GAAC_PLAIN && p.kv_ss == C;  // plain blocks of 16 contiguous rows: one bulk copy each
-    const int slots_total = per * NC;
-    // table entries, 32 slots per load (lane l: slot j0 + l), one batch ahead of the copies
-    auto fetch = [&](int j0, int& ek, int& ev) {
-      const int j = j0 + lane, k = j / NC;
-      int u0w, nw;
-      range(j % NC, u0w, nw);
-      ek = ev = 0;
-      if (!GAAC_PLAIN && k < nw && u0w + k < nb) {
-        const int* e = trow + (i64)(u0w + k) * tstride + hk;
-        ek = e[0];
-        ev = e[p.heads];
-      }
-    };
-    int ek, ev, ek2, ev2;
-    fetch(0, ek, ev);
-    fetch(32, ek2, ev2);
-#pragma unroll 1
-    for (int j = 0; j < slots_total; ++j) {
-      if (j && (j & 31) == 0) {
-        ek = ek2, ev = ev2;
-        fetch(j + 32, ek2, ev2);
-      }
-      const int w = j % NC, k = j / NC;
-      int u0w, nw;
-      range(w, u0w, nw);
-      const int e[2] = {__shfl_sync(0xffffffffu, ek, j & 31), __shfl_sync(0xffffffffu, ev, j & 31)};
-      if (k >= nw) continue;  // consumer w's range is done (its stages see no more phases)
-      const int st = j % S;
-      if (j >= S) mbar_wait(empty + 8 * st, ((j / S) + 1) & 1);  // slot j - S's consumer (also w) is done
-      const int u = u0w + k;
-      const bool tail = u >= nb;
-      const int valid = tail ? tl : 16;
-      u32 bytes = 0, slots = 0;
-#pragma unroll
-      for (int kv = 0; kv < 2; ++kv) {
-        if (!GAAC_PLAIN && !tail && e[kv] >= 0) {
-          bytes += (u32)(GAAC_DENSE_SLOT ? SLOT_BYTES : SLOT_BYTES - 16 * C);
-          slots |= 1u << kv;
-        } else if (!tail && (!GAAC_PLAIN || bulk_plain)) {
-          bytes += 32 * C;
-        }
-      }
-      // the consumer's generic-proxy reads of this stage (ordered before this warp by the empty barrier) before the
-      // async proxy's writes into it: without this fence the bulk copies overwrote rows still being read (session 20:
-      // plain KV at ws 4 / 8 stages gave other bits in 108 of 1,000 launches, none with it;
-      // benchmarks/results/ws_race_probe_focus_s20.json)
-      fence_async();
-      if (lane == 0) kinds[st] = slots;
-      const u32 bar = full + 8 * st;
-      if (lane == 0) mbar_expect(bar, bytes);
-#pragma unroll
-      for (int kv = 0; kv < 2; ++kv) {
-        u8* dst = ring + (st * 2 + kv) * BUF_BYTES;
-        const u16* rows = (kv ? p.kv_v : p.kv_k) + (i64)b * p.kv_sb + (i64)hk * p.kv_sh +
-                          (GAAC_PLAIN ? (i64)16 * u * p.kv_ss : 0);
-        if (!GAAC_PLAIN && !tail && e[kv] >= 0) {
-          const u8* src = p.slots + (i64)e[kv] * SLOT_BYTES;
-          if (GAAC_DENSE_SLOT) {  // the slot as stored, one bulk copy
-            if (lane == kv) bulk_copy(smem_u32(dst), src, (u32)SLOT_BYTES, bar);
-          } else {  // sign+mantissa rows padded by 16-byte copies per lane, then the group section
-            const u8* sl = src + 16 * lane;
-            const u32 dl = smem_u32(dst) + sm_lane;
-#pragma unroll
-            for (int i = 0; i < C / 32; ++i) cp_async16(dl + i * SM_STEP, sl + 512 * i);
-            if (lane == kv) bulk_copy(smem_u32(dst + SM_SECTION), src + 16 * C, (u32)(SLOT_BYTES - 16 * C), bar);
-          }
-        } else if (!tail && (!GAAC_PLAIN || bulk_plain)) {  // a raw tile, or a plain block of contiguous rows
-          const void* src = GAAC_PLAIN ? static_cast<const void*>(rows)
-                                       : static_cast<const void*>(p.raw + (i64)(-1 - e[kv]) * 16 * C);
-          if (lane == kv) bulk_copy(smem_u32(dst), src, 32 * C, bar);
-        } else {  // plain block rows, or the tail's: 16-byte copies per lane, rows past the valid ones zero-filled
-          // by the copy itself (a store of this warp's would not be ordered before the consumer's reads)
-          const u8* sl = reinterpret_cast<const u8*>(rows) + bf_row * row_bytes + bf_col;
-#pragma unroll
-          for (int i = 0; i < C / 16; ++i) {
-            const bool in = bf_row + BF_ROWS * i < valid;
-            cp_async16_or_zero(smem_u32(dst + (bf_row + i * BF_ROWS) * 2 * C + bf_col),
-                               in ? sl + i * BF_ROWS * row_bytes : sl, in);
-          }
-        }
-      }
-      cp_async_arrive(bar);
-    }
-    // leave once the consumers have read their last stages (none of this warp's copies still in flight)
-#pragma unroll 1
-    for (int w = 0; w < NC; ++w) {
-      int u0w, nw;
-      range(w, u0w, nw);
-#pragma unroll 1
-      for (int k = max(0, nw - S / NC); k < nw; ++k) {
-        const int j = k * NC + w;
-        mbar_wait(empty + 8 * (j % S), (j / S) & 1);
-      }
-    }
-    return;
-  }
-
-  // a consumer
-  Scratch scr;
-  scratch_at(scr, ring + S * 2 * BUF_BYTES + warp * SCRATCH);
-  u32 qb[TILES][NKS][2];
-  load_query(p, b, hk, g, t, qb);
-  u32 b3[2][TILES][GPL / 4], b4[2][TILES][GPL / 4];
-  load_bases(p, hk, lane, b3, b4);
-  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
-  float o[TILES][NVM][4];
-#pragma unroll
-  for (int n2 = 0; n2 < NVM; ++n2)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) o[0][n2][c] = 0.f;
-  const u8* mrow = p.mask ? p.mask + (i64)b * p.mask_sb : nullptr;
-  int u0, n;
-  range(warp, u0, n);
-#pragma unroll 1
-  for (int k = 0; k < n; ++k) {
-    const int j = k * NC + warp, st = j % S, u = u0 + k;
-    mbar_wait(full + 8 * st, (j / S) & 1);
-    const u8* kbuf = ring + st * 2 * BUF_BYTES;
-    ws_unit(p, kbuf, kbuf + BUF_BYTES, kinds[st], scr, lane, g, t, qb[0], b3, b4, u >= nb ? tl : 16,
-            mrow, u, m, l, o);
-    __syncwarp();  // every lane has read the stage
-    if (lane == 0) mbar_arrive(empty + 8 * st);
-  }
-  if (cs * NC + warp >= p.nsplit) return;  // (the last CTA of a head may hold fewer splits)
-  const int item = (b * p.heads + hk) * p.nsplit + cs * NC + warp;
-  write_ml(p, item, g, t, m, l);
-  write_o(p, item, g, t, o);
-}
-#endif  // GAAC_WS
 
 // out[b, hq, 32c .. 32c + 31] = merge of the nsplit partials of (b, hq) for one chunk c of 32 channels. One block of
 // COMBINE_WARPS warps per (row, query head, chunk) (lane = channel): warp w takes splits w, w + COMBINE_WARPS, ...,
