@@ -36,8 +36,8 @@ import functools
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from hf_common.cache_layers import (RowSelectionMixin, full_attention_layers, stock_layer_bytes, sum_layer_bytes,
-                                   tokens_to_crop)
+from hf_common.cache_layers import (DenseKVMixin, RowSelectionMixin, full_attention_layers, stock_layer_bytes,
+                                   sum_layer_bytes, tokens_to_crop)
 from hf_common.model_config import text_config
 
 from .lowbit_config import RESIDUAL_WINDOW, LowBitConfig
@@ -49,12 +49,13 @@ from .rope_frame import RopeTable, rope_inv_freq
 from .rotation import rotation_matrix
 
 
-class LowBitLayer(RowSelectionMixin, CacheLayerMixin):
+class LowBitLayer(RowSelectionMixin, DenseKVMixin, CacheLayerMixin):
     """Packed low-bit KV of one full-attention layer (see the module docstring)."""
 
     is_sliding = False
     is_croppable = True
     is_compileable = False
+    STORED_AS = "packed low-bit KV"  # (`keys` / `values`: the dequantized KV, read-only)
 
     def __init__(self, key_bits: int = 2, value_bits: int = 2, group_size: int = 32, residual_length: int = 128,
                  one_bit_mode: str = "sign", layer_idx: int | None = None, sink_length: int = 0, *,
@@ -100,25 +101,6 @@ class LowBitLayer(RowSelectionMixin, CacheLayerMixin):
         self._n_quant = 0
         self._res_k = self._res_v = None
         self._sink_k = self._sink_v = None
-
-    # `keys`/`values` are read by some third-party tools: give them the dequantized KV (read-only).
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self._full()[0] if self.is_initialized else None
-
-    @keys.setter
-    def keys(self, value):
-        if value is not None:
-            raise AttributeError("LowBitLayer.keys is read-only (the layer stores packed low-bit KV)")
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self._full()[1] if self.is_initialized else None
-
-    @values.setter
-    def values(self, value):
-        if value is not None:
-            raise AttributeError("LowBitLayer.values is read-only (the layer stores packed low-bit KV)")
 
     @property
     def precision(self) -> str:
@@ -182,7 +164,7 @@ class LowBitLayer(RowSelectionMixin, CacheLayerMixin):
             return self._res_k[:, :, :0].to(dtype), self._res_v[:, :, :0].to(dtype)
         return self._dequantize(self._qk, self._qv, dtype)
 
-    def _full(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self._dequantized()
         return (torch.cat([self._sink_k, k, self._res_k], -2), torch.cat([self._sink_v, v, self._res_v], -2))
 

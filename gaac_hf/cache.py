@@ -28,8 +28,8 @@ import torch
 from torch.utils._pytree import tree_map
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from hf_common.cache_layers import (RowSelectionMixin, full_attention_layers, stock_layer_bytes, sum_layer_bytes,
-                                   tokens_to_crop)
+from hf_common.cache_layers import (DenseKVMixin, RowSelectionMixin, full_attention_layers, stock_layer_bytes,
+                                   sum_layer_bytes, tokens_to_crop)
 
 from . import ops
 from .calibration import CalibrationMismatchError, GAACCalibration
@@ -245,12 +245,13 @@ class GAACLazyKV(torch.Tensor):
         return func(*args, **kwargs)
 
 
-class GAACLayer(RowSelectionMixin, CacheLayerMixin):
+class GAACLayer(RowSelectionMixin, DenseKVMixin, CacheLayerMixin):
     """The GAAC-compressed cache of one full-attention layer (see the module docstring)."""
 
     is_sliding = False
     is_croppable = True
     is_compileable = False
+    STORED_AS = "compressed KV"  # (`keys` / `values`: the decoded KV, read-only)
 
     def __init__(self, calibration: GAACCalibration, layer_idx: int, tp_rank: int | None = None,
                  tp_size: int | None = None, format_version: int | None = None, group_heads: int = 1):
@@ -280,25 +281,6 @@ class GAACLayer(RowSelectionMixin, CacheLayerMixin):
         self._table = None
         self._tail_k = self._tail_v = None
         self.pool.clear()
-
-    # `keys`/`values` are read by some third-party tools: give them the expanded KV (read-only).
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self._expand()[0] if self.is_initialized else None
-
-    @keys.setter
-    def keys(self, value):
-        if value is not None:
-            raise AttributeError("GAACLayer.keys is read-only (the layer stores compressed KV)")
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self._expand()[1] if self.is_initialized else None
-
-    @values.setter
-    def values(self, value):
-        if value is not None:
-            raise AttributeError("GAACLayer.values is read-only (the layer stores compressed KV)")
 
     @property
     def tail_length(self) -> int:
@@ -393,7 +375,7 @@ class GAACLayer(RowSelectionMixin, CacheLayerMixin):
                        tails: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return self._decode_table(self._table[:, b0:b1], self.pool.slot_pool, self.pool.raw_pool, tails)
 
-    def _expand(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The full K, V `[B, H, S, D]` (finalized blocks decoded, then the tail)."""
         return self._decode_blocks(0, self.n_blocks, (self._tail_k, self._tail_v))
 

@@ -36,6 +36,29 @@ def tokens_to_crop(tokens_to_remove: int, is_initialized: bool) -> int:
     return -tokens_to_remove if is_initialized else 0
 
 
+def _read_only_kv(index: int, name: str) -> property:
+    def get(self):
+        return self._dense_kv()[index] if self.is_initialized else None
+
+    def set(self, value):
+        if value is not None:  # (transformers' layer constructor sets None)
+            raise AttributeError(f"{type(self).__name__}.{name} is read-only (the layer stores {self.STORED_AS})")
+    return property(get, set)
+
+
+class DenseKVMixin:
+    """`keys` / `values` of a layer that stores KV in another form, for third-party tools that read them: the layer's
+    `_dense_kv()` (K, V) in BF16, read-only (`STORED_AS` names the storage in the error). Put it before
+    `CacheLayerMixin` among the bases."""
+
+    STORED_AS = "KV in another form"
+    keys = _read_only_kv(0, "keys")
+    values = _read_only_kv(1, "values")
+
+    def _dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
 class RowSelectionMixin:
     """`reorder_cache` / `batch_repeat_interleave` / `batch_select_indices` of a cache layer, all through the layer's
     `_select_rows(index)` (a LongTensor of the rows to keep, in order); `is_initialized`, `batch` and `device` come

@@ -76,6 +76,8 @@ def test_flush_rule_append_only_and_packed_bytes(monkeypatch):
     assert st["tokens"] == 112 and st["elements"] == 2 * 2 * 2 * 112 * 64
     # quantized prefix comes back dequantized, residual exactly
     full_k, full_v = layer.keys, layer.values
+    with pytest.raises(AttributeError, match=r"LowBitLayer.keys is read-only \(the layer stores packed low-bit KV\)"):
+        layer.keys = full_k
     assert torch.equal(full_k[:, :, 96:], k[:, :, 96:112]) and not torch.equal(full_k[:, :, :96], k[:, :, :96])
     assert (full_v[:, :, :96] - v[:, :, :96]).abs().max() < 0.5
 

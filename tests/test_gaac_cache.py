@@ -524,6 +524,8 @@ def test_freed_tiles_are_reused():
         layer.update(k[:, :, 24:64], v[:, :, 24:64])
     assert layer.pool.high == high
     assert torch.equal(layer.keys.view(torch.int16), k.view(torch.int16))
+    with pytest.raises(AttributeError, match=r"GAACLayer.values is read-only \(the layer stores compressed KV\)"):
+        layer.values = v
     layer.reorder_cache(torch.tensor([0]))
     layer.reset()
     assert layer.get_seq_length() == 0 and not layer.is_initialized and layer.keys is None
