@@ -354,6 +354,24 @@ class _GAACStack(_LayerStack):
             self.grow_raw(worst + 4 * self.headroom)
 
 
+def _fill_holes(live: torch.Tensor, pools: tuple[torch.Tensor, ...]) -> tuple[int, torch.Tensor]:
+    """Compact a pool whose tiles `live` (distinct indices) are the ones kept: those at or above n = len(live) move,
+    in every tensor of `pools` (indexed by tile along dim 0), into the indices below n that no kept tile holds, so the
+    kept tiles become tiles 0 .. n - 1. Returns n and `live` as it reads after the move."""
+    n = live.numel()
+    if n == 0:
+        return 0, live
+    present = torch.zeros(int(live.max()) + 1, dtype=torch.bool, device=live.device)
+    present[live] = True
+    holes = (~present[:n]).nonzero().squeeze(1)
+    movers = live[live >= n].sort().values  # as many as holes: n kept tiles, fewer than n of them below n
+    for pool in pools:
+        pool[holes] = pool[movers]
+    where = torch.arange(present.numel(), device=live.device)
+    where[movers] = holes.to(where.dtype)
+    return n, where[live].to(live.dtype)
+
+
 class GAACStaticLayer(_StaticLayerBase):
     """One full-attention layer of a `GAACStaticCache` (see the module docstring): its buffers are views of the
     cache's stacked ones (`layer.record`, `layer.counts`, ...)."""
@@ -402,9 +420,10 @@ class GAACStaticLayer(_StaticLayerBase):
 
     def _crop_storage(self, length: int, new_length: int) -> None:
         """Finalized blocks the crop cuts into come back: a block cut in the middle is decoded (losslessly) into the
-        tail, the blocks past it leave the table, and the pool counters go back past their tiles when those were the
-        last taken (a tile taken earlier than a kept one stays taken: the pools only ever hand out tiles past the
-        counters, so nothing kept is ever overwritten)."""
+        tail, the blocks past it leave the table, and each pool is compacted so that its kept tiles are its lowest
+        (`_fill_holes`: kept tiles above the kept count move into the places the cut ones leave below it, their table
+        entries with them) and its counter goes back to the kept count: nothing leaks, whatever the rows (a prefill
+        takes tiles row by row, so with several rows the cut tiles lie between kept ones)."""
         finalized = length // BLOCK_TOKENS
         keep, rest = divmod(new_length, BLOCK_TOKENS)
         if keep >= finalized:
@@ -414,14 +433,15 @@ class GAACStaticLayer(_StaticLayerBase):
             k, v = self._decode(keep, keep + 1)
             r.tail_k[:, :, :rest].copy_(k[:, :, :rest])
             r.tail_v[:, :, :rest].copy_(v[:, :, :rest])
-        kept = r.table[:, :keep].reshape(-1)
         scratch = -1 - self.n_raw
-        slots = kept[kept >= 0]
-        raws = -1 - kept[(kept < 0) & (kept != scratch)]
-        taken = torch.stack([slots.max() + 1 if slots.numel() else slots.new_zeros(()),
-                             raws.max() + 1 if raws.numel() else raws.new_zeros(())]).to(self.counts.dtype)
-        self.counts.copy_(torch.minimum(self.counts, taken))
         r.table[:, keep:finalized].fill_(scratch)
+        kept = r.table[:, :keep]
+        is_slot, is_raw = kept >= 0, (kept < 0) & (kept != scratch)
+        n_slots, moved = _fill_holes(kept[is_slot], (r.slot_pool, self.slot_modes))
+        kept[is_slot] = moved
+        n_raw, moved = _fill_holes(-1 - kept[is_raw], (r.raw_pool, self.raw_modes))
+        kept[is_raw] = -1 - moved
+        self.counts.copy_(torch.tensor([n_slots, n_raw], dtype=self.counts.dtype))
 
     # --- pools ----------------------------------------------------------------------------------------------------
     @property

@@ -217,9 +217,9 @@ def test_crop_leaves_the_cache_as_if_the_tokens_never_came(llama, cut, rows):
     """`crop(-n)` within the tail, to a block boundary, into a finalized block, across several blocks and to
     nothing (53 of 53), one row and two: the next decode steps give the logit bits of a cache that only ever held the
     kept tokens, and of the twin cropped alike; a block cut into comes back to the tail, the blocks past it leave the
-    table, and the pool counters go back past the removed tiles where those were the last taken — all of them for one
-    row (nothing leaks); with two rows the prefill took row by row, so some stay taken — and the tiles the later
-    steps take never overwrite a kept one (the logits say so)."""
+    table, and the pool counters go back to the kept tiles: nothing leaks, with two rows too (the prefill took tiles
+    row by row, so the cut ones lay between kept ones: the pools are compacted), and the tiles the later steps take
+    never overwrite a kept one (the logits say so)."""
     model, calibration = llama
     ids = _ids(53, 30, batch=rows)
     cache = GAACStaticCache(model.config, 96, calibration)
@@ -233,7 +233,25 @@ def test_crop_leaves_the_cache_as_if_the_tokens_never_came(llama, cut, rows):
     for layer in cache.stats()["layers"].values():
         assert layer["tokens"] == ids.shape[1] - cut + 20
         taken, live = (layer["slots_taken"], layer["raw_taken"]), (layer["slots"], layer["raw_tiles"])
-        assert taken == live if rows == 1 else all(t >= n for t, n in zip(taken, live)), layer
+        assert taken == live, layer
+
+
+def test_fill_holes_compacts_the_kept_tiles():
+    """`_fill_holes`: the kept tiles end as tiles 0 .. n - 1 of every pool, each keeping its content (and its mode
+    counts), the ones below n staying where they were; nothing kept, or nothing to move, changes nothing."""
+    from gaac_hf.static_cache import _fill_holes
+
+    pool = torch.arange(12 * 3, dtype=torch.int32).reshape(12, 3)
+    modes = torch.arange(12)
+    live = torch.tensor([9, 0, 4, 11, 2], dtype=torch.int32)  # n = 5: 9 and 11 move into 1 and 3
+    before = pool[live.long()].clone()
+    n, now = _fill_holes(live, (pool, modes))
+    assert n == 5 and now.dtype == live.dtype and sorted(now.tolist()) == list(range(5))
+    assert now.tolist() == [1, 0, 4, 3, 2]
+    assert torch.equal(pool[now.long()], before) and torch.equal(modes[now.long()], live.long())
+    same = pool.clone()
+    assert _fill_holes(torch.tensor([1, 0, 2]), (pool,))[0] == 3 and torch.equal(pool, same)
+    assert _fill_holes(torch.tensor([], dtype=torch.int64), (pool,))[0] == 0 and torch.equal(pool, same)
 
 
 def test_crop_rejects_a_positive_count(llama):
