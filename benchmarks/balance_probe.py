@@ -7,8 +7,8 @@ on an SM the first-launched finishes 26-29% sooner, the last sets the kernel's t
 weights, with the kv heads interleaved across warps so a row's splits span the ranks; the twin planned with the same
 weights splits alike (bits checked here). Also timed: combine
 blocks of 4 and 8 warps instead of 16 (at 121 registers a 16-warp block fills an SM, so 4x64K's 512 blocks take 4
-waves; twin planned alike), one CTA of 12 warps per SM (no CTA age at all), and the default kernel with its split
-indices computed before the barrier set-up (GAAC_EARLY_INDEX), and programmatic dependent launch of the split and
+waves; twin planned alike), one CTA of 12 warps per SM (no CTA age at all) (session 17 also timed the split's
+indices computed before the barrier set-up, GAAC_EARLY_INDEX: no faster, removed in session 28), and programmatic dependent launch of the split and
 combine kernels (`plan(pdl=True)`, session 16: the combine's CTAs launch as the split kernel's leave). Per variant: graph-replayed µs, bits against the twin,
 and the finish times by launch rank (or warp group) from the kernel's globaltimer stamps. JSON and a table:
 
@@ -40,7 +40,6 @@ GAAC_VARIANTS = {  # label: plan options of the compressed kernel (one-warp, for
     "gaac_balanced_strong": {"balance": (36, 29, 23)},
     "gaac_balanced_mild": {"balance": (29, 27, 25)},
     "gaac_12_warps": {"warps": 12, "min_ctas": 1, "balance": ()},
-    "gaac_early_index": {"defines": ("GAAC_EARLY_INDEX=1",), "balance": ()},  # same work, 264 fewer SASS instructions
     "gaac_combine_4": {"balance": (), "combine_warps": 4},  # combine blocks of 4 warps: 4 blocks per SM, not 1
     "gaac_combine_8": {"balance": (), "combine_warps": 8},
     "gaac_balanced_combine_4": {"balance": RANK_PACE, "combine_warps": 4},

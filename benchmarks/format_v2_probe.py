@@ -72,7 +72,7 @@ VARIANTS = (  # label, format, stages and CTAs of 4 warps per SM (0: the default
 # (raw_patch 2) and with the overlay at ws 3 x 3,
 # 5 x 2, 6 x 2 and 11 x 1 in session 13 (format_v3_probe_s13_overlay_first.json), and with each chunk pair fused
 # into its mmas (removed, format_v3_probe_s13_overlay_second.json); the one-warp kernel with 3 stages at 2 CTAs
-# per SM and without the duplicated tile code (GAAC_F3DUP=0) (format_v3_probe_s13_dup.json); slots head-major in the
+# per SM and without the duplicated tile code (GAAC_F3DUP=0, removed in session 28) (format_v3_probe_s13_dup.json); slots head-major in the
 # pool (head_major, no faster: format_v3_probe_s13.json); the warp-specialized kernel (removed in session 28) at ws
 # 2..6 at one wave (format_v3_probe_s13_ws.json); a dynamic split schedule, removed after measuring it (format_v3_probe_s13_dyn.json,
 # format_v3_probe_s13_dyn_home.json; the kernel is in git history, commit 1d8ca1f).

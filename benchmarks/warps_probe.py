@@ -187,16 +187,15 @@ MERGE_RULE_TWIN = {
 
 # Session 22 (`--set mask`): in the captured step every layer passes a padding mask (all ones at batch 1), and the
 # kernel read its bytes in the softmax, a global load per unit on the critical path; now they are loaded with the
-# unit's copies. The same bits as without a mask; GAAC_MASK_LATE=1 is the old placement.
+# unit's copies. The same bits as without a mask (the old placement, GAAC_MASK_LATE=1, was slower and was removed in
+# session 28).
 MASK_GAAC = {
     "gaac": {"balance": ()},
     "gaac_mask": {"balance": (), "mask": True},
-    "gaac_mask_late": {"balance": (), "mask": True, "defines": ("GAAC_MASK_LATE=1",)},
 }
 MASK_TWIN = {
     "twin": {"balance": ()},
     "twin_mask": {"balance": (), "mask": True},
-    "twin_mask_late": {"balance": (), "mask": True, "defines": ("GAAC_MASK_LATE=1",)},
 }
 
 # Prepared in session 22, run in session 23 (`--set fused`): the combine inside the split kernel

@@ -222,7 +222,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     head where shared memory holds it, else 4 (3 CTAs per SM at one tile per head, 1 at head_dim 256). `swizzle`
     default: TWIN_SWIZZLE for plain KV at head_dim <= 128, else off.
     `defines` (benchmarks):
-    more `NAME=VALUE` compile-time options of the kernel source, e.g. ("GAAC_F3DUP=0",); they key the kernel cache
+    more `NAME=VALUE` compile-time options of the kernel source, e.g. ("GAAC_SCAN_BALLOT=1",); they key the kernel cache
     like every option.
     `buf_bytes` (benchmarks, one-warp kernel, slots staged as stored): a ring stage's tile buffer, at least the slot;
     below a BF16 tile's bytes only for KV without raw tiles (the caller's check: a raw tile would overrun it).

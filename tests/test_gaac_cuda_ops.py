@@ -245,7 +245,7 @@ def test_plan_of_the_kernel_shapes():
                                     (128, 1, 0, "GAAC_BALANCE=1"), (128, 1, 1, "GAAC_BALANCE=1"),
                                     (64, 1, 2, "GAAC_BALANCE=1"), (128, 1, 6, "GAAC_BALANCE=1"),
                                     (64, 1, 6, "GAAC_BALANCE=1"),
-                                    (128, 1, 6, "GAAC_EARLY_INDEX=1"), (128, 1, 6, "GAAC_COMBINE_WARPS=4"),
+                                    (128, 1, 6, "GAAC_COMBINE_WARPS=4"),
                                     (128, 1, 6, "GAAC_PDL=1"), (64, 1, 6, "GAAC_PDL=1"), (128, 1, 1, "GAAC_PDL=1"),
                                     (128, 1, 0, "GAAC_PDL=1"), (128, 1, 6, "GAAC_WARPS=12"), (64, 1, 6, "GAAC_WARPS=12"),
                                     (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1"), (128, 1, 0, "GAAC_WARPS=12"),
@@ -574,9 +574,8 @@ def test_fragment_order_prototype_equals_plain_twin(d):
     packed, layout, info = compress_v2(k, v)
     assert info["raw_tiles"] > 0 and min(info["mode_shares"]) > 0, info
     cases = [(n, w, ()) for n, w in ((1, None), (7, None), (12, 4), (10, 4), (11, 4), (8, 4))]
-    cases += [(7, None, ("GAAC_F3DUP=0",)), (12, 4, ("GAAC_F3DUP=0",))]
     cases += [(7, None, ("GAAC_FAST_ISSUE=0",)), (1, None, ("GAAC_FAST_ISSUE=0",))]  # every unit by the general path
-    for nsplit, warps, defines in cases:  # defines: the overlay's tile-code variants, the issue path
+    for nsplit, warps, defines in cases:  # defines: the issue path
         pc = plan(b, h, nrep, d, s, "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, warps=warps, format_version=3,
                   defines=defines)
         pp = plan(b, h, nrep, d, s, "cuda", plain=True, nsplit=nsplit, warps=pc.warps, cta_merge=pc.cta_merge)

@@ -31,7 +31,6 @@
 // GAAC_FAST_ISSUE (compressed KV staged as stored: the common unit's copies issued by lane 0 alone), GAAC_STAGED_O
 // (the one-warp kernel's partial outputs staged in shared memory and written as 16-byte stores), GAAC_CTA_MERGE (the
 // one-warp kernel's splits merged per CTA and group before they leave the SM; session 22), and for the benchmarks
-// GAAC_MASK_LATE (a padding mask's bytes loaded in the softmax, as before session 22, not with the copies),
 // GAAC_LANE_ENTRIES (the split's table entries held by the lanes in chunks of 32 units, read by shuffles), GAAC_SKIP
 // (leave-one-stage-out breakdown; bit 0: no tensor-core math, bit 1: no reconstruction; format 3 only: bit 2 no code
 // bit 2 of 4-bit groups, bit 3 no raw-group patch; bit 4: no prepass, the tiles read stale scratch; bit 5: no tag scan either, offsets
@@ -55,12 +54,6 @@
 #define GAAC_BALANCE 0  // nsplit) units per split (0), or a row's units in proportion to the per-split weights of
 #endif                  // Params::split_cum (1); the one-warp kernel then interleaves the kv heads warp by warp, so
                         // that a row's splits lie in CTAs of every launch rank on their SMs (split_table)
-#ifndef GAAC_EARLY_INDEX  // benchmark option: where the one-warp kernel computes its split's indices (bits unchanged)
-#define GAAC_EARLY_INDEX 0
-#endif
-#ifndef GAAC_F3DUP  // format 3 with the overlay: tiles with and without a raw group run their own inlined copy of the
-#define GAAC_F3DUP 1  // tile code (1: the other never touches the overlay; 74.8 against 77.5 us) or one copy (0)
-#endif
 #ifndef GAAC_FORMAT  // slot format: 1 (format version 1) or 3 (format version 2 in fragment order; docs/format.md)
 #define GAAC_FORMAT 1
 #endif
@@ -690,8 +683,9 @@ __device__ __forceinline__ void f3_words(const Params& p, const u8* buf, int lan
 }
 // The tile's high bytes are built first for all of a lane's words, then the byte permutes and mmas follow. Raw groups
 // (0.2% of the groups, but in ~40% of the tiles of real KV): their code bits 3..6 come from the overlay (f3_overlay)
-// in the same add as the bases, and the caller runs a separate inlined copy for tiles that have any (GAAC_F3DUP;
-// patching them per word by a call or branch-free over such a tile was slower: sessions 12-13, git history).
+// in the same add as the bases, and the caller runs a separate inlined copy for tiles that have any (so the other copy
+// never touches the overlay; one copy for both was slower, 77.5 against 74.8 us, session 13, removed in session 28;
+// patching them per word by a call or branch-free over such a tile was slower too: sessions 12-13, git history).
 __device__ __forceinline__ void k_tile_f3(const Params& p, const u8* buf, const Scratch& s, int lane, int g, int t,
                                           const u32 (&qb)[NKS][2], float (&sc)[2][4], bool any_raw) {
   u32 mw[C / 32], pw[C / 64];
@@ -782,8 +776,8 @@ __device__ __forceinline__ void k_tile(const Params& p, const u8* buf, const Scr
                                        const u32 (&qb)[NKS][2], float (&sc)[2][4], bool any_raw,
                                        const RowSwizzle& sw) {
   if (KIND == 4 && GAAC_FORMAT == 3) {
-    if (F3_OVERLAY && GAAC_F3DUP && any_raw) k_tile_f3(p, buf, s, 4 * g + t, g, t, qb, sc, true);
-    else k_tile_f3(p, buf, s, 4 * g + t, g, t, qb, sc, F3_OVERLAY && GAAC_F3DUP ? false : any_raw);
+    if (F3_OVERLAY && any_raw) k_tile_f3(p, buf, s, 4 * g + t, g, t, qb, sc, true);
+    else k_tile_f3(p, buf, s, 4 * g + t, g, t, qb, sc, F3_OVERLAY ? false : any_raw);
     return;
   }
   constexpr int NV = 4;  // words per vector load
@@ -888,8 +882,8 @@ template <int KIND>
 __device__ __forceinline__ void v_tile(const Params& p, const u8* buf, const Scratch& s, int g, int t,
                                        const u32 (&pb)[2], float (&o)[NVM][4], bool any_raw, const RowSwizzle& sw) {
   if (KIND == 4 && GAAC_FORMAT == 3) {
-    if (F3_OVERLAY && GAAC_F3DUP && any_raw) v_tile_f3(p, buf, s, 4 * g + t, g, t, pb, o, true);
-    else v_tile_f3(p, buf, s, 4 * g + t, g, t, pb, o, F3_OVERLAY && GAAC_F3DUP ? false : any_raw);
+    if (F3_OVERLAY && any_raw) v_tile_f3(p, buf, s, 4 * g + t, g, t, pb, o, true);
+    else v_tile_f3(p, buf, s, 4 * g + t, g, t, pb, o, F3_OVERLAY ? false : any_raw);
     return;
   }
   if (KIND == 0) {
@@ -960,9 +954,6 @@ __device__ __forceinline__ u32 transpose8x8(u32 x) {  // an 8x8 b16 fragment (ro
 // A padding mask's bytes of tokens g and g + 8 of a unit (0: masked; tokens past `valid` read as masked, never
 // loaded). The one-warp kernel loads them when it issues the unit's copies, so the softmax never waits on a global
 // load (in the captured step every layer gets a mask: a load per unit on the critical path cost ~5 us at 64K).
-#ifndef GAAC_MASK_LATE  // (benchmark option, session 22) the mask bytes loaded in the softmax, as before session 22
-#define GAAC_MASK_LATE 0
-#endif
 struct UnitMask {
   u32 a, b;
 };
@@ -1308,9 +1299,6 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #else
   const int item = blockIdx.x * GAAC_WARPS + warp;
   if (item >= total) return;
-#if GAAC_EARLY_INDEX  // the split's indices before the barrier set-up (2,592 SASS instructions against 2,856)
-  const int b = item / (p.heads * p.nsplit), hk = (item / p.nsplit) % p.heads, split = item % p.nsplit;
-#endif
 #endif
 
   u8* ws = smem + warp * WARP_BYTES;
@@ -1327,7 +1315,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   __syncwarp();
   u32 phases = 0;  // parity of each stage's barrier
 
-#if !GAAC_BALANCE && !GAAC_EARLY_INDEX
+#if !GAAC_BALANCE
   const int b = item / (p.heads * p.nsplit), hk = (item / p.nsplit) % p.heads, split = item % p.nsplit;
 #endif
   if (GAAC_TRACE && lane == 0) {
@@ -1696,7 +1684,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     u32 pb[2] = {__float_as_uint(sc2[0][0]), 0u};
     float alpha[2];
     if (!(GAAC_SKIP & 256)) {  // (breakdown: bit 8 leaves the softmax and the rescale out)
-      softmax_unit(sc2, p.qk_scale, valid, mrow != nullptr, GAAC_MASK_LATE ? unit_mask(mrow, u, g, valid) : mq[0], g,
+      softmax_unit(sc2, p.qk_scale, valid, mrow != nullptr, mq[0], g,
                    m, l, alpha, pb);
       rescale_o(o, alpha);
     }
