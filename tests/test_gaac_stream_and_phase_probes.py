@@ -145,3 +145,37 @@ def test_stream_probe_phases_from_stamps():
     assert (ph["done_p50_us"], ph["done_max_us"]) == (30.0, 42.0)
     assert ph["stream_us_per_unit_p50"] == 2.7  # median of 18, 38, 27 us over 10 units
     assert sp.phase_cells(ph) == "3.0 / 4.0 | 2.7 | 30.0 / 42.0" and sp.phase_cells(None) == " | | "
+
+
+@pytest.mark.parametrize("probe_set, shapes", [("ov", (1, 4, 5, 2, 0, 3)), ("bounds", (4, 1)), ("w16", (3,))])
+def test_prepared_probe_sets_plan_at_their_shapes(probe_set, shapes):
+    """Every variant of the device calls' probe sets (`next_h200.sh ov`, `bounds128`, ...) plans on each of their
+    shapes as `balance_probe.run_probe` plans it on the H200 (its split count, the twin planned alike with the
+    SPLIT_KEYS options, so the two split and merge alike), within one SM's shared memory: a bad option or a plan
+    that does not fit fails here, not in device time."""
+    import gaac_cuda
+    from benchmarks.balance_probe import SPLIT_KEYS
+    from benchmarks.format_v2_probe import SHAPES
+    from benchmarks.warps_probe import SETS
+
+    gaac_variants, twin_variants, traced = SETS[probe_set]
+    assert set(traced) <= set(gaac_variants)
+    for si in shapes:
+        _, hq, hkv, d, b, s = SHAPES[si]
+        slot = 2944 if d == 128 else 1472
+        nsplit = gaac_cuda.plan(b, hkv, hq // hkv, d, s, "cpu", plain=True).nsplit
+        for variants, plain in ((gaac_variants, False), (twin_variants, True)):
+            for label, kw in variants.items():
+                n = kw.get("nsplit", nsplit)
+                opts = {**{k: v for k, v in kw.items() if k not in ("mask", "combine")},
+                        "nsplit": n(nsplit) if callable(n) else n}
+                pl = gaac_cuda.plan(b, hkv, hq // hkv, d, s, "cpu", plain=plain,
+                                    **({} if plain else {"slot_bytes": slot, "format_version": 3}), **opts)
+                assert pl.smem <= 227 * 1024 and pl.grid >= 1, (probe_set, si, label)
+                if not plain:
+                    twin = gaac_cuda.plan(b, hkv, hq // hkv, d, s, "cpu", plain=True,
+                                          **{k: v for k, v in opts.items() if k in SPLIT_KEYS})
+                    # the same bits: the same splits, merged alike (by CTAs of the same size where merged)
+                    assert (twin.nsplit, twin.cta_merge, twin.fused_combine) == (
+                        pl.nsplit, pl.cta_merge, pl.fused_combine), label
+                    assert twin.warps == pl.warps or not pl.cta_merge, label
