@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 import gaac_cuda  # noqa: E402
 from benchmarks.attention import bench_graph  # noqa: E402
-from benchmarks.balance_probe import finish_by_rank  # noqa: E402
+from benchmarks.probe_runner import finish_by_rank  # noqa: E402
 from benchmarks.format_v2_probe import compress_v2, probe_args, probe_shapes  # noqa: E402
 from benchmarks import stream_probe  # noqa: E402
 from benchmarks.warps_probe import BARE  # noqa: E402
@@ -57,7 +57,7 @@ def main():
            "bytes": info["bytes"], "rounds": []}
 
     def kernel(label, kw):
-        base = dict(slot_bytes=layout.slot_bytes, format_version=3, balance=(), **kw)
+        base = dict(slot_bytes=layout.slot_bytes, format_version=3, **kw)
         pl = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, **base)
 
         def run(i, pl=pl, trace=None):

@@ -651,8 +651,7 @@ def main(argv=None):
                "torch": torch.__version__, "transformers": __import__("transformers").__version__,
                "model": "Llama-3.1-8B architecture, random BF16 weights" if not args.tiny else "tiny Llama",
                "param_bytes": param_bytes, "compile": describe(compile_kw), "steps": steps, "warmup": warmup,
-               "eager_steps": args.eager_steps, "cuda_split_balance": cuda_default("BALANCE"),
-               "cuda_pdl": cuda_default("PDL"), "cuda_split_warps": cuda_default("SPLIT_WARPS"),
+               "eager_steps": args.eager_steps, "cuda_pdl": cuda_default("PDL"), "cuda_split_warps": cuda_default("SPLIT_WARPS"),
                "cuda_twin_swizzle": cuda_default("TWIN_SWIZZLE"),
                "command": "python benchmarks/generate.py " + " ".join(
                    sys.argv[1:] if argv is None else argv),

@@ -59,7 +59,7 @@ def main():
         t_start = time.time()
         packed, layout, info = compress_v2(k, v)
         pt = gaac_cuda.plan(b, hkv, hq // hkv, d, s, dev, slot_bytes=layout.slot_bytes, format_version=3,
-                            balance=(), trace=True)
+                            trace=True)
         tr = torch.full((gaac_cuda.trace_size(pt),), -(2 ** 62), dtype=torch.int64, device=dev)
 
         g = capture_graph(lambda: gaac_cuda.decode_attention(q, *packed[:5], packed[5], packed[6], kv_len, None, scale,

@@ -23,11 +23,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.balance_probe import run_probe  # noqa: E402
+from benchmarks.probe_runner import run_probe  # noqa: E402
 from benchmarks.format_v2_probe import probe_args  # noqa: E402
 
-GAAC_VARIANTS = {"gaac": {"balance": ()}, "gaac_loads_only": {"balance": (), "skip": 3}}
-TWIN_VARIANTS = {"twin": {"balance": ()}}
+GAAC_VARIANTS = {"gaac": {}, "gaac_loads_only": {"skip": 3}}
+TWIN_VARIANTS = {"twin": {}}
 
 
 def main():

@@ -16,7 +16,7 @@ Session 25 added the decode kernel's own placements: `*_ksmem` stages the K and 
 18,560-byte ring per warp (the 1x64K plan's shared memory), and `pool_real*` takes each unit's slots where the
 benchmark's compressed 1x64K cache (real-statistics KV, `--real-kv`) puts them, through its block table. `--trace`
 also times each variant with globaltimer stamps per warp (entry, first unit landed, done), as the kernel's traced
-builds do (`balance_probe.finish_by_rank`).
+builds do (`probe_runner.finish_by_rank`).
 
     python benchmarks/stream_probe.py --out benchmarks/results/stream_probe.json
 """

@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.balance_probe import run_probe  # noqa: E402
+from benchmarks.probe_runner import run_probe  # noqa: E402
 from benchmarks.format_v2_probe import probe_args  # noqa: E402
 
 
@@ -40,22 +40,22 @@ def four_thirds(n: int) -> int:
 
 
 GAAC_VARIANTS = {  # label: plan options of the compressed kernel (one-warp, format 3; no weighted splits)
-    "gaac": {"balance": ()},  # the defaults: 12 warps in one CTA per SM, PDL
-    "gaac_s16": {"balance": (), "warps": 4, "pdl": False},  # session 16's defaults
-    "gaac_12_warps_no_pdl": {"balance": (), "warps": 12, "pdl": False},
-    "gaac_4_warps_pdl": {"balance": (), "warps": 4, "pdl": True},
-    "gaac_combine_4": {"balance": (), "combine_warps": 4},
-    "gaac_combine_8": {"balance": (), "combine_warps": 8},
-    "gaac_8_warps_3_stages": {"balance": (), "warps": 8, "stages": 3, "min_ctas": 1, "nsplit": two_thirds},
+    "gaac": {},  # the defaults: 12 warps in one CTA per SM, PDL
+    "gaac_s16": {"warps": 4, "pdl": False},  # session 16's defaults
+    "gaac_12_warps_no_pdl": {"warps": 12, "pdl": False},
+    "gaac_4_warps_pdl": {"warps": 4, "pdl": True},
+    "gaac_combine_4": {"combine_warps": 4},
+    "gaac_combine_8": {"combine_warps": 8},
+    "gaac_8_warps_3_stages": {"warps": 8, "stages": 3, "min_ctas": 1, "nsplit": two_thirds},
 }
 TWIN_VARIANTS = {  # label: plan options of the plain twin
-    "twin": {"balance": ()},  # the default: 12 warps in one CTA per SM, swizzled rows, PDL
-    "twin_s16": {"balance": (), "pdl": False},
-    "twin_12_warps": {"balance": (), "warps": 12},
-    "twin_12_warps_swizzle": {"balance": (), "warps": 12, "swizzle": True},
-    "twin_combine_4": {"balance": (), "combine_warps": 4},
-    "twin_12_warps_combine_4": {"balance": (), "warps": 12, "combine_warps": 4},
-    "twin_12_warps_twelfths": {"balance": (), "warps": 12, "nsplit": twelfths},
+    "twin": {},  # the default: 12 warps in one CTA per SM, swizzled rows, PDL
+    "twin_s16": {"pdl": False},
+    "twin_12_warps": {"warps": 12},
+    "twin_12_warps_swizzle": {"warps": 12, "swizzle": True},
+    "twin_combine_4": {"combine_warps": 4},
+    "twin_12_warps_combine_4": {"warps": 12, "combine_warps": 4},
+    "twin_12_warps_twelfths": {"warps": 12, "nsplit": twelfths},
 }
 TRACED = ("gaac", "gaac_8_warps_3_stages")
 
@@ -68,13 +68,13 @@ def halves(n: int) -> int:
 # cost (query and bases loaded, partials written and merged) is a large part (1x16K: ~5 units per split; 9/3/64),
 # in 6-warp CTAs so the halved splits still fill every SM once; the new defaults beside them.
 NEXT_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_half_splits_6_warps": {"balance": (), "warps": 6, "min_ctas": 2, "nsplit": halves},
-    "gaac_half_splits_12_warps": {"balance": (), "nsplit": halves},  # half the SMs: the bound for comparison
+    "gaac": {},
+    "gaac_half_splits_6_warps": {"warps": 6, "min_ctas": 2, "nsplit": halves},
+    "gaac_half_splits_12_warps": {"nsplit": halves},  # half the SMs: the bound for comparison
 }
 NEXT_TWIN = {
-    "twin": {"balance": ()},
-    "twin_half_splits_6_warps": {"balance": (), "warps": 6, "min_ctas": 2, "nsplit": halves},
+    "twin": {},
+    "twin_half_splits_6_warps": {"warps": 6, "min_ctas": 2, "nsplit": halves},
 }
 
 # Session 19 (`--set stages`): a third ring stage at the default 12 warps. benchmarks/stream_probe.py shows the copy
@@ -82,12 +82,12 @@ NEXT_TWIN = {
 # one unit in flight while it works; at head_dim 128 three stages of today's tile buffers do not fit in 12 warps, at
 # 64 they do.
 STAGES_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_12_warps_3_stages": {"balance": (), "stages": 3},
+    "gaac": {},
+    "gaac_12_warps_3_stages": {"stages": 3},
 }
 STAGES_TWIN = {
-    "twin": {"balance": ()},
-    "twin_12_warps_3_stages": {"balance": (), "warps": 12, "stages": 3},
+    "twin": {},
+    "twin_12_warps_3_stages": {"warps": 12, "stages": 3},
 }
 
 # Session 19's `--set warps16` / `--set slot_ring` (14-16 warps per CTA with ring buffers sized for a slot; raw tiles
@@ -98,21 +98,21 @@ STAGES_TWIN = {
 # and plain arrivals (the default, GAAC_FAST_ISSUE), against the general path that handles every kind of tile
 # (~130 warp instructions per unit with the next unit's table entries, ncu_s20_source.csv.gz). The same bits.
 ISSUE_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_general_issue": {"balance": (), "defines": ("GAAC_FAST_ISSUE=0",)},
+    "gaac": {},
+    "gaac_general_issue": {"defines": ("GAAC_FAST_ISSUE=0",)},
 }
-ISSUE_TWIN = {"twin": {"balance": ()}}
+ISSUE_TWIN = {"twin": {}}
 
 # Session 21 (`--set prepass`): what the per-slot prepass (tags -> per-group bases and plane-3 bytes in scratch, ~154
 # warp instructions per unit) and the tag scan (~36) cost in time, as bounds for a slot format whose lanes own the
 # groups their fragments read (groups of 8 channels of one token: no transposition through scratch). Wrong bits by
 # design (`skip`); loads + math and loads alone beside them at the instruction-bound shapes.
 PREPASS_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_no_prepass": {"balance": (), "skip": 16},
-    "gaac_no_prepass_no_scan": {"balance": (), "skip": 48},
-    "gaac_loads_math": {"balance": (), "skip": 2},
-    "gaac_loads_only": {"balance": (), "skip": 3},
+    "gaac": {},
+    "gaac_no_prepass": {"skip": 16},
+    "gaac_no_prepass_no_scan": {"skip": 48},
+    "gaac_loads_math": {"skip": 2},
+    "gaac_loads_only": {"skip": 3},
 }
 
 # Session 21 (`--set staged_o`): the one-warp kernel's partial outputs (rep x D fp32 per split) staged in shared
@@ -120,27 +120,27 @@ PREPASS_GAAC = {
 # fragments, each warp store touching 32 sectors. 64/8 1x64K's loads-only build was 8.7 us slower than 32/8's at the
 # same bytes (`warps_probe_prepass_64q_s21.json`): twice the partials. The same bits.
 STAGED_O_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_direct_o": {"balance": (), "defines": ("GAAC_STAGED_O=0",)},
-    "gaac_loads_only": {"balance": (), "skip": 3},
+    "gaac": {},
+    "gaac_direct_o": {"defines": ("GAAC_STAGED_O=0",)},
+    "gaac_loads_only": {"skip": 3},
 }
 STAGED_O_TWIN = {
-    "twin": {"balance": ()},
-    "twin_direct_o": {"balance": (), "defines": ("GAAC_STAGED_O=0",)},
+    "twin": {},
+    "twin_direct_o": {"defines": ("GAAC_STAGED_O=0",)},
 }
 
 # Session 21 (`--set combine`): at 64/8 the combine's 256 blocks of 16 warps did not all start at once (first to last
 # block start 2.8 us apart, `split_phases_s21.json`); fewer warps per block at both rep 4 and rep 8. The bits depend
 # on the block size: each variant is checked against the twin planned alike.
 COMBINE_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_combine_8": {"balance": (), "combine_warps": 8},
-    "gaac_combine_4": {"balance": (), "combine_warps": 4},
+    "gaac": {},
+    "gaac_combine_8": {"combine_warps": 8},
+    "gaac_combine_4": {"combine_warps": 4},
 }
 COMBINE_TWIN = {
-    "twin": {"balance": ()},
-    "twin_combine_8": {"balance": (), "combine_warps": 8},
-    "twin_combine_4": {"balance": (), "combine_warps": 4},
+    "twin": {},
+    "twin_combine_8": {"combine_warps": 8},
+    "twin_combine_4": {"combine_warps": 4},
 }
 
 # Session 21's `--set combine_lean` ran in session 22 (`warps_probe_combine_lean_s22.json`): the combine's loads from
@@ -151,10 +151,10 @@ COMBINE_TWIN = {
 # runs the prepass on a split's first unit only: later units read its plausible (wrong) bases, and the softmax stays
 # on its usual path. With bit 5 the tag scan goes too.
 PREPASS2_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_prepass_first_unit": {"balance": (), "skip": 64},
-    "gaac_prepass_first_unit_no_scan": {"balance": (), "skip": 96},
-    "gaac_loads_only": {"balance": (), "skip": 3},
+    "gaac": {},
+    "gaac_prepass_first_unit": {"skip": 64},
+    "gaac_prepass_first_unit_no_scan": {"skip": 96},
+    "gaac_loads_only": {"skip": 3},
 }
 
 # Session 22 (`--set cta_merge`): the one-warp kernel's splits merged per CTA and (row, kv-head) in shared memory
@@ -164,25 +164,25 @@ PREPASS2_GAAC = {
 # checked against the twin planned alike. Also the combine's loads from running pointers (now the only combine code,
 # `--set combine_lean` of session 21: 0.3-0.7 us less at five shapes, the same bits).
 CTA_MERGE_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_cta_merge": {"balance": (), "cta_merge": True, "fused_combine": False},
-    "gaac_cta_merge_cw4": {"balance": (), "cta_merge": True, "combine_warps": 4, "fused_combine": False},
+    "gaac": {},
+    "gaac_cta_merge": {"cta_merge": True, "fused_combine": False},
+    "gaac_cta_merge_cw4": {"cta_merge": True, "combine_warps": 4, "fused_combine": False},
 }
 CTA_MERGE_TWIN = {
-    "twin": {"balance": ()},
-    "twin_cta_merge": {"balance": (), "cta_merge": True, "fused_combine": False},
-    "twin_cta_merge_cw4": {"balance": (), "cta_merge": True, "combine_warps": 4, "fused_combine": False},
+    "twin": {},
+    "twin_cta_merge": {"cta_merge": True, "fused_combine": False},
+    "twin_cta_merge_cw4": {"cta_merge": True, "combine_warps": 4, "fused_combine": False},
 }
 
 # Session 22 (`--set merge_rule`): the plan's default merges where the unmerged combine takes more than one round of
 # loads or more blocks than SMs (`gaac_cuda.decode_attention.CTA_MERGE`); against the same plans without the merge.
 MERGE_RULE_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_no_merge": {"balance": (), "cta_merge": False},
+    "gaac": {},
+    "gaac_no_merge": {"cta_merge": False},
 }
 MERGE_RULE_TWIN = {
-    "twin": {"balance": ()},
-    "twin_no_merge": {"balance": (), "cta_merge": False},
+    "twin": {},
+    "twin_no_merge": {"cta_merge": False},
 }
 
 # Session 22 (`--set mask`): in the captured step every layer passes a padding mask (all ones at batch 1), and the
@@ -190,12 +190,12 @@ MERGE_RULE_TWIN = {
 # unit's copies. The same bits as without a mask (the old placement, GAAC_MASK_LATE=1, was slower and was removed in
 # session 28).
 MASK_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_mask": {"balance": (), "mask": True},
+    "gaac": {},
+    "gaac_mask": {"mask": True},
 }
 MASK_TWIN = {
-    "twin": {"balance": ()},
-    "twin_mask": {"balance": (), "mask": True},
+    "twin": {},
+    "twin_mask": {"mask": True},
 }
 
 # Prepared in session 22, run in session 23 (`--set fused`): the combine inside the split kernel
@@ -203,14 +203,14 @@ MASK_TWIN = {
 # output, no combine kernel and no kernel boundary before the output. Against the default and the CTA merge alone;
 # checked against the twin planned alike.
 FUSED_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_cta_merge": {"balance": (), "cta_merge": True, "fused_combine": False},
-    "gaac_fused": {"balance": (), "cta_merge": True, "fused_combine": True},
+    "gaac": {},
+    "gaac_cta_merge": {"cta_merge": True, "fused_combine": False},
+    "gaac_fused": {"cta_merge": True, "fused_combine": True},
 }
 FUSED_TWIN = {
-    "twin": {"balance": ()},
-    "twin_cta_merge": {"balance": (), "cta_merge": True, "fused_combine": False},
-    "twin_fused": {"balance": (), "cta_merge": True, "fused_combine": True},
+    "twin": {},
+    "twin_cta_merge": {"cta_merge": True, "fused_combine": False},
+    "twin_fused": {"cta_merge": True, "fused_combine": True},
 }
 
 # Session 23 also ran `--set fused2` (16 / 24 partials per round of the fused combine's loads, and sets of threads
@@ -218,22 +218,22 @@ FUSED_TWIN = {
 # Session 23 (`--set const`): the ring layout and the slot size compiled in (plan(const_layout=True)): the same bits
 # (checked against the default twin), fewer instructions for offsets and copy sizes.
 CONST_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_const": {"balance": (), "const_layout": True},
+    "gaac": {},
+    "gaac_const": {"const_layout": True},
 }
 CONST_TWIN = {
-    "twin": {"balance": ()},
-    "twin_const": {"balance": (), "const_layout": True},
+    "twin": {},
+    "twin_const": {"const_layout": True},
 }
 
 # Session 24 (`--set entries`, prepared): the split's table entries held by the lanes in chunks of 32 units and read by
 # shuffles (kernel define GAAC_LANE_ENTRIES=1; the same bits), instead of one global load per unit one issue ahead and
 # an L1 prefetch 8 units ahead (sm_90a, 1x64K plan: 2,800 SASS instructions against 2,992, 168 registers, no spill).
 ENTRIES_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_lane_entries": {"balance": (), "defines": ("GAAC_LANE_ENTRIES=1",)},
-    "gaac_loads_only": {"balance": (), "skip": 3},
-    "gaac_lane_entries_loads_only": {"balance": (), "skip": 3, "defines": ("GAAC_LANE_ENTRIES=1",)},
+    "gaac": {},
+    "gaac_lane_entries": {"defines": ("GAAC_LANE_ENTRIES=1",)},
+    "gaac_loads_only": {"skip": 3},
+    "gaac_lane_entries_loads_only": {"skip": 3, "defines": ("GAAC_LANE_ENTRIES=1",)},
 }
 # The loads-only build stripped to its copies (session 24's `frame` set; session 25's `frame2` and frame_probe.py):
 # no tile code, one word of each tile read (GAAC_SKIP bit 7), no softmax and rescale (bit 8), the table entries from
@@ -245,21 +245,21 @@ BARE = {"skip": 3 | 128 | 256, "defines": ("GAAC_LANE_ENTRIES=1",)}
 # table entries from the lanes too. Wrong results by design ("BITS DIFFER"); sm_90a SASS 1,312 / 1,104 / 904
 # instructions against the default's 2,992.
 FRAME_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_loads_only": {"balance": (), "skip": 3},
-    "gaac_no_tiles": {"balance": (), "skip": 3 | 128},
-    "gaac_no_tiles_no_softmax": {"balance": (), "skip": 3 | 128 | 256},
-    "gaac_bare_lane_entries": {"balance": (), **BARE},
+    "gaac": {},
+    "gaac_loads_only": {"skip": 3},
+    "gaac_no_tiles": {"skip": 3 | 128},
+    "gaac_no_tiles_no_softmax": {"skip": 3 | 128 | 256},
+    "gaac_bare_lane_entries": {**BARE},
 }
 
 # Session 24 (`--set w16`, prepared): at head_dim 64 (the SmolLM2 shape 9/3/64, shape 3) a 16-warp CTA per SM fits
 # (9.3 KB of ring and scratch per warp) and the sm_90a build holds at the 128-register cap without spills (134 at 12
 # warps): four warps per scheduler where the instruction stream sets the time; splits for 16 warps, the twin alike.
 W16_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_16_warps": {"balance": (), "warps": 16, "nsplit": four_thirds},
+    "gaac": {},
+    "gaac_16_warps": {"warps": 16, "nsplit": four_thirds},
 }
-W16_TWIN = {"twin": {"balance": ()}, "twin_16_warps": {"balance": (), "warps": 16, "nsplit": four_thirds}}
+W16_TWIN = {"twin": {}, "twin_16_warps": {"warps": 16, "nsplit": four_thirds}}
 
 
 # Session 25 (`--set frame2`): session 24's frame set found the stripped build (no tiles, no softmax, lane entries)
@@ -267,19 +267,19 @@ W16_TWIN = {"twin": {"balance": ()}, "twin_16_warps": {"balance": (), "warps": 1
 # last at 58.9. The split kernel alone (no combine launched: "combine": False) of the default and of the stripped
 # build, and the latter without programmatic dependent launch, traced; stream_probe.py --trace beside it.
 FRAME2_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_split_only": {"balance": (), "combine": False},
-    "gaac_bare": {"balance": (), **BARE},
-    "gaac_bare_split_only": {"balance": (), **BARE, "combine": False},
-    "gaac_bare_split_only_no_pdl": {"balance": (), **BARE, "combine": False, "pdl": False},
+    "gaac": {},
+    "gaac_split_only": {"combine": False},
+    "gaac_bare": {**BARE},
+    "gaac_bare_split_only": {**BARE, "combine": False},
+    "gaac_bare_split_only_no_pdl": {**BARE, "combine": False, "pdl": False},
 }
 
 # Session 25 (`--set hdr`): the compressed kernel's ring after a 64-byte header is 64 bytes off a 128-byte line, so
 # every bulk copy lands on a misaligned shared-memory destination (the twin's header is 128); the stream probe with
 # the same offset (stream_probe.py pool_real_ksmem_hdr64) beside it in frame_probe.py. The same bits.
 HDR_GAAC = {  # (run in session 25 before the aligned header became the default, as gaac / gaac_hdr128)
-    "gaac": {"balance": ()},
-    "gaac_hdr64": {"balance": (), "defines": ("GAAC_HDR=64",)},
+    "gaac": {},
+    "gaac_hdr64": {"defines": ("GAAC_HDR=64",)},
 }
 
 # Session 25 (`--set lines`, ran once, then removed with its kernel option): each slot's copy from the 128-byte line
@@ -294,12 +294,12 @@ HDR_GAAC = {  # (run in session 25 before the aligned header became the default,
 # their rows say so), the table entries from the lanes (session 24), halved splits in 6-warp CTAs (1x16K). Each
 # against the twin planned alike.
 RERING_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_8_warps_3_stages": {"balance": (), "warps": 8, "stages": 3, "min_ctas": 1, "nsplit": two_thirds},
-    "gaac_12_warps_3_stages": {"balance": (), "stages": 3},
-    "gaac_16_warps": {"balance": (), "warps": 16, "nsplit": four_thirds},
-    "gaac_lane_entries": {"balance": (), "defines": ("GAAC_LANE_ENTRIES=1",)},
-    "gaac_half_splits_6_warps": {"balance": (), "warps": 6, "min_ctas": 2, "nsplit": halves},
+    "gaac": {},
+    "gaac_8_warps_3_stages": {"warps": 8, "stages": 3, "min_ctas": 1, "nsplit": two_thirds},
+    "gaac_12_warps_3_stages": {"stages": 3},
+    "gaac_16_warps": {"warps": 16, "nsplit": four_thirds},
+    "gaac_lane_entries": {"defines": ("GAAC_LANE_ENTRIES=1",)},
+    "gaac_half_splits_6_warps": {"warps": 6, "min_ctas": 2, "nsplit": halves},
 }
 
 # Session 25's `--set slot_ring` (ring buffers the size of a slot, 3 stages, in 11 warps at head_dim 128 and 12 / 16
@@ -315,12 +315,12 @@ RERING_GAAC = {
 # prepass alone was *slower* at 1x64K, 63.3 against 61.7 us, under the misaligned copies), beside the loads-only and
 # stripped builds and a build without the softmax (wrong bits by design, except the default).
 BOUNDS_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_prepass_first_unit": {"balance": (), "skip": 64},
-    "gaac_prepass_first_unit_no_scan": {"balance": (), "skip": 96},
-    "gaac_no_softmax": {"balance": (), "skip": 256},
-    "gaac_loads_only": {"balance": (), "skip": 3},
-    "gaac_stripped": {"balance": (), "skip": 384},
+    "gaac": {},
+    "gaac_prepass_first_unit": {"skip": 64},
+    "gaac_prepass_first_unit_no_scan": {"skip": 96},
+    "gaac_no_softmax": {"skip": 256},
+    "gaac_loads_only": {"skip": 3},
+    "gaac_stripped": {"skip": 384},
 }
 
 
@@ -333,31 +333,31 @@ BOUNDS_GAAC = {
 # stripped build, which never loads them, had its first unit ready at 2.8 us against the default's 4.1), each alone
 # against the default (all of them together in `gaac_all` below).
 OV_GAAC = {
-    "gaac": {"balance": ()},
-    "gaac_ov_uniform": {"balance": (), "defines": ("GAAC_OV_UNIFORM=1",)},
-    "gaac_scan_pred": {"balance": (), "defines": ("GAAC_SCAN_PRED=1",)},
-    "gaac_entry_ptr": {"balance": (), "defines": ("GAAC_ENTRY_PTR=1",)},
-    "gaac_late_q": {"balance": (), "defines": ("GAAC_LATE_Q=1",)},
+    "gaac": {},
+    "gaac_ov_uniform": {"defines": ("GAAC_OV_UNIFORM=1",)},
+    "gaac_scan_pred": {"defines": ("GAAC_SCAN_PRED=1",)},
+    "gaac_entry_ptr": {"defines": ("GAAC_ENTRY_PTR=1",)},
+    "gaac_late_q": {"defines": ("GAAC_LATE_Q=1",)},
     # session 27 (CPU only; ncu_s26_source.csv.gz read per call site: the tag scan holds 7.4% of the warps' stall
     # samples for 4% of their instructions, short scoreboard on its five dependent shuffles; the two prepasses 18%,
     # mostly fixed-latency waits in two chains run one after the other): the scan by ballots of the counts' bit
     # slices (GAAC_SCAN_BALLOT=1: no shuffle, ~55 instructions against ~36) and the V slot's prepass beside the K
     # slot's before the K tile (GAAC_KV_PREPASS=1: loads first, then both chains interleaved; 512 more scratch bytes
     # per warp, still 12 warps per SM), each alone and together
-    "gaac_scan_ballot": {"balance": (), "defines": ("GAAC_SCAN_BALLOT=1",)},
-    "gaac_kv_prepass": {"balance": (), "defines": ("GAAC_KV_PREPASS=1",)},
-    "gaac_ballot_kv": {"balance": (), "defines": ("GAAC_SCAN_BALLOT=1", "GAAC_KV_PREPASS=1")},
+    "gaac_scan_ballot": {"defines": ("GAAC_SCAN_BALLOT=1",)},
+    "gaac_kv_prepass": {"defines": ("GAAC_KV_PREPASS=1",)},
+    "gaac_ballot_kv": {"defines": ("GAAC_SCAN_BALLOT=1", "GAAC_KV_PREPASS=1")},
     # and the splits strided (GAAC_STRIDED=1: split s takes units s, s + nsplit, ..., so its first unit's table
     # entries load beside kv_len: one global round trip less before the first copies; the first unit was ready at
     # ~4.1 us in session 26's traces); then every option of both sessions together (GAAC_SCAN_PRED is moot beside
     # GAAC_SCAN_BALLOT), and the twin strided
-    "gaac_strided": {"balance": (), "defines": ("GAAC_STRIDED=1",)},
-    "gaac_all": {"balance": (), "defines": ("GAAC_OV_UNIFORM=1", "GAAC_SCAN_BALLOT=1", "GAAC_KV_PREPASS=1",
+    "gaac_strided": {"defines": ("GAAC_STRIDED=1",)},
+    "gaac_all": {"defines": ("GAAC_OV_UNIFORM=1", "GAAC_SCAN_BALLOT=1", "GAAC_KV_PREPASS=1",
                                             "GAAC_ENTRY_PTR=1", "GAAC_LATE_Q=1", "GAAC_STRIDED=1")},
 }
 
 
-OV_TWIN = {"twin": {"balance": ()}, "twin_strided": {"balance": (), "defines": ("GAAC_STRIDED=1",)}}
+OV_TWIN = {"twin": {}, "twin_strided": {"defines": ("GAAC_STRIDED=1",)}}
 
 
 SETS = {  # --set: (compressed variants, twin variants, the variants also run with globaltimer stamps)

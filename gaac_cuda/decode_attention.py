@@ -40,14 +40,9 @@ TWIN_SWIZZLE = True
 # 6-consumer CTAs of that warp-specialized twin; every default measured since keeps the rule: the split count sets the
 # bits and the timings)
 SPLIT_MULTIPLE = 6
-# Pace of the one-warp kernel's CTAs by their launch rank on the SM (3 per SM), measured in session 15 (the warp
-# schedulers favour the older CTA: 1.26-1.29 : 1.12 : 1 at 1x16K-4x64K, benchmarks/results/warp_finish_probe_s15.json):
-# `plan(balance=RANK_PACE)` weighs the splits by it (see `split_table`)
-RANK_PACE = (32, 28, 25)
-# `plan`'s split weights where none are given (one tile per head): off (None): not faster on the H200 (session 17,
-# benchmarks/results/balance_probe_s17.json: 1x64K 69.4 against 68.7 us; one 12-warp CTA per SM removed the ranks);
-# GAAC_HF_CUDA_BALANCE=1 turns RANK_PACE on for every plan of the process (compressed KV and its twin alike)
-BALANCE = RANK_PACE if os.environ.get("GAAC_HF_CUDA_BALANCE") == "1" else None
+# (Splits weighted by their CTA's launch rank, `plan(balance=...)` of sessions 15-27, were no faster once one 12-warp
+# CTA per SM removed the ranks: benchmarks/results/balance_probe_s17.json, 1x64K 69.4 against 68.7 us; removed in
+# session 28.)
 # Programmatic dependent launch (`plan(pdl=True)`): the split and combine kernels are launched with
 # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, and the split kernel lets its dependents launch as soon as its
 # CTAs start, so the combine's CTAs take SMs as the split kernel's CTAs leave and wait there (griddepcontrol.wait) for
@@ -96,8 +91,8 @@ CONST_LAYOUT = os.environ.get("GAAC_HF_CUDA_CONST_LAYOUT", "1") != "0"
 PROCESS_DEFINES = tuple(d.strip() for d in os.environ.get("GAAC_HF_CUDA_DEFINES", "").split(",") if d.strip())
 # CTA size of the one-warp kernel at one tile per head where `plan` is given none: SPLIT_WARPS warps in one CTA per SM
 # (the same splits as 3 CTAs of 4 warps, and the same bits), where shared memory holds such a CTA; else 4 warps, 3 CTAs
-# per SM. The warp schedulers favour an SM's older CTAs (see RANK_PACE): one CTA per SM has no older CTA, and its warps
-# finish together. Measured in session 17 on the H200 (benchmarks/results/balance_probe_s17.json, format 3):
+# per SM. The warp schedulers favour an SM's older CTAs (session 15: the first of three finishes 26-29% sooner): one
+# CTA per SM has no older CTA, and its warps finish together. Measured in session 17 on the H200 (benchmarks/results/balance_probe_s17.json, format 3):
 # 1x64K 68.7 -> 63.7 us, 4x64K 258.7 -> 233.8, 1x16K 27.4 -> 27.1, 9/3/64 1x64K 25.3 -> 24.4.
 SPLIT_WARPS = 12
 STATIC_SMEM = 1024  # the split kernel's static shared memory (cuobjdump -res-usage: SHARED:1024), beside the dynamic
@@ -109,7 +104,7 @@ ESCAPE_SLACK = 16  # buffer bytes past a slot: the prepass reads a lane's escape
 
 class _Params(ctypes.Structure):  # mirrors `struct Params` in the kernel source
     _fields_ = ([(n, ctypes.c_void_p) for n in ("q", "slots", "raw", "table", "kv_k", "kv_v", "base3", "base4",
-                                                 "kv_len", "mask", "part_o", "part_ml", "out", "trace", "split_cum")]
+                                                 "kv_len", "mask", "part_o", "part_ml", "out", "trace", "spare")]
                 + [(n, ctypes.c_longlong) for n in ("slot_bytes", "table_sb", "kv_sb", "kv_sh", "kv_ss", "mask_sb")]
                 + [(n, ctypes.c_int) for n in ("batch", "heads", "rep", "nsplit", "table_nb", "buf_bytes", "warp_bytes",
                                                "planes_off", "tags_off", "esc_off")]
@@ -151,7 +146,6 @@ class DecodePlan:
     buf_bytes: int
     warp_bytes: int
     options: tuple
-    split_cum: tuple = ()  # `plan(balance=...)`: cumulative split weights per row, [batch * (nsplit + 1)]
     combine_warps: int = COMBINE_WARPS
     pdl: bool = False  # programmatic dependent launch (`plan(pdl=True)`)
     cta_merge: bool = False  # `plan(cta_merge=True)`: one partial per CTA and (row, kv-head)
@@ -196,7 +190,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
          min_ctas: int | None = None, skip: int = 0, trace: bool = False, format_version: int = 1,
          swizzle: bool | None = None, v_words: int | None = None, dense_slots: bool | None = None,
          defines: tuple[str, ...] = (),
-         buf_bytes: int | None = None, balance: tuple[int, ...] | None = None,
+         buf_bytes: int | None = None,
          combine_warps: int | None = None, pdl: bool | None = None,
          cta_merge: bool | None = None, fused_combine: bool | None = None,
          const_layout: bool | None = None) -> DecodePlan:
@@ -226,24 +220,17 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     like every option.
     `buf_bytes` (benchmarks, one-warp kernel, slots staged as stored): a ring stage's tile buffer, at least the slot;
     below a BF16 tile's bytes only for KV without raw tiles (the caller's check: a raw tile would overrun it).
-    `balance`: per-rank split weights (e.g. `RANK_PACE`; None: `BALANCE` at one tile per head, else none; `()`:
-    none): each row's units are shared out in proportion to `split_table`'s weights instead of ceil(units / nsplit)
-    per split, and the one-warp kernel interleaves the kv heads warp by warp, so a row's splits lie in CTAs of every
-    launch rank. The table depends on the shape, the SM count and the weights only: compressed KV and its twin
-    planned with the same `balance` split alike (the same bits), on either kernel.
     `combine_warps` (benchmarks): warps per block of the combine kernel (default 16; warp w merges partials w,
     w + combine_warps, ... then the warps merge in order, so the bits depend on it: plan compressed KV and its twin
     alike). At 82 registers two 16-warp blocks do not fit an SM's register file: one block per SM.
     `pdl` (None: `PDL`): programmatic dependent launch of both kernels (see `PDL`; the same bits).
-    `cta_merge` (None: `CTA_MERGE`'s rule; the one-warp kernel without `balance`): the splits of each CTA merged per
+    `cta_merge` (None: `CTA_MERGE`'s rule): the splits of each CTA merged per
     (row, kv-head) in shared memory before they leave (see `CTA_MERGE`; the bits depend on it: plan the twin alike).
     `fused_combine` (None: `FUSED_COMBINE`'s rule where the plan merges per CTA): the last CTA of each group writes
     the output, no combine kernel (see `FUSED_COMBINE`; needs `cta_merge`; the bits depend on it).
     `const_layout` (None: `CONST_LAYOUT` where the slot size is known; the one-warp kernel): the ring layout and the
     slot size compiled in (see `CONST_LAYOUT`; the same bits; compressed KV needs `slot_bytes`)."""
     pdl = PDL if pdl is None else bool(pdl)
-    if balance is None and head_dim <= 128:  # one tile per head: the process-wide default (before the kernel choice)
-        balance = BALANCE
     if combine_warps is not None and not 1 <= combine_warps <= 16:
         raise ValueError(f"combine_warps takes 1..16 warps per combine block (more would spill), not {combine_warps}")
     if not 1 <= rep <= MAX_GROUP_HEADS:
@@ -305,9 +292,8 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         options += (f"-DGAAC_SKIP={skip}",)
     if nsplit is None:
         nsplit = _default_nsplit(batch, kv_heads, max_tokens, device, tiles)
-    options, cum = _balanced(options, batch, kv_heads, nsplit, device, balance)
     options, cw = _combine_option(options, combine_warps)
-    merge = _cta_merge(cta_merge, bool(cum), stages * 2 * tiles * buf, head_dim,
+    merge = _cta_merge(cta_merge, stages * 2 * tiles * buf, head_dim,
                        _merge_pays(batch, kv_heads * rep, head_dim, nsplit, cw, device))
     if fused_combine and not merge:
         raise ValueError("fused_combine merges the CTAs' partials: it needs cta_merge")
@@ -328,7 +314,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         options += (f"-DGAAC_BUF_BYTES={buf}", f"-DGAAC_WARP_BYTES={warp_bytes}")
         options += () if plain else (f"-DGAAC_SLOT_BYTES={slot_bytes}",)
     return _with_pdl(DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes,
-                                options, split_cum=cum, combine_warps=cw, cta_merge=merge, fused_combine=fused,
+                                options, combine_warps=cw, cta_merge=merge, fused_combine=fused,
                                 slot_bytes=slot_bytes if const and not plain else 0), pdl)
 
 
@@ -344,15 +330,12 @@ def _fused_pays(batch: int, q_heads: int, head_dim: int, device) -> bool:
     return batch * q_heads * (head_dim // 32) > _sm_count(device)
 
 
-def _cta_merge(asked: bool | None, balanced: bool, ring_bytes: int, head_dim: int, pays: bool) -> bool:
-    """Whether a one-warp plan merges its CTAs' splits: asked, or the process default (`CTA_MERGE`; None: where it
-    pays) without `balance`. The kernel stages a warp's output rows and statistics in its drained ring
-    (MAX_GROUP_HEADS x head_dim fp32, 16 floats and the fused combine's flags)."""
-    if asked and balanced:
-        raise ValueError("cta_merge needs consecutive splits per CTA: not with balance (heads interleaved by warp)")
+def _cta_merge(asked: bool | None, ring_bytes: int, head_dim: int, pays: bool) -> bool:
+    """Whether a plan merges its CTAs' splits: asked, or the process default (`CTA_MERGE`; None: where it pays). The
+    kernel stages a warp's output rows and statistics in its drained ring (MAX_GROUP_HEADS x head_dim fp32, 16 floats
+    and the fused combine's flags)."""
     if asked is None:
-        asked = pays if CTA_MERGE is None else CTA_MERGE
-        merge = asked and not balanced
+        merge = bool(pays if CTA_MERGE is None else CTA_MERGE)
     else:
         merge = bool(asked)
     if merge and ring_bytes < 4 * (MAX_GROUP_HEADS * head_dim + 32):
@@ -374,36 +357,10 @@ def _with_pdl(p: DecodePlan, pdl: bool) -> DecodePlan:
     return dataclasses.replace(p, pdl=True, options=p.options + ("-DGAAC_PDL=1",)) if pdl else p
 
 
-def split_table(batch: int, kv_heads: int, nsplit: int, weights: tuple[int, ...], sms: int,
-                warps: int = 4) -> tuple[int, ...]:
-    """Cumulative split weights per row, flat `[batch * (nsplit + 1)]`: split s of row b weighs `weights[r]`, r the
-    launch rank on its SM of the one-warp kernel's CTA that runs it under `plan(balance=...)` (warp (b * nsplit + s)
-    * kv_heads + head, `warps` warps per CTA, `sms` CTAs per rank: CTA index // sms), the last weight for later
-    ranks. Split s of a row then holds units [units * cum[s] // cum[nsplit], units * cum[s + 1] // cum[nsplit])."""
-    if not weights or any(int(w) != w or w < 1 for w in weights):
-        raise ValueError(f"split weights are positive integers, not {weights}")
-    out = []
-    for b in range(batch):
-        acc = 0
-        out.append(acc)
-        for s in range(nsplit):
-            rank = (b * nsplit + s) * kv_heads // warps // sms
-            acc += int(weights[min(rank, len(weights) - 1)])
-            out.append(acc)
-    return tuple(out)
-
-
 def _sm_count(device) -> int:
     """SMs of `device`; 132 (an H100 / H200) where it is not a CUDA device (plans made on a CPU machine)."""
     dev = torch.device(device)
     return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
-
-
-def _balanced(options: tuple, batch, kv_heads, nsplit, device, balance) -> tuple[tuple, tuple]:
-    """`plan(balance=...)`: the kernel option and the split table (none without `balance`)."""
-    if not balance:
-        return options, ()
-    return options + ("-DGAAC_BALANCE=1",), split_table(batch, kv_heads, nsplit, tuple(balance), _sm_count(device))
 
 
 def _combine_option(options: tuple, combine_warps: int | None) -> tuple[tuple, int]:
@@ -411,22 +368,6 @@ def _combine_option(options: tuple, combine_warps: int | None) -> tuple[tuple, i
     if combine_warps is None or combine_warps == COMBINE_WARPS:
         return options, COMBINE_WARPS
     return options + (f"-DGAAC_COMBINE_WARPS={combine_warps}",), combine_warps
-
-
-_split_tables: dict = {}
-
-
-def _split_cum_tensor(cum: tuple, device: torch.device) -> torch.Tensor:
-    """A balanced plan's split table on `device`, made once (its first launch must not be inside a graph capture:
-    the table is copied to the device then, and a captured graph replays the pointer)."""
-    key = (cum, device)
-    table = _split_tables.get(key)
-    if table is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("a balanced decode plan's first launch is inside a CUDA graph capture: launch it once "
-                               "before capturing (its split table is copied to the GPU then)")
-        table = _split_tables[key] = torch.tensor(cum, dtype=torch.int32, device=device)
-    return table
 
 
 _counter_buffers: dict = {}  # device -> the counters of fused-combine launches; every buffer ever made stays alive
@@ -530,8 +471,6 @@ def _run(p: DecodePlan, query, kv_len, mask, scale, fill, combine_too: bool = Tr
         if trace is None or trace.dtype != torch.int64 or trace.numel() < trace_size(p) or trace.device != dev:
             raise ValueError(f"a traced plan needs an int64 trace tensor of {trace_size(p)} elements on {dev}")
         prm.trace = trace.data_ptr()
-    if p.split_cum:  # cached per table and device: made once, outside any graph capture that replays it
-        prm.split_cum = _split_cum_tensor(p.split_cum, dev).data_ptr()
     if p.fused_combine:
         prm.counters = _counters(p.batch * p.kv_heads, dev).data_ptr()
     keep = fill(prm)  # tensors the launch reads must outlive it

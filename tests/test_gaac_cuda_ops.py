@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gaac_cuda import available, decode_attention, plain_decode_attention, plan
-from gaac_cuda.decode_attention import _SOURCE_FILE, CONST_LAYOUT, PDL, RANK_PACE, SPLIT_WARPS, STATIC_SMEM, split_table
+from gaac_cuda.decode_attention import _SOURCE_FILE, CONST_LAYOUT, PDL, SPLIT_WARPS, STATIC_SMEM
 from gaac_hf.format import TileLayout
 from gaac_triton_cases import compress_kv, realistic_kv
 
@@ -111,39 +111,6 @@ def test_ring_buffers_are_128_byte_aligned():
              buf_bytes=2960)
 
 
-def test_balanced_split_table():
-    """plan(balance=...): each row's splits weighted by the launch rank of the one-warp CTA that runs them (heads
-    interleaved warp by warp, 4 warps per CTA, 132 SMs per rank); the kernel's ranges (units * cum[s] // cum[n])
-    cover every unit once; compressed KV and its twin (12- or 4-warp CTAs) get the same table."""
-    cum = split_table(2, 8, 198, RANK_PACE, 132)
-    assert len(cum) == 2 * 199
-    row0, row1 = cum[:199], cum[199:]
-    steps0 = [row0[s + 1] - row0[s] for s in range(198)]
-    # row 0: warps s * 8 .. s * 8 + 7 -> CTA 2s, 2s + 1 -> rank 2s // 132: splits 0..65 rank 0, 66..131 rank 1, ...
-    assert steps0[:66] == [32] * 66 and steps0[66:132] == [28] * 66 and steps0[132:] == [25] * 66
-    assert set(row1[s + 1] - row1[s] for s in range(198)) == {25}  # row 1's CTAs are past the third rank
-    for units in (0, 1, 5, 197, 198, 4096, 65537 // 16 + 1):
-        for row in (row0, row1):
-            ranges = [(units * row[s] // row[-1], units * row[s + 1] // row[-1]) for s in range(198)]
-            assert ranges[0][0] == 0 and ranges[-1][1] == units
-            assert all(a[1] == b[0] and a[0] <= a[1] for a, b in zip(ranges, ranges[1:]))
-    compressed = plan(2, 8, 4, 128, 65536, "cpu", slot_bytes=3000, format_version=3, nsplit=198,
-                      balance=RANK_PACE)
-    twin = plan(2, 8, 4, 128, 65536, "cpu", plain=True, nsplit=198, balance=RANK_PACE, warps=4)
-    twin_one_warp = plan(2, 8, 4, 128, 65536, "cpu", plain=True, nsplit=198, balance=RANK_PACE)
-    assert twin.warps != twin_one_warp.warps
-    assert compressed.split_cum == twin.split_cum == twin_one_warp.split_cum == cum
-    assert all("-DGAAC_BALANCE=1" in p.options for p in (compressed, twin, twin_one_warp))
-    assert plan(2, 8, 4, 128, 65536, "cpu", plain=True, nsplit=198, balance=()).split_cum == ()
-    # no weights given: the process default (gaac_cuda.decode_attention.BALANCE, GAAC_HF_CUDA_BALANCE=1), the same
-    # for both kernels; never at head_dim 256
-    default = plan(2, 8, 4, 128, 65536, "cpu", slot_bytes=3000, format_version=3, nsplit=198).split_cum
-    assert default == plan(2, 8, 4, 128, 65536, "cpu", plain=True, nsplit=198).split_cum
-    assert plan(2, 8, 4, 256, 65536, "cpu", plain=True, nsplit=50).split_cum == ()
-    with pytest.raises(ValueError, match="positive integers"):
-        split_table(1, 8, 4, (1.5, 1), 132)
-
-
 def test_combine_warps_option():
     """plan(combine_warps=n): the combine kernel's block size, a kernel option only off the default (16), for both
     kernels; out-of-range counts refused."""
@@ -242,9 +209,6 @@ def test_plan_of_the_kernel_shapes():
                     reason="needs nvcc (CUDA 12.8+) and triton's cuobjdump")
 @pytest.mark.parametrize("config", [(128, 1, 0), (128, 1, 1), (64, 1, 0), (64, 1, 1), (128, 1, 2), (64, 1, 2),
                                     (128, 1, 3), (64, 1, 3), (128, 1, 6), (64, 1, 6),
-                                    (128, 1, 0, "GAAC_BALANCE=1"), (128, 1, 1, "GAAC_BALANCE=1"),
-                                    (64, 1, 2, "GAAC_BALANCE=1"), (128, 1, 6, "GAAC_BALANCE=1"),
-                                    (64, 1, 6, "GAAC_BALANCE=1"),
                                     (128, 1, 6, "GAAC_COMBINE_WARPS=4"),
                                     (128, 1, 6, "GAAC_PDL=1"), (64, 1, 6, "GAAC_PDL=1"), (128, 1, 1, "GAAC_PDL=1"),
                                     (128, 1, 0, "GAAC_PDL=1"), (128, 1, 6, "GAAC_WARPS=12"), (64, 1, 6, "GAAC_WARPS=12"),
@@ -283,7 +247,7 @@ def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     # kind 0 compressed, 1 plain (K and V of a stage on their own barriers), 2 plain with swizzled rows, 3 compressed
     # with slots staged as stored, 6 format 3 (version 2 in fragment order, staged as stored; raw groups from the
     # scratch overlay); kinds 4, 5 and 7 were the warp-specialized kernel's (removed in session 28)
-    c, tiles, kind, *extra = config  # extra: a benchmark or plan option (rank-balanced splits, early indices)
+    c, tiles, kind, *extra = config  # extra: a benchmark or plan option
     out = tmp_path / "k.cubin"
     defs = [f"-DGAAC_C={c}", f"-DGAAC_TILES={tiles}", f"-DGAAC_PLAIN={int(kind in (1, 2))}",
             f"-DGAAC_SWIZZLE={int(kind == 2)}", f"-DVT_WORDS={c // 32}", f"-DGAAC_DENSE_SLOT={int(kind in (3, 6))}",
@@ -484,40 +448,17 @@ def test_format_2_slots_equal_plain_twin(case):
 
 
 @gpu
-@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[4] in (64, 128)],
-                         ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
-def test_balanced_splits_equal_the_balanced_twin(case):
-    """plan(balance=...) (splits weighted by launch rank, heads interleaved across warps): compressed KV of both
-    format versions gives the bits of its plain twin planned with the same weights, at several split counts, and is
-    attention."""
-    b, h, nrep, _, d, kind, cap, pad = case
-    for version, fmt in ((1, 1), (2, 3)):
-        c = (b, h, nrep, case[3], d, kind, cap + 32 if version == 2 and kind == "mixed" else cap, pad)
-        (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(c, version)
-        for nsplit, weights in ((None, RANK_PACE), (5, (3, 1)), (1, (2,))):
-            pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit,
-                      format_version=fmt, balance=weights)
-            got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
-            pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, balance=weights)
-            twin = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
-            assert torch.equal(bits(got), bits(twin)), f"version {version}, nsplit {pc.nsplit}"
-            err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
-            assert err < 1e-2, (err, pc.nsplit)
-
-
-@gpu
 @pytest.mark.parametrize("case", [GPU_CASES[1], GPU_CASES[8], GPU_CASES[9]],
                          ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
 def test_combine_warps_equal_the_twin_planned_alike(case):
     """plan(combine_warps=n) changes how the combine groups the splits, for compressed KV and its twin alike: the same
-    bits, with and without the rank-balanced splits, and attention."""
+    bits, and attention."""
     b, h, nrep, _, d, _, _, _ = case
     (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case, 2)
-    for cw, balance in ((4, None), (3, RANK_PACE), (1, None), (8, None)):
-        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, format_version=3,
-                  combine_warps=cw, balance=balance)
+    for cw in (4, 3, 1, 8):
+        pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, format_version=3, combine_warps=cw)
         got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
-        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, combine_warps=cw, balance=balance)
+        pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, combine_warps=cw)
         assert torch.equal(bits(got), bits(plain_decode_attention(q, k, v, kv_len, mask, scale, pp))), cw
         err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, (err, cw)
@@ -528,18 +469,18 @@ def test_combine_warps_equal_the_twin_planned_alike(case):
                          ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
 def test_pdl_launch_keeps_the_bits(case):
     """plan(pdl=True) (programmatic dependent launch of the split and combine kernels): the bits of the plain launch,
-    for compressed KV (format 3, with and without balanced splits) and the twin, called directly and
+    for compressed KV (format 3, in 12- and 4-warp CTAs) and the twin, called directly and
     as three back-to-back calls in one CUDA graph (each split kernel then starts under the previous combine, which
     reads partials in the memory the next call reuses)."""
     b, h, nrep, _, d, _, _, _ = case
     (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case, 2)
-    for balance in ((), RANK_PACE):
+    for cta in ({}, {"warps": 4, "min_ctas": 3}):
         outs = {}
         for pdl in (False, True):
-            pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, format_version=3,
-                      balance=balance, pdl=pdl)
+            pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, format_version=3, pdl=pdl,
+                      **cta)
             outs[("gaac", pdl)] = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
-            pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, balance=balance, pdl=pdl)
+            pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=pc.nsplit, pdl=pdl, **cta)
             outs[("twin", pdl)] = plain_decode_attention(q, k, v, kv_len, mask, scale, pp)
             if pdl:
                 torch.cuda.synchronize()
@@ -549,10 +490,10 @@ def test_pdl_launch_keeps_the_bits(case):
                            for _ in range(3)]
                 graph.replay()
                 torch.cuda.synchronize()
-                assert all(torch.equal(bits(g), bits(outs[("gaac", False)])) for g in got), balance
+                assert all(torch.equal(bits(g), bits(outs[("gaac", False)])) for g in got), cta
         want = bits(outs[("gaac", False)])
-        assert all(torch.equal(bits(o), want) for o in outs.values()), (balance, [k2 for k2, o in outs.items()
-                                                                                 if not torch.equal(bits(o), want)])
+        assert all(torch.equal(bits(o), want) for o in outs.values()), (cta, [k2 for k2, o in outs.items()
+                                                                             if not torch.equal(bits(o), want)])
         err = ((outs[("gaac", True)].cpu().double() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, err
 
@@ -665,7 +606,7 @@ def test_cta_merge_equals_the_twin_planned_alike(case):
 
 
 def test_cta_merge_option():
-    """plan(cta_merge=...): the kernel option and the partials' count, refused with rank-balanced splits (they interleave the heads warp by warp)."""
+    """plan(cta_merge=...): the kernel option and the partials' count."""
     p = plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, warps=12, cta_merge=True)
     assert p.cta_merge and "-DGAAC_CTA_MERGE=1" in p.options and p.parts == 2 * 8 * (33 // 12 + 2)
     off = plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, warps=12, cta_merge=False)
@@ -676,7 +617,6 @@ def test_cta_merge_option():
                                   ((4, 8, 4, 128, 49), True), ((1, 3, 3, 64, 528), True), ((1, 3, 3, 64, 256), False)):
         for plain in (False, True):
             assert plan(b, h, r, d, 65536, "cpu", nsplit=n, plain=plain).cta_merge is want, (b, h, r, d, n)
-    assert not plan(1, 8, 8, 128, 65536, "cpu", nsplit=198, balance=RANK_PACE).cta_merge
     # the combine in the split kernel: only with the merge; by default where the combine kernel's blocks (row x query
     # head x 32 channels) outnumber the SMs (64/8 1x64K: 256, 4x64K: 512), not at 9/3/64 (18: merged, not fused)
     fused = plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, cta_merge=True, fused_combine=True)
@@ -691,8 +631,6 @@ def test_cta_merge_option():
             assert pl.fused_combine is want and ("-DGAAC_FUSED_COMBINE=1" in pl.options) is want, (b, h, r, d, n)
     with pytest.raises(ValueError, match="needs cta_merge"):
         plan(2, 8, 4, 128, 65536, "cpu", nsplit=33, cta_merge=False, fused_combine=True)
-    with pytest.raises(ValueError, match="balance"):
-        plan(1, 8, 4, 128, 1024, "cpu", nsplit=6, cta_merge=True, balance=RANK_PACE)
 
 
 @gpu

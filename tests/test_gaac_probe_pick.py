@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from probe_pick import main, pick, variant_table  # noqa: E402
 
 ROWS = [
-    {"shape": "a", "cudnn_us": 66.0, "twin": {"us": 68.0, "same_bits_as_ws_twin": True},
+    {"shape": "a", "cudnn_us": 66.0, "twin": {"us": 68.0, "same_bits_as_default_twin": True},
      "gaac": {"us": 58.0, "bit_identical_to_twin": True},
      "gaac_fast": {"us": 55.0, "bit_identical_to_twin": True},
      "gaac_wrong": {"us": 50.0, "bit_identical_to_twin": False},

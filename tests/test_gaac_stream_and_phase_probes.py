@@ -63,7 +63,7 @@ def test_split_phases_from_stamps():
     """`finish_by_rank`'s phases: first-unit latency, streaming time and per-unit pace, the combine's start, all
     after the first entry; splits that never started are left out."""
     import gaac_cuda
-    from benchmarks.balance_probe import finish_by_rank
+    from benchmarks.probe_runner import finish_by_rank
 
     pl = gaac_cuda.plan(1, 8, 4, 128, 65536, "cpu", slot_bytes=2944, format_version=3, nsplit=198)
     items = pl.items
@@ -121,7 +121,7 @@ def test_w16_probe_plans_the_twin_with_the_variants_warps():
     """`warps_probe.py --set w16`: the 16-warp compressed plan at 9/3/64 and the twin its bits are checked against
     split alike and group their splits alike (CTA merge by 16-warp CTAs), and both fit one CTA per SM."""
     import gaac_cuda
-    from benchmarks.balance_probe import SPLIT_KEYS
+    from benchmarks.probe_runner import SPLIT_KEYS
     from benchmarks.warps_probe import W16_GAAC
 
     kw = dict(W16_GAAC["gaac_16_warps"])
@@ -150,11 +150,11 @@ def test_stream_probe_phases_from_stamps():
 @pytest.mark.parametrize("probe_set, shapes", [("ov", (1, 4, 5, 2, 0, 3)), ("bounds", (4, 1)), ("w16", (3,))])
 def test_prepared_probe_sets_plan_at_their_shapes(probe_set, shapes):
     """Every variant of the device calls' probe sets (`next_h200.sh ov`, `bounds128`, ...) plans on each of their
-    shapes as `balance_probe.run_probe` plans it on the H200 (its split count, the twin planned alike with the
+    shapes as `probe_runner.run_probe` plans it on the H200 (its split count, the twin planned alike with the
     SPLIT_KEYS options, so the two split and merge alike), within one SM's shared memory: a bad option or a plan
     that does not fit fails here, not in device time."""
     import gaac_cuda
-    from benchmarks.balance_probe import SPLIT_KEYS
+    from benchmarks.probe_runner import SPLIT_KEYS
     from benchmarks.format_v2_probe import SHAPES
     from benchmarks.warps_probe import SETS
 

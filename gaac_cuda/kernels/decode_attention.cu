@@ -27,7 +27,6 @@
 // Compile-time configuration (NVRTC -D): GAAC_C (64|128 channels per tile), GAAC_TILES (tiles per head: 1|2),
 // GAAC_PLAIN (0|1), GAAC_STAGES (ring depth), GAAC_WARPS, GAAC_MIN_CTAS (register budget), GAAC_SWIZZLE (plain KV:
 // swizzled BF16 rows), VT_WORDS (V words per vector load), GAAC_DENSE_SLOT (compressed KV: slots staged as stored),
-// GAAC_BALANCE (splits weighted by Params::split_cum),
 // GAAC_FAST_ISSUE (compressed KV staged as stored: the common unit's copies issued by lane 0 alone), GAAC_STAGED_O
 // (the one-warp kernel's partial outputs staged in shared memory and written as 16-byte stores), GAAC_CTA_MERGE (the
 // one-warp kernel's splits merged per CTA and group before they leave the SM; session 22), and for the benchmarks
@@ -50,10 +49,6 @@
 #ifndef GAAC_PDL  // programmatic dependent launch (plan(pdl=True)): each kernel waits for the one before it on the
 #define GAAC_PDL 0  // stream before touching global memory (griddepcontrol.wait), and the split kernels let their
 #endif              // dependents (the combine) launch as their CTAs start, so the combine's CTAs wait on the SMs
-#ifndef GAAC_BALANCE  // split sizes (the same for compressed KV and its twin, so the bits match): ceil(units /
-#define GAAC_BALANCE 0  // nsplit) units per split (0), or a row's units in proportion to the per-split weights of
-#endif                  // Params::split_cum (1); the one-warp kernel then interleaves the kv heads warp by warp, so
-                        // that a row's splits lie in CTAs of every launch rank on their SMs (split_table)
 #ifndef GAAC_FORMAT  // slot format: 1 (format version 1) or 3 (format version 2 in fragment order; docs/format.md)
 #define GAAC_FORMAT 1
 #endif
@@ -70,7 +65,7 @@
 #ifndef GAAC_CTA_MERGE  // the one-warp kernel's splits merged per CTA before they leave (1: each CTA writes one partial
 #define GAAC_CTA_MERGE 0  // per (row, kv-head) it holds, and the combine merges those) or one partial per split (0)
 #endif
-#define CTA_MERGE (GAAC_CTA_MERGE && !GAAC_BALANCE)  // (GAAC_BALANCE interleaves the heads warp by warp)
+#define CTA_MERGE GAAC_CTA_MERGE
 #ifndef GAAC_FUSED_COMBINE  // with GAAC_CTA_MERGE: the last CTA of each group to finish merges the group's partials
 #define GAAC_FUSED_COMBINE 0  // into the output (1; no combine kernel) or the combine kernel does (0)
 #endif
@@ -79,7 +74,7 @@
 // barriers, each re-issued as soon as its tile is read (measured faster for the twin, slower for compressed KV:
 // benchmarks/results/attention_cuda.md, sessions 7 and 24).
 #define SPLITBAR GAAC_PLAIN
-#define STRIDED (GAAC_STRIDED && !GAAC_BALANCE)
+#define STRIDED GAAC_STRIDED
 // Per-warp header: stage barriers and slot bits, then the ring. 128 bytes, so every bulk copy lands on a 128-byte
 // aligned shared-memory destination: the compressed kernel's 64-byte header put them 64 bytes off and cost a quarter
 // of the copy pipeline's rate (1x64K, the copies alone: 56.2 -> 46.9 us; benchmarks/frame_probe.py, session 25).
@@ -158,9 +153,9 @@ struct Params {
   float* part_ml;      // [items, rep, 2]
   u16* out;            // [B, Hq, D]
   unsigned long long* trace;  // GAAC_TRACE: [items, 4] split stamps (entry, first unit ready, done, SM), combine starts
-  const int* split_cum;  // GAAC_BALANCE: [B, nsplit + 1] cumulative split weights per row (else unused: it keeps
-                        // the offsets of the fields after it, and with them the code of every build as measured;
-                       // dropping it changes register allocation)
+  const void* spare;    // unused (the rank-weighted splits' table until session 28): it keeps the offsets of the
+                        // fields after it, and with them the code of every build as measured (dropping it changes
+                        // register allocation)
   i64 slot_bytes;
   i64 table_sb;        // table stride per batch row, in int32
   i64 kv_sb, kv_sh, kv_ss;  // strides of kv_k / kv_v in elements
@@ -1273,17 +1268,6 @@ __device__ __forceinline__ void load_bases(const Params& p, int hk, int lane, u3
       }
 }
 
-#if GAAC_BALANCE
-// Split `split` of row b: its first unit and unit count, the row's `units` in proportion to its cumulative split
-// weights (without GAAC_BALANCE each kernel takes ceil(units / nsplit) per split, the last ones short or empty).
-__device__ __forceinline__ void split_range(const Params& p, int b, int split, int units, int& u0, int& n) {
-  const int* cum = p.split_cum + (i64)b * (p.nsplit + 1);
-  const i64 tot = cum[p.nsplit];
-  u0 = (int)((i64)units * cum[split] / tot);
-  n = (int)((i64)units * cum[split + 1] / tot) - u0;
-}
-#endif
-
 extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaac_decode_split(const Params p) {
   extern __shared__ __align__(128) u8 smem[];
   launch_dependents();
@@ -1291,15 +1275,8 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int total = p.batch * p.heads * p.nsplit;
-#if GAAC_BALANCE  // the kv heads interleaved warp by warp: warp w takes head w % heads, split w / heads of its row
-  const int w = blockIdx.x * GAAC_WARPS + warp;
-  if (w >= total) return;
-  const int b = w / (p.heads * p.nsplit), hk = w % p.heads, split = (w / p.heads) % p.nsplit;
-  const int item = (b * p.heads + hk) * p.nsplit + split;  // where its partial goes
-#else
   const int item = blockIdx.x * GAAC_WARPS + warp;
   if (item >= total) return;
-#endif
 
   u8* ws = smem + warp * WARP_BYTES;
   const u32 bars = smem_u32(ws);
@@ -1315,9 +1292,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   __syncwarp();
   u32 phases = 0;  // parity of each stage's barrier
 
-#if !GAAC_BALANCE
   const int b = item / (p.heads * p.nsplit), hk = (item / p.nsplit) % p.heads, split = item % p.nsplit;
-#endif
   if (GAAC_TRACE && lane == 0) {
     u32 sm;
     asm volatile("mov.u32 %0, %smid;" : "=r"(sm));
@@ -1340,11 +1315,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   const int len = p.kv_len[b];
   const int nb = len >> 4, tl = len & 15;
   const int units = nb + (tl > 0 ? 1 : 0);
-#if GAAC_BALANCE
-  int u0, n;
-  split_range(p, b, split, units, u0, n);
-  constexpr int us = 1;  // the split's units: u0, u0 + us, ..., n of them
-#elif STRIDED
+#if STRIDED
   // the split's units strided: split, split + nsplit, ... (n of them)
   const int u0 = split, us = p.nsplit;
   const int n = units > split ? (units - 1 - split) / p.nsplit + 1 : 0;

@@ -1,18 +1,8 @@
-"""Splits weighted by the pace of their CTA's launch rank (`gaac_cuda.plan(balance=...)`), measured on format version 2
-as the caches store it (the kernel's format 3), real-statistics KV, H200.
-
-Session 15 found the one-warp kernel's tail in the warp schedulers' preference for the older CTA: of the three CTAs
-on an SM the first-launched finishes 26-29% sooner, the last sets the kernel's time
-(`benchmarks/results/warp_finish_probe_s15.json`). `balance` shares each row's units out in proportion to per-rank
-weights, with the kv heads interleaved across warps so a row's splits span the ranks; the twin planned with the same
-weights splits alike (bits checked here). Also timed: combine
-blocks of 4 and 8 warps instead of 16 (at 121 registers a 16-warp block fills an SM, so 4x64K's 512 blocks take 4
-waves; twin planned alike), one CTA of 12 warps per SM (no CTA age at all) (session 17 also timed the split's
-indices computed before the barrier set-up, GAAC_EARLY_INDEX: no faster, removed in session 28), and programmatic dependent launch of the split and
-combine kernels (`plan(pdl=True)`, session 16: the combine's CTAs launch as the split kernel's leave). Per variant: graph-replayed µs, bits against the twin,
-and the finish times by launch rank (or warp group) from the kernel's globaltimer stamps. JSON and a table:
-
-    python benchmarks/balance_probe.py --real-kv .bench/real_kv_2k.safetensors --out $OUT/balance.json
+"""The probes' shared runner: kernel variants timed and bit-checked against their twins planned alike, on format version
+2 as the caches store it (the kernel's format 3), real-statistics KV, graph-replayed, cuDNN beside them; traced
+variants also give their warps' finish times by launch rank and their phases from the kernel's globaltimer stamps.
+`warps_probe.py` and `split_phases_probe.py` name their variant sets and call `run_probe` (session 17's
+`balance_probe.py`, whose rank-weighted splits were removed in session 28, held it until then).
 """
 
 from __future__ import annotations
@@ -25,41 +15,17 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 import gaac_cuda  # noqa: E402
 from benchmarks.attention import bench_graph  # noqa: E402
-from benchmarks.format_v2_probe import compress_v2, cudnn_us, probe_args, probe_shapes, save_probe  # noqa: E402
+from benchmarks.format_v2_probe import compress_v2, cudnn_us, save_probe  # noqa: E402
+from benchmarks.format_v2_probe import probe_shapes  # noqa: E402
 from benchmarks.warp_finish_probe import grouped  # noqa: E402
-from gaac_cuda.decode_attention import RANK_PACE  # noqa: E402
 
-OLD = {"warps": 4, "pdl": False}  # session 16's defaults (4-warp CTAs, 3 per SM; no PDL), which these variants vary
-GAAC_VARIANTS = {  # label: plan options of the compressed kernel (one-warp, format 3)
-    "gaac": {"balance": ()},
-    "gaac_balanced": {"balance": RANK_PACE},
-    "gaac_balanced_strong": {"balance": (36, 29, 23)},
-    "gaac_balanced_mild": {"balance": (29, 27, 25)},
-    "gaac_12_warps": {"warps": 12, "min_ctas": 1, "balance": ()},
-    "gaac_combine_4": {"balance": (), "combine_warps": 4},  # combine blocks of 4 warps: 4 blocks per SM, not 1
-    "gaac_combine_8": {"balance": (), "combine_warps": 8},
-    "gaac_balanced_combine_4": {"balance": RANK_PACE, "combine_warps": 4},
-    "gaac_pdl": {"balance": (), "pdl": True},  # programmatic dependent launch (session 16): the same bits
-    "gaac_balanced_combine_4_pdl": {"balance": RANK_PACE, "combine_warps": 4, "pdl": True},
-}
-GAAC_VARIANTS = {k: {**OLD, **kw} for k, kw in GAAC_VARIANTS.items()}
-TWIN_VARIANTS = {  # label: plan options of the plain twin
-    "twin": {"balance": ()},
-    "twin_balanced": {"balance": RANK_PACE},
-    "twin_one_warp_balanced": {"balance": RANK_PACE, "warps": 4},
-    "twin_combine_4": {"balance": (), "combine_warps": 4},
-    "twin_pdl": {"balance": (), "pdl": True},
-    "twin_balanced_combine_4_pdl": {"balance": RANK_PACE, "combine_warps": 4, "pdl": True},
-}
-TWIN_VARIANTS = {k: {"pdl": False, **kw} for k, kw in TWIN_VARIANTS.items()}
-TRACED = ("gaac", "gaac_balanced", "gaac_12_warps", "gaac_combine_4")  # variants also run with globaltimer stamps
 # the plan options that change the bits (and kernel defines: some do; and the CTA's warps, which the CTA merge groups
 # by): a twin planned alike matches
-SPLIT_KEYS = ("balance", "combine_warps", "nsplit", "cta_merge", "fused_combine", "defines", "warps")
+SPLIT_KEYS = ("combine_warps", "nsplit", "cta_merge", "fused_combine", "defines", "warps")
 
 
 def finish_by_rank(tr: torch.Tensor, pl, hkv: int, tokens: int | None = None) -> dict:
@@ -70,12 +36,7 @@ def finish_by_rank(tr: torch.Tensor, pl, hkv: int, tokens: int | None = None) ->
     live = st[:, 1] > -1e17
     done = (st[:, 2] - st[:, 0].min()) / 1e3
     sm = st[:, 3].long()
-    item = torch.arange(items)
-    if "-DGAAC_BALANCE=1" in pl.options:  # warp w ran item (b, head w % heads, split w / heads)
-        b, rest = item // (hkv * pl.nsplit), item % (hkv * pl.nsplit)
-        w = (b * pl.nsplit + rest % pl.nsplit) * hkv + rest // pl.nsplit
-    else:
-        w = item
+    w = torch.arange(items)  # warp w of the grid ran item w
     cta, warp = w // pl.warps, w % pl.warps
     rank = torch.zeros(items, dtype=torch.long)
     for smi in sm[live].unique():
@@ -109,7 +70,7 @@ def run_probe(args, gaac_variants: dict, twin_variants: dict, traced: tuple, scr
     shape's split count, and the twin it is checked against is planned alike) and `twin_variants` on each shape of
     `args.shapes`, with cuDNN beside them; the variants in `traced` also run with globaltimer stamps."""
     dev = torch.device("cuda")
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rank_pace": RANK_PACE, "rows": []}
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
     for (hq, hkv, d, b, s), k, v, q, scale, kv_len in probe_shapes(args, dev):
         t0 = time.time()
         packed, layout, info = compress_v2(k, v)
@@ -182,7 +143,7 @@ def run_probe(args, gaac_variants: dict, twin_variants: dict, traced: tuple, scr
                 mk = kw.get("mask", False)
                 out = twin(pl, mask=mk)
                 row[label] = {"us": bench_graph(lambda i, pl=pl, mk=mk: twin(pl, i, mask=mk), args.buffers),
-                              "same_bits_as_ws_twin": torch.equal(out.view(torch.int16),
+                              "same_bits_as_default_twin": torch.equal(out.view(torch.int16),
                                                                   twin_bits(kw).view(torch.int16))}
             except Exception as e:  # noqa: BLE001
                 failed(label, e)
@@ -205,12 +166,3 @@ def run_probe(args, gaac_variants: dict, twin_variants: dict, traced: tuple, scr
                  + ("" if r.get(lab, {}).get("bit_identical_to_twin", True) else " BITS DIFFER") for lab in labels]
         print(f"| {r['shape']} | " + " | ".join(cells) + f" | {r['cudnn_us']:.1f} |")
     save_probe(res, args, script)
-
-
-def main():
-    args = probe_args(__doc__, "1,0,2,3", "benchmarks/results/balance_probe.json")
-    run_probe(args, GAAC_VARIANTS, TWIN_VARIANTS, TRACED, "balance_probe.py")
-
-
-if __name__ == "__main__":
-    main()
