@@ -29,9 +29,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gaac_hf.calibrate import choose_escape_capacity, exponent_histogram, resident_bytes_per_tile  # noqa: E402
-from gaac_hf.calibrate import windows_from_histogram  # noqa: E402
-from gaac_hf.codec import escape_bytes, group_modes, split_fields, split_head  # noqa: E402
+from gaac_hf.calibrate import (choose_escape_capacity, exponent_histogram, resident_bytes_per_tile,  # noqa: E402
+                                tile_escape_bytes, windows_from_histogram)
 from gaac_hf.format import ALIGN, BLOCK_TABLE_ENTRY_BYTES, TileLayout, tile_split  # noqa: E402
 
 SHAPES = ((8, 128, 16384), (3, 64, 16384))  # (kv heads, head_dim, tokens): batch 1; the source repeats every 2K tokens
@@ -39,16 +38,9 @@ SHAPES = ((8, 128, 16384), (3, 64, 16384))  # (kv heads, head_dim, tokens): batc
 
 def tile_escapes(k: torch.Tensor, v: torch.Tensor, format_version: int = 2) -> torch.Tensor:
     """Escape bytes of every tile of K, V `[1, H, S, D]` under windows calibrated on them: `[2 (K|V), H, tiles]`."""
-    b, h, s, d = k.shape
-    c = tile_split(d)[1]
-    n = s // 16
-    hist = exponent_histogram(torch.stack([k, v]).transpose(1, 2).reshape(1, 2, h, b * s, d))
-    base3, base4 = windows_from_histogram(hist[0], format_version)
-    shape = (2, h, d // c, c)
-    kv = torch.stack([k, v], 2)[:, :, :, : n * 16]
-    tiles = split_head(kv.reshape(b, h, 2, n, 16, d).permute(0, 3, 2, 1, 4, 5))  # [B, n, 2, H, T, 16, C]
-    esc = escape_bytes(group_modes(split_fields(tiles)[0], base3.reshape(shape), base4.reshape(shape)))
-    return esc.permute(2, 3, 0, 1, 4).reshape(2, h, -1)  # [2, H, B * n * T]
+    kv = torch.stack([k, v]).transpose(0, 1)  # [1 (layer), 2, H, S, D]
+    base3, base4 = windows_from_histogram(exponent_histogram(kv)[0], format_version)
+    return tile_escape_bytes(kv, base3[None], base4[None])[0].flatten(2)  # [2, H, blocks * tiles]
 
 
 def _best(escapes: torch.Tensor, channels: int) -> tuple[int, float]:

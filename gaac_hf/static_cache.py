@@ -21,7 +21,7 @@ step and returns early for rows with nothing to finalize). The attention then re
 returns. Prefill and any other update of several tokens per row run eagerly (inside a compiled forward: a graph
 break, as for the verification steps of assisted decoding). `crop(-n)` (assisted decoding, prompt lookup) runs
 eagerly and in place: a block it cuts into is decoded back into the tail, the blocks past it leave the table, and
-the pool counters go back past their tiles when those were the last taken.
+the pools are compacted so their counters go back to the kept tiles.
 
 Raw pool overflow never passes silently: between steps (`get_mask_sizes`, which `generate` calls eagerly before
 every step, and `check()`, `stats()`) the cache reads the counters, grows the raw pools (all layers' at once: one
