@@ -44,7 +44,7 @@ ENCODE_MAX_TILES = 8192
 DECODE_WINDOW_BLOCKS = 256
 
 
-def _check_kv_dtype(key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+def check_kv_dtype(key_states: torch.Tensor, value_states: torch.Tensor) -> None:
     for name, t in (("key", key_states), ("value", value_states)):
         if t.dtype != torch.bfloat16:
             raise TypeError(
@@ -287,7 +287,7 @@ class GAACLayer(RowSelectionMixin, DenseKVMixin, CacheLayerMixin):
         return 0 if self._tail_k is None else self._tail_k.shape[-2]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        _check_kv_dtype(key_states, value_states)
+        check_kv_dtype(key_states, value_states)
         b, h, _, d = key_states.shape
         vb, vh, _, vd = value_states.shape
         if h != self.num_kv_heads and d == self.head_dim and (vb, vh, vd) == (b, h, d):
@@ -386,7 +386,7 @@ class GAACLayer(RowSelectionMixin, DenseKVMixin, CacheLayerMixin):
 
     # --- CacheLayerMixin ------------------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        _check_kv_dtype(key_states, value_states)
+        check_kv_dtype(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != self.batch or key_states.shape[1:2] != self._tail_k.shape[1:2]:
