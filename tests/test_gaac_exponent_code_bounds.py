@@ -86,3 +86,13 @@ def test_widen_puts_streams_side_by_side():
     wide = widen(modes.long(), 128)
     assert wide.shape == (1, 4, 128)  # the third stream has no partner
     assert wide[0, :, :64].eq(0).all() and wide[0, :, 64:].eq(1).all()
+
+
+def test_group_window_aligns_and_skips():
+    lo = torch.tensor([[11], [11], [28]])
+    hi = torch.tensor([[13], [13], [31]])
+    assert group_window(lo, hi, 4).tolist() == [10]  # bases 10 and 11 hold both; the lowest
+    assert group_window(lo, hi, 4, align=2).tolist() == [10]
+    assert group_window(lo, hi, 4, align=4).tolist() == [28]  # no multiple of 4 in [10, 11]: [28, 32) holds one
+    skip = torch.tensor([[True], [True], [False]])
+    assert group_window(lo, hi, 4, skip=skip).tolist() == [28]
