@@ -135,7 +135,7 @@ def test_generate_through_the_replay_backend(llama):
         assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(outs[0].scores, other.scores))
 
 
-def test_each_compile_needs_its_own_kwargs(monkeypatch):
+def test_each_compile_needs_its_own_kwargs(monkeypatch, tmp_path):
     """torch.compile pops guard_filter_fn from the options it is given (so a reused dict loses it): compile_kwargs()
     gives a new dict per call, CapturedStep leaves a caller's dict intact, and every compiled variant of
     benchmarks/generate.py gets the filter (sessions 4-15 reused one dict: only the first variant had it)."""
@@ -163,7 +163,7 @@ def test_each_compile_needs_its_own_kwargs(monkeypatch):
     spec.loader.exec_module(bench)
     monkeypatch.setattr(bench.torch, "compile", spy)
     bench.main(["--tiny", "--contexts", "40", "--steps", "2", "--warmup", "1", "--variants", "gaac", "twin", "static",
-                "--skip-module-guards", "--out", str(pathlib.Path(__import__("tempfile").mkdtemp()) / "g.json")])
+                "--skip-module-guards", "--out", str(tmp_path / "g.json")])
     assert len(seen) >= 3 and all("guard_filter_fn" in o for o in seen), seen
 
 
