@@ -26,7 +26,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .cache import GAAC_ATTENTION_NAME, CompressedKV, GAACLazyKV
+from .cache_inputs import GAAC_ATTENTION_NAME
+from .compressed_kv import CompressedKV, GAACLazyKV
 from .format import BLOCK_TOKENS
 from .ops import (PlainRecord, decode_attention, device_lengths, fused_serves, plain_decode_attention, plan,
                   reference_attention)

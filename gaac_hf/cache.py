@@ -25,224 +25,22 @@ the `"gaac"` decode attention reads block by block. Any other torch op on a `GAA
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_map
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_common.cache_layers import (DenseKVMixin, RowSelectionMixin, full_attention_layers, stock_layer_bytes,
                                    sum_layer_bytes, tokens_to_crop)
 
 from . import ops
+from .cache_inputs import (ENCODE_MAX_TILES, GAAC_ATTENTION_NAME, check_kv_dtype, check_storage_format,
+                           choose_format, config_and_calibration)
 from .calibration import CalibrationMismatchError, GAACCalibration
+from .compressed_kv import CompressedKV, GAACLazyKV
 from .format import BLOCK_TABLE_ENTRY_BYTES, BLOCK_TOKENS, MODE_NAMES, TileLayout, tile_split
 from .model_layers import kv_geometry, text_config
 from .tile_pool import TilePool, grow
 
-GAAC_ATTENTION_NAME = "gaac"
-# Most tiles given to one `encode_tiles` call (bounds the encoder's temporary memory on long prompts).
-ENCODE_MAX_TILES = 8192
-# Blocks the CPU decode attention decodes per codec call (256 blocks = 4K tokens; its chunks are smaller).
-DECODE_WINDOW_BLOCKS = 256
-
-
-def check_kv_dtype(key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-    for name, t in (("key", key_states), ("value", value_states)):
-        if t.dtype != torch.bfloat16:
-            raise TypeError(
-                f"GAACCache stores BF16 KV losslessly; the model produced {name} states of dtype {t.dtype}. "
-                "Load the model with dtype=torch.bfloat16, or use DynamicCache for other dtypes."
-            )
-
-
-def resolve_calibration(calibration, what: str, **hub_kwargs) -> GAACCalibration:
-    """A `GAACCalibration`, or one loaded from a path / Hub id; a clear `TypeError` for anything else."""
-    if isinstance(calibration, str) or hasattr(calibration, "__fspath__"):
-        calibration = GAACCalibration.from_pretrained(str(calibration), **hub_kwargs)
-    if isinstance(calibration, GAACCalibration):
-        return calibration
-    raise TypeError(f"{what} takes as calibration a GAACCalibration or the path / Hub id of one, not "
-                    f"{type(calibration).__name__}")
-
-
-STORAGE_VERSIONS = (1, 2)
-
-
-def check_storage_format(calibration: GAACCalibration, format_version: int | None, what: str) -> None:
-    """Check that a cache that stores `format_version` (None: chosen per device) can code with `calibration`.
-    Version 2 codes against windows that start at even exponents, which only a version-2 calibration has (version-1
-    windows moved down to even starts cost much of the saving: 27.9% -> 22.5% resident on SmolLM2's held-out KV,
-    benchmarks/results/tied_windows_s14_converted.json, against 27.6% for windows calibrated even). Version 1 reads
-    any windows."""
-    if format_version not in (None, *STORAGE_VERSIONS):
-        raise ValueError(f"{what} stores GAAC format version 1 or 2 (None: chosen per device), not {format_version!r}")
-    if format_version == 2 and calibration.config.format_version != 2:
-        raise ValueError(
-            f"{what}(format_version=2) needs a format-version-2 calibration (windows that start at even exponents); "
-            f"this one is version {calibration.config.format_version}: calibrate with `gaac-hf calibrate "
-            "--format-version 2` (or `calibrate(..., format_version=2)`); `calibration.convert(2)` moves its windows "
-            "down instead, at a cost in ratio")
-
-
-def choose_format(requested: int | None, calibration: GAACCalibration, head_dim: int, group_heads: int,
-                  device) -> int:
-    """The format version a cache layer stores on `device`: `requested`, or (None) version 2 where a fused kernel
-    reads it (the CUDA kernel on Hopper, head_dim 64/128) and the calibration's windows are even (a version-2
-    calibration: `gaac-hf calibrate --format-version 2`), else version 1."""
-    if requested is not None:
-        return requested
-    even = calibration.config.format_version == 2
-    return 2 if even and ops.fused_reads(2, head_dim, group_heads, device) else 1
-
-
-def _is_model_config(x) -> bool:
-    from transformers import PretrainedConfig
-
-    return isinstance(x, PretrainedConfig)
-
-
-def config_and_calibration(what: str, args: tuple, config, calibration):
-    """Sort `GAACCache(config, calibration)`, `GAACCache(calibration, config=...)`, keywords, by type."""
-    for arg in args:
-        if _is_model_config(arg) and config is None:
-            config = arg
-        elif isinstance(arg, (GAACCalibration, str)) or hasattr(arg, "__fspath__"):
-            if calibration is not None:
-                raise TypeError(f"{what} got two calibrations")
-            calibration = arg
-        else:
-            raise TypeError(f"{what} takes a model config (transformers PretrainedConfig) and a GAACCalibration "
-                            f"(or the path / Hub id of one); got a {type(arg).__name__} positional argument")
-    if config is None or not _is_model_config(config):
-        raise TypeError(f"{what} needs the model config (transformers PretrainedConfig) as config, got "
-                        f"{type(config).__name__}")
-    if calibration is None:
-        raise TypeError(f"{what} needs a calibration: {what}(config, calibration)")
-    return config, resolve_calibration(calibration, what)
-
-
-class CompressedKV:
-    """Read-only snapshot of one `GAACLayer` at one step: finalized blocks (block table) plus the BF16 tail.
-
-    Valid until the next `crop`/`reorder_cache`/`batch_select_indices`/`reset` of its layer (those may recycle
-    tiles the snapshot still points to); plain appends never invalidate it.
-    """
-
-    def __init__(self, layer: "GAACLayer", table: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor):
-        self.layer = layer
-        self.table = table  # int32 [B, n_blocks, 2, H, tiles]
-        self.slot_pool = layer.pool.slot_pool
-        self.raw_pool = layer.pool.raw_pool
-        self.tail_k, self.tail_v = tail_k, tail_v
-        self.n_blocks = table.shape[1]
-        self.batch, self.heads, _, self.head_dim = tail_k.shape
-        self.length = self.n_blocks * BLOCK_TOKENS + tail_k.shape[-2]
-        self._dense = None
-        self._window = None  # (first block, K, V) of the decoded blocks the last chunks came from
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return (self.batch, self.heads, self.length, self.head_dim)
-
-    def blocks(self, b0: int, b1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decoded finalized blocks `[b0, b1)`: K, V each `[B, H, (b1 - b0) * 16, D]`."""
-        return self.layer._decode_table(self.table[:, b0:b1], self.slot_pool, self.raw_pool)
-
-    def _windowed(self, b0: int, b1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Blocks `[b0, b1)`, served from one decode of up to `DECODE_WINDOW_BLOCKS` blocks (fewer codec calls
-        than one per attention chunk; the transient BF16 stays bounded)."""
-        w = self._window
-        if w is None or not (w[0] <= b0 and b1 <= w[0] + w[1].shape[2] // BLOCK_TOKENS):
-            top = min(self.n_blocks, max(b1, b0 + DECODE_WINDOW_BLOCKS))
-            k, v = self.blocks(b0, top)
-            w = self._window = (b0, k, v)
-        at = (b0 - w[0]) * BLOCK_TOKENS
-        n = (b1 - b0) * BLOCK_TOKENS
-        return w[1][:, :, at:at + n], w[2][:, :, at:at + n]
-
-    def chunk(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens `[start, end)` (start a multiple of 16) as contiguous BF16 K, V `[B, H, end - start, D]`."""
-        if start % BLOCK_TOKENS:
-            raise ValueError(f"chunks start on a block boundary, not at token {start}")
-        end = min(end, self.length)
-        fin = self.n_blocks * BLOCK_TOKENS
-        ks, vs = [], []
-        if start < fin:
-            stop = min(end, fin)
-            k, v = self._windowed(start // BLOCK_TOKENS, (stop + BLOCK_TOKENS - 1) // BLOCK_TOKENS)
-            ks.append(k[:, :, :stop - start])
-            vs.append(v[:, :, :stop - start])
-        if end > fin:
-            lo = max(start - fin, 0)
-            ks.append(self.tail_k[:, :, lo:end - fin])
-            vs.append(self.tail_v[:, :, lo:end - fin])
-        k = ks[0] if len(ks) == 1 else torch.cat(ks, -2)
-        v = vs[0] if len(vs) == 1 else torch.cat(vs, -2)
-        return k.contiguous(), v.contiguous()
-
-    def record(self) -> ops.DecodeRecord:
-        """What the decode attention reads (pools, table, tail, windows `[2, H, D]`, device lengths, plan)."""
-        layer = self.layer
-        base3, base4 = layer.windows()
-        kv_len = ops.device_lengths(self.batch, self.length, self.table.device)
-        plan = ops.plan(self.batch, self.heads, self.n_blocks, self.head_dim, self.table.device)
-        return ops.DecodeRecord(self.slot_pool, self.raw_pool, self.table, self.tail_k, self.tail_v, base3, base4,
-                                kv_len, plan, layer.format_version)
-
-    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The full K, V `[B, H, length, D]`, BF16 (decoded once, then cached)."""
-        if self._dense is None:
-            self._dense = self.chunk(0, self.length)
-        return self._dense
-
-
-_METADATA_FUNCS = {
-    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
-    torch.Tensor.ndim.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.is_cuda.__get__,
-    torch.Tensor.layout.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.ndimension,
-    torch.Tensor.numel, torch.Tensor.__len__,
-}
-
-
-class GAACLazyKV(torch.Tensor):
-    """A storage-less `[B, H_kv, S, D]` BF16 tensor standing for one side (K or V) of a `CompressedKV`.
-
-    The `"gaac"` attention reads `.compressed` in place. Shape/dtype/device queries are answered from metadata;
-    every other torch op materializes the full tensor (lossless decode, cached) and runs on it.
-    """
-
-    @staticmethod
-    def __new__(cls, compressed: CompressedKV, which: int):
-        t = torch.Tensor._make_wrapper_subclass(
-            cls, compressed.shape, dtype=compressed.tail_k.dtype, device=compressed.tail_k.device,
-            requires_grad=False)
-        t.compressed = compressed
-        t.which = which
-        return t
-
-    def materialize(self) -> torch.Tensor:
-        return self.compressed.materialize()[self.which]
-
-    def __repr__(self, *, tensor_contents=None):
-        c = self.compressed
-        return f"GAACLazyKV(shape={tuple(c.shape)}, {'KV'[self.which]}, blocks={c.n_blocks})"
-
-    @staticmethod
-    def _unwrap(x):
-        return x.materialize() if isinstance(x, GAACLazyKV) else x
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _METADATA_FUNCS:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
-        args, kwargs = tree_map(cls._unwrap, (args, kwargs))
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        args, kwargs = tree_map(cls._unwrap, (args, kwargs or {}))
-        return func(*args, **kwargs)
+# (CompressedKV, GAACLazyKV and GAAC_ATTENTION_NAME are importable from here too, as before they moved)
+__all__ = ["GAACCache", "GAACLayer", "CompressedKV", "GAACLazyKV", "GAAC_ATTENTION_NAME"]
 
 
 class GAACLayer(RowSelectionMixin, DenseKVMixin, CacheLayerMixin):
@@ -363,8 +161,8 @@ class GAACLayer(RowSelectionMixin, DenseKVMixin, CacheLayerMixin):
                 self.batch, b1 - b0, 2, self.num_kv_heads, self.tiles)
         self.n_blocks += nb
 
-    def _decode_table(self, table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor,
-                      tails: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_table(self, table: torch.Tensor, slot_pool: torch.Tensor, raw_pool: torch.Tensor,
+                     tails: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Table entries `[B, n, 2, H, tiles]` (then `tails` K, V `[B, H, s, D]`) -> BF16 K, V `[B, H, n * 16 + s,
         D]`, bit-exact."""
         b3, b4 = self._flat_bases()
@@ -373,7 +171,7 @@ class GAACLayer(RowSelectionMixin, DenseKVMixin, CacheLayerMixin):
 
     def _decode_blocks(self, b0: int, b1: int,
                        tails: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._decode_table(self._table[:, b0:b1], self.pool.slot_pool, self.pool.raw_pool, tails)
+        return self.decode_table(self._table[:, b0:b1], self.pool.slot_pool, self.pool.raw_pool, tails)
 
     def _dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The full K, V `[B, H, S, D]` (finalized blocks decoded, then the tail)."""

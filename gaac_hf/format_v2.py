@@ -5,7 +5,7 @@ verbatim, the high byte's 7 exponent bits are coded against windows that start a
 bit-plane 0. Units, groups, modes, the slot's section sizes and the escape bytes per mode are version 1's
 (`format.py`, `codec.py`); tiles of 64 and 128 channels are stored in the order the CUDA kernel's mma fragments
 consume them (`to_fragment_order`), narrower tiles in plane order. The caches store version 2 where the CUDA kernel
-reads it (`gaac_cuda.plan(format_version=3)`, the fragment-order layout; `gaac_hf.cache.choose_format`); the Triton
+reads it (`gaac_cuda.plan(format_version=3)`, the fragment-order layout; `gaac_hf.cache_inputs.choose_format`); the Triton
 encode / append / expand kernels are tested against this module bit for bit.
 """
 

@@ -21,7 +21,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from hf_common.cache_layers import full_attention_layers, tokens_to_crop
 
 from . import ops
-from .cache import GAAC_ATTENTION_NAME, check_kv_dtype
+from .cache_inputs import GAAC_ATTENTION_NAME, check_kv_dtype
 from .calibration import CalibrationMismatchError
 from .format import BLOCK_TOKENS, tile_split
 from .model_layers import text_config

@@ -42,7 +42,7 @@ import math
 import torch
 
 from . import ops
-from .cache import ENCODE_MAX_TILES, check_storage_format, choose_format, resolve_calibration
+from .cache_inputs import ENCODE_MAX_TILES, check_storage_format, choose_format, resolve_calibration
 from .calibration import GAACCalibration
 from .format import BLOCK_TABLE_ENTRY_BYTES, BLOCK_TOKENS, MODE_NAMES, TileLayout
 from .model_layers import kv_geometry

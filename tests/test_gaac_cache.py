@@ -19,7 +19,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.models.llama.modeling_llama import LlamaModel
 
 import gaac_hf.attention as gaac_attention
-import gaac_hf.cache as cache_module
+import gaac_hf.compressed_kv as compressed_kv_module
 from gaac_hf.attention import gaac_attention_forward, gaac_decode_attention
 from gaac_hf.cache import CompressedKV, GAACCache, GAACLayer, GAACLazyKV
 from gaac_hf.calibrate import calibrate, exponent_histogram, windows_from_histogram
@@ -410,15 +410,15 @@ def test_decode_attention_compressed_equals_plain(head_dim, capacity, format_ver
     mask = (torch.arange(87) >= torch.tensor([0, 30, 71]).reshape(3, 1)).reshape(3, 1, 1, 87)  # left padding
     decoded = []
     monkeypatch.setattr(CompressedKV, "materialize", lambda self: pytest.fail("decode materialized the cache"))
-    original = GAACLayer._decode_table
+    original = GAACLayer.decode_table
 
     def spy(self, table, *args):
         decoded.append(table.shape[1])
         return original(self, table, *args)
 
-    monkeypatch.setattr(GAACLayer, "_decode_table", spy)
+    monkeypatch.setattr(GAACLayer, "decode_table", spy)
     window = 2  # blocks per codec call, below the 5 the layer holds
-    monkeypatch.setattr(cache_module, "DECODE_WINDOW_BLOCKS", window)
+    monkeypatch.setattr(compressed_kv_module, "DECODE_WINDOW_BLOCKS", window)
     for chunk_blocks in (1, 2, 32):
         for m in (None, mask):
             decoded.clear()

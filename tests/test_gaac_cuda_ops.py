@@ -29,11 +29,11 @@ def bits(x):
 
 
 def test_the_caches_choose_format_2_where_the_cuda_kernel_reads_it(monkeypatch, tiny_llama):
-    """The storage choice (`gaac_hf.cache.choose_format`) and the plan the ops hand the kernel for it, on the CPU
+    """The storage choice (`gaac_hf.cache_inputs.choose_format`) and the plan the ops hand the kernel for it, on the CPU
     with the backend forced: version 2 only where the CUDA kernel reads it and the windows are even; the CUDA
     plan of version-2 storage is the kernel's fragment-order format 3, staged as stored."""
     from gaac_hf import ops
-    from gaac_hf.cache import choose_format
+    from gaac_hf.cache_inputs import choose_format
     from gaac_hf.calibrate import calibrate
 
     tiny_calibration = calibrate(tiny_llama, [torch.arange(3, 67)], "ids")

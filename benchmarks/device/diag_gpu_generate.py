@@ -32,7 +32,7 @@ for attn in ("sdpa", "gaac"):
             for li in cache.gaac_layers:
                 layer = cache.layers[li]
                 t, sp, rp = layer._table, layer._slot_pool, layer._raw_pool
-                got = layer._decode_table(t, sp, rp)
+                got = layer.decode_table(t, sp, rp)
                 c = layer.channels
                 full = torch.empty(*t.shape, 16, c, dtype=torch.bfloat16, device=t.device)
                 ins = t >= 0
