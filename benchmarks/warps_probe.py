@@ -335,6 +335,7 @@ BOUNDS_GAAC = {
 OV_GAAC = {
     "gaac": {},
     "gaac_ov_uniform": {"defines": ("GAAC_OV_UNIFORM=1",)},
+    "gaac_ov_per_group": {"defines": ("GAAC_OV_UNIFORM=0",)},  # (session 29: GAAC_OV_UNIFORM=1 became the default)
     "gaac_scan_pred": {"defines": ("GAAC_SCAN_PRED=1",)},
     "gaac_entry_ptr": {"defines": ("GAAC_ENTRY_PTR=1",)},
     "gaac_late_q": {"defines": ("GAAC_LATE_Q=1",)},

@@ -245,9 +245,10 @@ class LowBitLayer(RowSelectionMixin, DenseKVMixin, CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens. Cutting into the quantized prefix moves the partial group back
         into the residual, dequantized (it stays at low-bit accuracy)."""
-        if not tokens_to_crop(tokens_to_remove, self.is_initialized):
+        n = tokens_to_crop(tokens_to_remove, self.is_initialized)
+        if not n:
             return
-        new_len = max(self.get_seq_length() + tokens_to_remove, 0)
+        new_len = max(self.get_seq_length() - n, 0)
         sink = self.sink_tokens
         if new_len <= sink:
             self._sink_k, self._sink_v = self._sink_k[:, :, :new_len].clone(), self._sink_v[:, :, :new_len].clone()

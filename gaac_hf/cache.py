@@ -221,9 +221,10 @@ class GAACLayer(RowSelectionMixin, DenseKVMixin, CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens; finalized blocks cut into come back to the tail as BF16."""
-        if not tokens_to_crop(tokens_to_remove, self.is_initialized):
+        n = tokens_to_crop(tokens_to_remove, self.is_initialized)
+        if not n:
             return
-        new_len = max(self.get_seq_length() + tokens_to_remove, 0)
+        new_len = max(self.get_seq_length() - n, 0)
         fin = self.n_blocks * BLOCK_TOKENS
         if new_len >= fin:
             self._tail_k = self._tail_k[:, :, :new_len - fin].clone()

@@ -209,12 +209,13 @@ class StaticLayerBase(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens of every row (assisted decoding and prompt lookup reject
         draft tokens this way), eagerly and in place: buffers keep their addresses, so compiled graphs stay valid."""
-        if not tokens_to_crop(tokens_to_remove, self.is_initialized):
+        n = tokens_to_crop(tokens_to_remove, self.is_initialized)
+        if not n:
             return
         if torch.compiler.is_compiling():
             raise RuntimeError(f"{type(self).__name__}.crop runs eagerly, between steps")
         length = self.host_length()
-        new_length = max(length + tokens_to_remove, 0)
+        new_length = max(length - n, 0)
         self._crop_storage(length, new_length)
         self.kv_len.fill_(new_length)
 

@@ -26,9 +26,11 @@ def full_attention_layers(config, make_layer: Callable[[int], object], stock: li
     return [make_layer(i) if t == "full_attention" else stock[i] for i, t in enumerate(types)]
 
 
-def tokens_to_crop(tokens_to_remove: int, is_initialized: bool) -> int:
-    """The tokens a layer's `crop(tokens_to_remove)` removes (0: nothing to do). transformers' convention: a negative
-    count removes that many tokens; a positive one is refused, as `DynamicLayer.crop` refuses it."""
+def tokens_to_crop(tokens_to_remove, is_initialized: bool) -> int:
+    """The tokens a layer's `crop(tokens_to_remove)` removes, a Python int (0: nothing to do). transformers' convention:
+    a negative count removes that many tokens; a positive one is refused, as `DynamicLayer.crop` refuses it. The count
+    may come as a 0-d tensor (assisted decoding in transformers 5.17 passes one)."""
+    tokens_to_remove = int(tokens_to_remove)
     if tokens_to_remove > 0:
         raise ValueError(
             f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "

@@ -208,7 +208,7 @@ def _decode_after(model, cache, ids, cut, steps):
     """Prefill `ids`, crop the last `cut` tokens, then `steps` eager single-token decode steps: their logits."""
     with torch.no_grad():
         model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
-        cache.crop(-cut)
+        cache.crop(torch.tensor(-cut) if cut % 2 else -cut)  # (odd cuts as a 0-d tensor, as transformers 5.17 passes)
         return _steps(model, cache, ids.shape[0], ids.shape[1] - cut, steps)
 
 
