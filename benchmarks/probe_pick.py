@@ -1,12 +1,12 @@
 """Read a kernel probe's JSON (`warps_probe.py --set ...`) and say which kernel options to keep.
 
-    python benchmarks/probe_pick.py benchmarks/results/warps_probe_ov_s28.json --set ov
+    python benchmarks/probe_pick.py benchmarks/results/warps_probe_bounds128_s29.json --set bounds
 
 Prints, per variant, its time against the set's baseline variant (`gaac`) at every shape and against cuDNN, whether
 its bits matched its twin everywhere, and the geometric-mean speedup over the shapes; then the `GAAC_*` defines of
 the single-option variants that were bit-identical everywhere and faster than the baseline by more than `--margin`
 in the geometric mean without losing more than `--worst` at any shape: the `DEFINES=` line for the next call
-(`benchmarks/device/next_h200.sh ovstep`). A probe has no say on correctness beyond the bits it checked: the GPU bit
+(`GAAC_HF_CUDA_DEFINES=...` for `benchmarks/generate.py`, as session 29's `ovstep` call did). A probe has no say on correctness beyond the bits it checked: the GPU bit
 tests decide that. Writes nothing.
 """
 
@@ -54,7 +54,7 @@ def pick(table: dict, defines: dict, margin: float = 0.005, worst: float = 0.98)
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("json", help="the probe's JSON")
-    p.add_argument("--set", default="ov", help="the warps_probe.py set the JSON was made with (its variants' defines)")
+    p.add_argument("--set", required=True, help="the warps_probe.py set the JSON was made with (its variants' defines)")
     p.add_argument("--margin", type=float, default=0.005)
     p.add_argument("--worst", type=float, default=0.98)
     args = p.parse_args(argv)

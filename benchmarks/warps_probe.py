@@ -324,41 +324,13 @@ BOUNDS_GAAC = {
 }
 
 
-# Session 26 (`--set ov`, prepared, not yet run: no GPU was lent after it was written): the raw groups' overlay built
-# per owner lane with the plane bytes read by every lane (GAAC_OV_UNIFORM=1: ~39 warp instructions per raw group
-# against ~62; real K tiles hold ~1.5 raw groups in 59% of tiles, V 1.1 in 22%), the tag scan's adds guarded by the
-# shuffle's predicate (GAAC_SCAN_PRED=1: 2 instructions per step against 4) and the table entries by a running pointer
-# (GAAC_ENTRY_PTR=1: 3,464 SASS instructions against 3,760; all three 3,368), and the query and windows loaded after
-# the first copies are issued (GAAC_LATE_Q=1: the copies' fence, a MEMBAR, no longer waits for their 24 loads; the
-# stripped build, which never loads them, had its first unit ready at 2.8 us against the default's 4.1), each alone
-# against the default (all of them together in `gaac_all` below).
-OV_GAAC = {
-    "gaac": {},
-    "gaac_ov_uniform": {"defines": ("GAAC_OV_UNIFORM=1",)},
-    "gaac_ov_per_group": {"defines": ("GAAC_OV_UNIFORM=0",)},  # (session 29: GAAC_OV_UNIFORM=1 became the default)
-    "gaac_scan_pred": {"defines": ("GAAC_SCAN_PRED=1",)},
-    "gaac_entry_ptr": {"defines": ("GAAC_ENTRY_PTR=1",)},
-    "gaac_late_q": {"defines": ("GAAC_LATE_Q=1",)},
-    # session 27 (CPU only; ncu_s26_source.csv.gz read per call site: the tag scan holds 7.4% of the warps' stall
-    # samples for 4% of their instructions, short scoreboard on its five dependent shuffles; the two prepasses 18%,
-    # mostly fixed-latency waits in two chains run one after the other): the scan by ballots of the counts' bit
-    # slices (GAAC_SCAN_BALLOT=1: no shuffle, ~55 instructions against ~36) and the V slot's prepass beside the K
-    # slot's before the K tile (GAAC_KV_PREPASS=1: loads first, then both chains interleaved; 512 more scratch bytes
-    # per warp, still 12 warps per SM), each alone and together
-    "gaac_scan_ballot": {"defines": ("GAAC_SCAN_BALLOT=1",)},
-    "gaac_kv_prepass": {"defines": ("GAAC_KV_PREPASS=1",)},
-    "gaac_ballot_kv": {"defines": ("GAAC_SCAN_BALLOT=1", "GAAC_KV_PREPASS=1")},
-    # and the splits strided (GAAC_STRIDED=1: split s takes units s, s + nsplit, ..., so its first unit's table
-    # entries load beside kv_len: one global round trip less before the first copies; the first unit was ready at
-    # ~4.1 us in session 26's traces); then every option of both sessions together (GAAC_SCAN_PRED is moot beside
-    # GAAC_SCAN_BALLOT), and the twin strided
-    "gaac_strided": {"defines": ("GAAC_STRIDED=1",)},
-    "gaac_all": {"defines": ("GAAC_OV_UNIFORM=1", "GAAC_SCAN_BALLOT=1", "GAAC_KV_PREPASS=1",
-                                            "GAAC_ENTRY_PTR=1", "GAAC_LATE_Q=1", "GAAC_STRIDED=1")},
-}
-
-
-OV_TWIN = {"twin": {}, "twin_strided": {"defines": ("GAAC_STRIDED=1",)}}
+# Session 29 (`--set ov`, run on the H200: warps_probe_ov_s29a/b/c.json): of the options prepared in sessions 26-27,
+# the raw groups' overlay per owner lane (GAAC_OV_UNIFORM) was 1-3% faster at 1x64K, 64/8, 4x64K and 1x16K and
+# became the default; the scan's predicated adds (GAAC_SCAN_PRED), the table entries by a running pointer
+# (GAAC_ENTRY_PTR), the query loaded after the first copies (GAAC_LATE_Q), the scan by ballots (GAAC_SCAN_BALLOT), the
+# V prepass beside the K prepass (GAAC_KV_PREPASS) and strided splits (GAAC_STRIDED) were no faster in the geometric
+# mean (0.971-0.998 of the default; STRIDED 4% faster at 9/3/64 but 6% slower at 4x64K) and were removed. The set
+# (its variants' defines) is in git history (commit 9ac4bdc).
 
 
 SETS = {  # --set: (compressed variants, twin variants, the variants also run with globaltimer stamps)
@@ -380,7 +352,6 @@ SETS = {  # --set: (compressed variants, twin variants, the variants also run wi
     "w16": (W16_GAAC, W16_TWIN, ("gaac", "gaac_16_warps")),
     "rering": (RERING_GAAC, ISSUE_TWIN, ("gaac", "gaac_8_warps_3_stages")),
     "hdr": (HDR_GAAC, ISSUE_TWIN, ("gaac", "gaac_hdr64")),
-    "ov": (OV_GAAC, OV_TWIN, ()),
     "bounds": (BOUNDS_GAAC, ISSUE_TWIN, ("gaac_prepass_first_unit_no_scan", "gaac_stripped")),
     "frame2": (FRAME2_GAAC, ISSUE_TWIN, ("gaac_split_only", "gaac_bare_split_only", "gaac_bare_split_only_no_pdl")),
 }

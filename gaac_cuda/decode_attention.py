@@ -86,7 +86,7 @@ FUSED_COMBINE = {"1": True, "0": False}.get(os.environ.get("GAAC_HF_CUDA_FUSED_C
 # by default wherever the plan knows the slot size (plain KV always); GAAC_HF_CUDA_CONST_LAYOUT=0 turns it off.
 CONST_LAYOUT = os.environ.get("GAAC_HF_CUDA_CONST_LAYOUT", "1") != "0"
 # Kernel defines for every plan of the process (benchmarks: a prepared kernel option inside the captured step, whose
-# caches plan by themselves), e.g. GAAC_HF_CUDA_DEFINES="GAAC_LATE_Q=1,GAAC_ENTRY_PTR=1"; compressed KV and its twin
+# caches plan by themselves), e.g. GAAC_HF_CUDA_DEFINES="GAAC_STAGED_O=0,GAAC_HDR=64"; compressed KV and its twin
 # alike, so the bits still match. Each must be NAME=VALUE with a GAAC_ name.
 PROCESS_DEFINES = tuple(d.strip() for d in os.environ.get("GAAC_HF_CUDA_DEFINES", "").split(",") if d.strip())
 # CTA size of the one-warp kernel at one tile per head where `plan` is given none: SPLIT_WARPS warps in one CTA per SM
@@ -106,7 +106,7 @@ class _Params(ctypes.Structure):  # mirrors `struct Params` in the kernel source
     _fields_ = ([(n, ctypes.c_void_p) for n in ("q", "slots", "raw", "table", "kv_k", "kv_v", "base3", "base4",
                                                  "kv_len", "mask", "part_o", "part_ml", "out", "trace", "spare")]
                 + [(n, ctypes.c_longlong) for n in ("slot_bytes", "table_sb", "kv_sb", "kv_sh", "kv_ss", "mask_sb")]
-                + [(n, ctypes.c_int) for n in ("batch", "heads", "rep", "nsplit", "table_nb", "buf_bytes", "warp_bytes",
+                + [(n, ctypes.c_int) for n in ("batch", "heads", "rep", "nsplit", "spare1", "buf_bytes", "warp_bytes",
                                                "planes_off", "tags_off", "esc_off")]
                 + [("qk_scale", ctypes.c_float), ("counters", ctypes.c_void_p)])
 
@@ -216,7 +216,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     head where shared memory holds it, else 4 (3 CTAs per SM at one tile per head, 1 at head_dim 256). `swizzle`
     default: TWIN_SWIZZLE for plain KV at head_dim <= 128, else off.
     `defines` (benchmarks):
-    more `NAME=VALUE` compile-time options of the kernel source, e.g. ("GAAC_SCAN_BALLOT=1",); they key the kernel cache
+    more `NAME=VALUE` compile-time options of the kernel source, e.g. ("GAAC_STAGED_O=0",); they key the kernel cache
     like every option.
     `buf_bytes` (benchmarks, one-warp kernel, slots staged as stored): a ring stage's tile buffer, at least the slot;
     below a BF16 tile's bytes only for KV without raw tiles (the caller's check: a raw tile would overrun it).
@@ -265,7 +265,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
             raise ValueError(f"buf_bytes {buf_bytes}: compressed KV staged as stored, a multiple of 128 bytes that "
                              f"holds a {slot_bytes}-byte slot and {ESCAPE_SLACK} bytes past it")
         buf = buf_bytes
-    scratch = 0 if plain else _scratch(channels, format_version, extra)
+    scratch = 0 if plain else _scratch(channels, format_version)
     # stage barriers and slot bits before the ring: the kernel's HDR (a define may override it, for the probes)
     header = _define_value(extra, "GAAC_HDR", RING_HEADER)
     warp_bytes = -(-(header + stages * 2 * tiles * buf + scratch) // 128) * 128
@@ -403,12 +403,11 @@ def _default_nsplit(batch, kv_heads, max_tokens, device, tiles=1) -> int:
     return max(1, min(want, math.ceil(units / MIN_UNITS_PER_SPLIT)))
 
 
-def _scratch(channels: int, format_version: int, extra: tuple[str, ...] = ()) -> int:
+def _scratch(channels: int, format_version: int) -> int:
     """Per-consumer scratch for one slot: per group its base, planes 3..7 and raw mask (7 bytes); format 3 holds the
     base, plane 3, code bits 3..6 as a 4-bit-per-element overlay and the V tiles' split plane-3 bytes (8 in all;
-    their doubled bases overlay base and plane 3; 10 with the kernel option GAAC_KV_PREPASS=1, where the V slot's
-    doubled bases have their own): the kernel's SCRATCH_GROUPS."""
-    per_group = 7 if format_version != 3 else 10 if _define_value(extra, "GAAC_KV_PREPASS", 0) else 8
+    their doubled bases overlay base and plane 3): the kernel's SCRATCH_GROUPS."""
+    per_group = 7 if format_version != 3 else 8
     return per_group * 2 * channels
 
 
@@ -529,7 +528,7 @@ def decode_attention(query: torch.Tensor, slot_pool: torch.Tensor, raw_pool: tor
     def fill(prm):
         prm.slots, prm.raw, prm.table = slot_pool.data_ptr(), raw_pool.data_ptr(), table.data_ptr()
         prm.kv_k, prm.kv_v, prm.base3, prm.base4 = tail_k.data_ptr(), tail_v.data_ptr(), base3.data_ptr(), base4.data_ptr()
-        prm.slot_bytes, prm.table_sb, prm.table_nb = layout.slot_bytes, table.stride(0), table.shape[1]
+        prm.slot_bytes, prm.table_sb = layout.slot_bytes, table.stride(0)
         prm.kv_sb, prm.kv_sh, prm.kv_ss = tail_k.stride(0), tail_k.stride(1), tail_k.stride(2)
         prm.planes_off, prm.tags_off, prm.esc_off = layout.planes_offset, layout.tags_offset, layout.escape_offset
         return (slot_pool, raw_pool, table, tail_k, tail_v, base3, base4)

@@ -142,20 +142,6 @@ def test_pdl_option():
     assert cfg.attrs[0].id == CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION and cfg.attrs[0].value[0] == 1
 
 
-def test_kv_prepass_plans_its_scratch():
-    """GAAC_KV_PREPASS=1 (format 3) gives the V slot's doubled bases scratch of their own: 2 more bytes per group in
-    every warp's shared memory (512 at head_dim 128), and the default 12 warps per SM still fit; formats 1 and the
-    twin are planned as before."""
-    kw = {"slot_bytes": 2944, "format_version": 3}
-    base = plan(1, 8, 4, 128, 65536, "cpu", **kw)
-    kv = plan(1, 8, 4, 128, 65536, "cpu", defines=("GAAC_KV_PREPASS=1",), **kw)
-    assert kv.warp_bytes - base.warp_bytes == 2 * 256 and kv.warps == base.warps == 12
-    assert "-DGAAC_KV_PREPASS=1" in kv.options
-    for other in ({"plain": True}, {"slot_bytes": 2944, "dense_slots": True}):
-        assert (plan(1, 8, 4, 128, 65536, "cpu", defines=("GAAC_KV_PREPASS=1",), **other).warp_bytes
-                == plan(1, 8, 4, 128, 65536, "cpu", **other).warp_bytes), other
-
-
 def test_process_defines_reach_every_plan(monkeypatch):
     """GAAC_HF_CUDA_DEFINES (read at import into PROCESS_DEFINES): kernel defines for every plan of the process —
     compressed KV and its twin, in CTAs of any size — before the plan's own `defines`; a define that is not
@@ -163,13 +149,13 @@ def test_process_defines_reach_every_plan(monkeypatch):
     import importlib
 
     da = importlib.import_module(plan.__module__)  # (the package's `decode_attention` is the function)
-    monkeypatch.setattr(da, "PROCESS_DEFINES", ("GAAC_LATE_Q=1", "GAAC_ENTRY_PTR=1"))
+    monkeypatch.setattr(da, "PROCESS_DEFINES", ("GAAC_STAGED_O=0", "GAAC_FAST_ISSUE=0"))
     for kw in ({"plain": True}, {"plain": True, "warps": 4}, {"slot_bytes": 2944, "format_version": 3},
-               {"slot_bytes": 2944, "format_version": 3, "defines": ("GAAC_SCAN_PRED=1",)}):
+               {"slot_bytes": 2944, "format_version": 3, "defines": ("GAAC_LANE_ENTRIES=1",)}):
         opts = plan(1, 8, 4, 128, 65536, "cpu", **kw).options
-        assert "-DGAAC_LATE_Q=1" in opts and "-DGAAC_ENTRY_PTR=1" in opts, kw
-    assert "-DGAAC_SCAN_PRED=1" in opts
-    for bad in (("LATE_Q=1",), ("GAAC_LATE_Q",), ("GAAC_X=1 -DFOO",)):
+        assert "-DGAAC_STAGED_O=0" in opts and "-DGAAC_FAST_ISSUE=0" in opts, kw
+    assert "-DGAAC_LANE_ENTRIES=1" in opts
+    for bad in (("STAGED_O=0",), ("GAAC_STAGED_O",), ("GAAC_X=1 -DFOO",)):
         monkeypatch.setattr(da, "PROCESS_DEFINES", bad)
         with pytest.raises(ValueError, match="NAME=VALUE"):
             plan(1, 8, 4, 128, 65536, "cpu", plain=True)
@@ -225,22 +211,7 @@ def test_plan_of_the_kernel_shapes():
                                     (64, 1, 2, "GAAC_WARPS=12", "GAAC_CTA_MERGE=1", "GAAC_FUSED_COMBINE=1"),
                                     (64, 1, 0, "GAAC_CTA_MERGE=1", "GAAC_FUSED_COMBINE=1"),
                                     (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_LANE_ENTRIES=1"),
-                                    (64, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_LANE_ENTRIES=1"),
-                                    (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_OV_UNIFORM=1",
-                                     "GAAC_ENTRY_PTR=1", "GAAC_SCAN_PRED=1", "GAAC_LATE_Q=1"),
-                                    (64, 1, 6, "GAAC_WARPS=12", "GAAC_OV_UNIFORM=1", "GAAC_ENTRY_PTR=1",
-                                     "GAAC_SCAN_PRED=1", "GAAC_LATE_Q=1"),
-                                    (128, 1, 3, "GAAC_ENTRY_PTR=1", "GAAC_LATE_Q=1"),
-                                    (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_SCAN_BALLOT=1",
-                                     "GAAC_KV_PREPASS=1", "GAAC_OV_UNIFORM=1", "GAAC_ENTRY_PTR=1", "GAAC_LATE_Q=1"),
-                                    (64, 1, 6, "GAAC_WARPS=12", "GAAC_SCAN_BALLOT=1", "GAAC_KV_PREPASS=1"),
-                                    (128, 1, 3, "GAAC_WARPS=12", "GAAC_SCAN_BALLOT=1"), (64, 1, 0, "GAAC_SCAN_BALLOT=1"),
-                                    (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_STRIDED=1", "GAAC_ENTRY_PTR=1",
-                                     "GAAC_LATE_Q=1", "GAAC_SCAN_BALLOT=1", "GAAC_KV_PREPASS=1", "GAAC_OV_UNIFORM=1"),
-                                    (128, 1, 1, "GAAC_WARPS=12", "GAAC_STRIDED=1"),
-                                    (64, 1, 6, "GAAC_WARPS=12", "GAAC_STRIDED=1", "GAAC_LANE_ENTRIES=1"),
-                                    (128, 1, 0, "GAAC_STRIDED=1", "GAAC_CTA_MERGE=1", "GAAC_FUSED_COMBINE=1"),
-                                    (128, 1, 2, "GAAC_WARPS=12", "GAAC_ENTRY_PTR=1", "GAAC_LATE_Q=1")])
+                                    (64, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_LANE_ENTRIES=1")])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     """The sm_90a build of every head_dim-64/128 variant, at the plan's register cap (12 warps per SM: 3 CTAs of 4
     warps, or one of 12), keeps its state in registers: no stack, no local memory."""
@@ -706,32 +677,6 @@ def _defines_equal_twin(case, *defines):
     for pc in _option_equals_twin(case, opt, {}, ((1, None), (5, None), (3, 4), (None, None))):
         assert all(f"-D{d}" in pc.options for d in defines)
     _format2_equals_twin(case, opt)
-
-
-@gpu
-@pytest.mark.parametrize("case", [GPU_CASES[1], GPU_CASES[3], GPU_CASES[8], GPU_CASES[9], GPU_CASES[10]],
-                         ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
-def test_session_26_trims_equal_the_twin(case):
-    """Kernel options prepared in session 26: GAAC_OV_UNIFORM (format 3: the raw groups' overlay built per owner
-    lane, every lane reading the group's plane bytes itself), GAAC_SCAN_PRED (the tag scan's adds guarded by the
-    shuffle's own predicate), GAAC_ENTRY_PTR (the table entries by a running pointer) and GAAC_LATE_Q (the query and
-    windows loaded after the first copies are issued): no bit changes — compressed KV equals its twin (which takes the
-    same options) at 1 split, 5, 3 x 4 warps and the default, with raw tiles, all-raw groups and padded rows, and on
-    format version 2 (where the overlay runs)."""
-    _defines_equal_twin(case, "GAAC_OV_UNIFORM=1", "GAAC_ENTRY_PTR=1", "GAAC_SCAN_PRED=1", "GAAC_LATE_Q=1")
-
-
-@gpu
-@pytest.mark.parametrize("case", [GPU_CASES[1], GPU_CASES[3], GPU_CASES[8], GPU_CASES[9], GPU_CASES[10]],
-                         ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
-def test_session_27_scan_prepass_and_strided_equal_the_twin(case):
-    """Kernel options prepared in session 27: GAAC_SCAN_BALLOT (the escape offsets by ballots of the counts' bit
-    slices, formats 1 and 3), GAAC_KV_PREPASS (format 3: the V slot's group words beside the K slot's, in scratch of
-    their own) and GAAC_STRIDED (split s takes units s, s + nsplit, ...; its first unit's table entries read before
-    the row's length, inside the table): no bit changes — compressed KV equals its twin (strided alike) at 1 split,
-    5, 3 x 4 warps and the default, with raw tiles, padded rows and rows shorter than the split count, and on format
-    version 2. (`warps_probe.py --set ov` checks each option alone against its twin at the benchmark shapes.)"""
-    _defines_equal_twin(case, "GAAC_SCAN_BALLOT=1", "GAAC_KV_PREPASS=1", "GAAC_STRIDED=1")
 
 
 @gpu

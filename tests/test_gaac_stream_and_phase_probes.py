@@ -147,9 +147,9 @@ def test_stream_probe_phases_from_stamps():
     assert sp.phase_cells(ph) == "3.0 / 4.0 | 2.7 | 30.0 / 42.0" and sp.phase_cells(None) == " | | "
 
 
-@pytest.mark.parametrize("probe_set, shapes", [("ov", (1, 4, 5, 2, 0, 3)), ("bounds", (4, 1)), ("w16", (3,))])
+@pytest.mark.parametrize("probe_set, shapes", [("bounds", (4, 1, 5, 2, 0, 3)), ("w16", (3,))])
 def test_prepared_probe_sets_plan_at_their_shapes(probe_set, shapes):
-    """Every variant of the device calls' probe sets (`next_h200.sh ov`, `bounds128`, ...) plans on each of their
+    """Every variant of the device calls' probe sets (`next_h200.sh bounds128`, ...) plans on each of their
     shapes as `probe_runner.run_probe` plans it on the H200 (its split count, the twin planned alike with the
     SPLIT_KEYS options, so the two split and merge alike), within one SM's shared memory: a bad option or a plan
     that does not fit fails here, not in device time."""

@@ -28,10 +28,10 @@
 #   `slotring` (prepared: the slot-sized ring with a third stage), then `rering` (its other shapes and ncu).
 #   Session 26: `slotring` (slower; its mode, set and kernel option removed since), `ncu26` (Nsight Compute at the
 #   aligned default), `s26` (IMAD base adds, lazy running max, 2-stage slot ring in 16 warps: removed since),
-#   `bounds` (prepass, scan and softmax bounds on the aligned ring). First next session: `ov` (prepared: the probe),
-#   `ovtests` (the GPU bit tests), then `ovstep` (the captured pair; DEFINES=... the options `ov` found faster).
-#   Session 27 (CPU only) added GAAC_SCAN_BALLOT, GAAC_KV_PREPASS and GAAC_STRIDED, and the static caches' crop test;
-#   `bounds128` (optional) times the loads-only and stripped builds at 1x128K.
+#   `bounds` (prepass, scan and softmax bounds on the aligned ring).
+#   Session 29 ran `ov` (the options prepared in sessions 26-27: GAAC_OV_UNIFORM became the default, the rest were
+#   removed, with the `ov`, `ovtests` and `ovstep` modes: commit 9ac4bdc has them), `ovtests` (the static caches'
+#   crop failed on transformers 5.17: fixed), `ovstep`, `bounds128` at all six shapes. `gputests` (new): every GPU test.
 #   `fence` (session 20: the warp-specialized kernel's race probe) was removed with that kernel in session 28.
 #   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
 #     common unit's copies issued by lane 0 alone, the default, against the general issue path). Session 19's
@@ -332,37 +332,17 @@ if [ "$MODE" = bounds ]; then  # session 26: the prepass / scan / softmax bounds
   timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/warps_probe.py --set bounds --real-kv .bench/real_kv_2k.safetensors \
     --shapes ${SHAPES:-1,2,3} --out "$OUT/warps_probe_bounds.json" 2>&1 | tee "$OUT/warps_probe_bounds.log" | tail -6
 fi
-if [ "$MODE" = ov ]; then  # prepared in sessions 26-27 (not yet run): the overlay per owner lane (GAAC_OV_UNIFORM),
-  # the scan's predicated adds (GAAC_SCAN_PRED), the table entries by a running pointer (GAAC_ENTRY_PTR), the query
-  # loaded after the first copies (GAAC_LATE_Q), the scan by ballots (GAAC_SCAN_BALLOT), the V prepass beside the K
-  # prepass (GAAC_KV_PREPASS) and strided splits (GAAC_STRIDED): the probe at six shapes, each variant's bits checked
-  # against its twin planned alike (then `ovtests`, then `ovstep` with the faster ones)
-  timeout ${PROBE_TIMEOUT:-480} python3 benchmarks/warps_probe.py --set ov --real-kv .bench/real_kv_2k.safetensors \
-    --shapes ${SHAPES:-1,4,5,2,0,3} --out "$OUT/warps_probe_ov.json" 2>&1 | tee "$OUT/warps_probe_ov.log" | tail -9
-  python3 benchmarks/probe_pick.py "$OUT/warps_probe_ov.json" --set ov 2>&1 | tee "$OUT/probe_pick_ov.txt" | tail -16
+if [ "$MODE" = gputests ]; then  # session 29: every GPU test of the kernel, the static caches and generate (each file
+  # on its own timeout; about 4 minutes in all on the H200)
+  timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q tests/test_gaac_cuda_ops.py 2>&1 | tail -3 | tee "$OUT/gpu_cuda_ops.log"
+  timeout ${STATIC_TIMEOUT:-200} python3 -m pytest -q tests/test_gaac_gpu_static_cache.py 2>&1 | tail -3 \
+    | tee "$OUT/gpu_static_cache.log"
+  timeout ${GEN_TIMEOUT:-200} python3 -m pytest -q tests/test_gaac_gpu_generate.py 2>&1 | tail -3 | tee "$OUT/gpu_generate.log"
 fi
-if [ "$MODE" = ovtests ]; then  # the GPU bit tests of the session-26/27 kernel options, then the static caches' crop
-  # under generate's own compile (prompt lookup, formats 1 and 2; session 27)
-  timeout ${TEST_TIMEOUT:-360} python3 -m pytest -q tests/test_gaac_cuda_ops.py -k "session_26_trims or session_27" \
-    2>&1 | tee "$OUT/gpu_tests_ov.log" | tail -3
-  timeout ${CROP_TIMEOUT:-180} python3 -m pytest -q tests/test_gaac_gpu_static_cache.py -k "prompt_lookup" 2>&1 \
-    | tee "$OUT/gpu_tests_crop.log" | tail -3
-fi
-if [ "$MODE" = bounds128 ]; then  # session 27 (optional, if device time is left): the bounds set at 1x128K and 1x64K
-  # (loads only, stripped) - what the copy pipeline alone reaches where the 1.35x target asks 4.21 TB/s (attention_cuda.md)
+if [ "$MODE" = bounds128 ]; then  # session 27; run in session 29 (SHAPES=4,1, then 5,2,0,3): the bounds set (loads
+  # only, stripped) - what the kernel reaches without its tile code where the targets ask 1.20-1.35x (attention_cuda.md)
   timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/warps_probe.py --set bounds --real-kv .bench/real_kv_2k.safetensors \
     --shapes ${SHAPES:-4,1} --out "$OUT/warps_probe_bounds128.json" 2>&1 | tee "$OUT/warps_probe_bounds128.log" | tail -5
-fi
-if [ "$MODE" = ovstep ]; then  # the captured pair at the defaults, then with DEFINES (the options the `ov`
-  # probe found faster, e.g. DEFINES=GAAC_OV_UNIFORM=1,GAAC_SCAN_BALLOT=1,GAAC_KV_PREPASS=1) in every plan of the
-  # process (GAAC and twin alike)
-  timeout ${GEN_TIMEOUT:-240} python3 benchmarks/generate.py --contexts ${CONTEXTS:-65536 131072} \
-    --steps 10 --warmup 3 --eager-steps 3 --reps 10 --variants captured captured-twin --skip-module-guards \
-    --out "$OUT/generate_ov.json" 2>&1 | grep -v "it/s\]" | tee "$OUT/generate_ov.log" | grep -E "ms/step|lossless|\| " | tail -8
-  GAAC_HF_CUDA_DEFINES="${DEFINES:-GAAC_OV_UNIFORM=1,GAAC_SCAN_BALLOT=1,GAAC_KV_PREPASS=1,GAAC_ENTRY_PTR=1,GAAC_LATE_Q=1,GAAC_STRIDED=1}" \
-    timeout ${GEN2_TIMEOUT:-200} python3 benchmarks/generate.py --contexts ${CONTEXTS2:-65536 131072} \
-    --steps 10 --warmup 3 --eager-steps 3 --reps 10 --variants captured captured-twin --skip-module-guards \
-    --out "$OUT/generate_ov_defines.json" 2>&1 | grep -v "it/s\]" | grep -E "ms/step|lossless|\| " | tail -8
 fi
 if [ "$MODE" = issue ]; then  # session 20: the common unit's copy issue by lane 0 alone (GAAC_FAST_ISSUE, default)
   # against the general path; the GPU bit tests of the CUDA kernel first

@@ -74,7 +74,6 @@
 // barriers, each re-issued as soon as its tile is read (measured faster for the twin, slower for compressed KV:
 // benchmarks/results/attention_cuda.md, sessions 7 and 24).
 #define SPLITBAR GAAC_PLAIN
-#define STRIDED GAAC_STRIDED
 // Per-warp header: stage barriers and slot bits, then the ring. 128 bytes, so every bulk copy lands on a 128-byte
 // aligned shared-memory destination: the compressed kernel's 64-byte header put them 64 bytes off and cost a quarter
 // of the copy pipeline's rate (1x64K, the copies alone: 56.2 -> 46.9 us; benchmarks/frame_probe.py, session 25).
@@ -87,27 +86,6 @@
 #define GAAC_LANE_ENTRIES 0  // entries held by the lanes, lane i those of unit 32 c + i of the current chunk c of 32
 #endif                       // units (and of the next, loaded 32 units ahead), read by shuffles (1); or one global
 #define LANE_ENTRIES (GAAC_LANE_ENTRIES && !GAAC_PLAIN && TILES == 1 && !SPLITBAR)  // load per unit, one ahead (0)
-#ifndef GAAC_SCAN_PRED  // (session 26, prepared) the tag scan's adds guarded by the shuffle's valid-lane predicate (1)
-#define GAAC_SCAN_PRED 0  // or by a lane compare and select (0); the same sums
-#endif
-#ifndef GAAC_ENTRY_PTR  // (session 26) the one-warp kernel's table entries by a running pointer (1) or by the row's address
-#define GAAC_ENTRY_PTR 0  // computed per unit (0); the same entries (1: prepared in session 26, not yet run on a GPU)
-#endif
-#ifndef GAAC_LATE_Q  // (session 26, prepared) the one-warp kernel loads the query and the windows after issuing its
-#define GAAC_LATE_Q 0   // first units' copies (1: the copies' proxy fence, a MEMBAR, then waits for the table entries
-#endif                  // alone) or before them (0); the same values
-#ifndef GAAC_OV_UNIFORM  // the overlay's loop over raw groups: per owner lane, plane bytes read by every lane (1; default
-#define GAAC_OV_UNIFORM 1  // since session 29: 1-3% faster at four of six shapes, ~0.7% slower at 1x128K), or per group
-#endif                     // with the owner's bytes and index shuffled (0)
-#ifndef GAAC_SCAN_BALLOT  // (session 27, prepared) the tag scan by bit slices: each bit of the lanes' counts balloted and
-#define GAAC_SCAN_BALLOT 0  // counted below the lane by one popc (1: no shuffle chain), or by five shuffle steps (0)
-#endif
-#ifndef GAAC_KV_PREPASS  // (session 27, prepared) format 3, one tile per head: the V slot's prepass (all but its overlay)
-#define GAAC_KV_PREPASS 0  // beside the K slot's before the K tile, into scratch of its own (1: two independent chains
-#endif                     // to interleave; 10 scratch bytes per group), or before the V tile (0)
-#ifndef GAAC_STRIDED  // (session 27, prepared) the one-warp kernel's split s takes units s, s + nsplit, s + 2 nsplit, ...
-#define GAAC_STRIDED 0  // (1: its first unit is known before the row's length, so that unit's table entries load
-#endif                  // beside kv_len at the start, one round trip less) or a contiguous range (0)
 #ifndef VT_WORDS  // V words decoded per vector load in v_tile (all NVW at once, or halves)
 #define VT_WORDS NVW
 #endif
@@ -161,7 +139,8 @@ struct Params {
   i64 kv_sb, kv_sh, kv_ss;  // strides of kv_k / kv_v in elements
   i64 mask_sb;
   int batch, heads, rep, nsplit;
-  int table_nb;        // compressed KV: the table's block capacity (GAAC_STRIDED's early entries stay inside it)
+  int spare1;          // unused (the table's block capacity for the strided splits of session 27, measured slower
+                       // and removed in session 29): it keeps the offsets of the fields after it
   int buf_bytes;       // bytes of one tile buffer in the ring
   int warp_bytes;      // shared memory per warp
   int planes_off, tags_off, esc_off;  // slot layout (format.py)
@@ -329,10 +308,7 @@ struct Scratch {  // per-warp dense group data of the slot being read
   u8* p3eo;       // [2G] after the overlay
   u8* ov;         // format 3: [4G] code bits 3..6 of raw elements in fragment order (f3_overlay), over planes 4..7
 };
-#define KV_PREPASS (GAAC_KV_PREPASS && GAAC_FORMAT == 3 && TILES == 1 && !GAAC_PLAIN)
-#if GAAC_FORMAT == 3 && KV_PREPASS
-#define SCRATCH_GROUPS 10  // K's base and plane 3, the overlay, V's p3eo and base2 (base2 apart: both prepasses first)
-#elif GAAC_FORMAT == 3
+#if GAAC_FORMAT == 3
 #define SCRATCH_GROUPS 8  // base, plane 3, the overlay (4 bits per element), p3eo
 #if !GAAC_DENSE_SLOT
 #error "GAAC_FORMAT 3 (fragment-order slots) is staged as stored: GAAC_DENSE_SLOT=1"
@@ -344,7 +320,7 @@ __device__ __forceinline__ void scratch_at(Scratch& s, u8* at) {
   s.base = at;
   s.planes = s.base + G;
   s.raw = s.planes + 5 * G;
-  s.base2 = KV_PREPASS ? s.base + 8 * G : s.base;
+  s.base2 = s.base;
   s.ov = s.planes + G;
   s.p3eo = GAAC_FORMAT == 3 ? s.ov + 4 * G : s.raw + G;
 }
@@ -371,37 +347,16 @@ __device__ __forceinline__ void load_tags(const Params& p, const u8* slot, int l
 __device__ __forceinline__ void scan_tags(LaneTags& k, LaneTags& v, int lane) {
   constexpr u32 RAW_BYTES = GAAC_FORMAT == 3 ? 0u : 4u;  // bytes a raw group adds to the lane's plane-3 run
   const u32 ck = __popc(k.wb) + RAW_BYTES * __popc(k.rb), cv = __popc(v.wb) + RAW_BYTES * __popc(v.rb);
-#if GAAC_SCAN_BALLOT
-  // exclusive sums by bit slices: sum over bits j of 2^j x (lanes below with bit j of their count set); counts are at
-  // most 8 (format 3) or 8 + 4 x 8 (format 1), so 4 or 6 slices
-  constexpr int SLICES = GAAC_FORMAT == 3 ? 4 : 6;
-  u32 below;
-  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(below));
-  u32 ek = 0, ev = 0;
-#pragma unroll
-  for (int j = 0; j < SLICES; ++j) {
-    ek += (u32)__popc(__ballot_sync(0xffffffffu, (ck & (1u << j)) != 0) & below) << j;
-    ev += (u32)__popc(__ballot_sync(0xffffffffu, (cv & (1u << j)) != 0) & below) << j;
-  }
-  k.off = ek;
-  v.off = ev;
-#else
   const u32 cnt = ck | (cv << 16);
   u32 incl = cnt;
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
-#if GAAC_SCAN_PRED  // the shuffle's own valid-lane predicate guards the add (no compare and select per step)
-    asm volatile("{\n .reg .pred p;\n .reg .b32 r;\n shfl.sync.up.b32 r|p, %0, %1, 0, 0xffffffff;\n"
-                 " @p add.u32 %0, %0, r;\n}" : "+r"(incl) : "r"(d));
-#else
     const u32 x = __shfl_up_sync(0xffffffffu, incl, d);
     if (lane >= d) incl += x;
-#endif
   }
   const u32 excl = incl - cnt;
   k.off = excl & 0xFFFF;
   v.off = excl >> 16;
-#endif
   k.any_raw = __any_sync(0xffffffffu, k.rb != 0);
   v.any_raw = __any_sync(0xffffffffu, v.rb != 0);
 }
@@ -430,16 +385,15 @@ __device__ __forceinline__ void plane3_window(const Params& p, const u8* esc, u3
 
 #define F3_OVERLAY (GAAC_FORMAT == 3)
 // Raw group gi with plane bytes e4 (planes 4..7) into the overlay: lanes 0..7 OR in token 8 h + b = lane of channel
-// ch (bit b of each plane byte, gathered into bits 0..3). I: the type of the index math (unsigned: the divisions are
-// shifts; int: the code before session 26).
-template <bool IS_V, typename I>
+// ch (bit b of each plane byte, gathered into bits 0..3); unsigned index math (the divisions are shifts).
+template <bool IS_V>
 __device__ __forceinline__ void f3_scatter(const Scratch& s, int lane, u32 gi, u32 e4) {
   if (lane < 8) {
-    const I b = lane, h = gi / C, ch = gi % C, w = ch >> 2;
+    const u32 b = lane, h = gi / C, ch = gi % C, w = ch >> 2;
     const u32 nib = ((((e4 >> b) & 0x01010101u) * 0x00204081u) >> 21) & 0xFu;
-    I at, e;
+    u32 at, e;
     if (IS_V) {  // channels 4w + 2k2 + (e >> 1) x tokens 8h + 2t + (e & 1), w = g NVW + j
-      const I j = w % NVW, k2 = (ch >> 1) & 1;
+      const u32 j = w % NVW, k2 = (ch >> 1) & 1;
       at = ((j / 2) * 32 + 4 * (w / NVW) + b / 2) * 16 + 4 * (2 * (j % 2) + k2);
       e = 2 * (ch & 1) + (b & 1);
     } else {  // channels 4w .. 4w + 3 of token 8h + g, w = t NKS + 4 s4 + i
@@ -456,8 +410,10 @@ __device__ __forceinline__ void f3_scatter(const Scratch& s, int lane, u32 gi, u
 // i: A = word (s4, h = 0, i), B = (s4, h = 1, i); V chunk j / 2, word 2 (j % 2) + k: A = (j, h = 0, k), B = (j, h = 1,
 // k). The tile takes A as x & M and B as rotr(x, 4) & M (M = 0x78787878) and adds it with the group base (disjoint
 // bits: a raw group's base is 0, every other group's overlay bits are 0). Only in tiles with a raw group: the lanes
-// zero their own words, then the warp takes the raw groups one at a time (their owner lane broadcasts the group and
-// its 4 plane bytes) and lanes 0..7 OR in token b = lane (atomically: two V tokens, or two groups, share a word).
+// zero their own words, then the warp takes the owner lanes of raw groups one at a time (one shuffle brings the
+// owner's raw bits; the escape offset is warp-uniform, so every lane reads a group's 4 plane bytes itself) and lanes
+// 0..7 OR in token b = lane (atomically: two V tokens, or two groups, share a word). (Until session 29 the owner
+// broadcast each group and its bytes by two shuffles: 1-3% slower on the H200, warps_probe_ov_s29*.json.)
 // The 4 plane bytes of the r-th raw group (in group order, which is the loop's order) are escape bytes
 // n_wide + 4r .. + 3: every wide group's plane-3 byte comes first (format version 2's escape order).
 template <bool IS_V>
@@ -466,7 +422,6 @@ __device__ __forceinline__ void f3_overlay(const u8* esc, int esc_max, const Scr
   for (int x = 0; x < C / 64; ++x) *reinterpret_cast<uint4*>(s.ov + (x * 32 + lane) * 16) = make_uint4(0, 0, 0, 0);
   __syncwarp();
   int o = __shfl_sync(0xffffffffu, lt.off + __popc(lt.wb), 31);  // the tile's plane-3 bytes: where planes 4..7 start
-#if GAAC_OV_UNIFORM
   // the owner lanes of raw groups one at a time (one shuffle brings the owner's raw bits), their groups in order; the
   // escape offset is warp-uniform, so every lane reads the group's 4 plane bytes itself (two aligned words)
 #pragma unroll 1
@@ -476,25 +431,9 @@ __device__ __forceinline__ void f3_overlay(const u8* esc, int esc_max, const Scr
     for (u32 srb = __shfl_sync(0xffffffffu, lt.rb, src); srb; srb &= srb - 1, o += 4) {
       const int oc = min(o, esc_max);
       const u32* wp = reinterpret_cast<const u32*>(esc + (oc & ~3));
-      f3_scatter<IS_V, u32>(s, lane, src * GPL + __ffs(srb) - 1, __funnelshift_r(wp[0], wp[1], 8 * (oc & 3)));
+      f3_scatter<IS_V>(s, lane, src * GPL + __ffs(srb) - 1, __funnelshift_r(wp[0], wp[1], 8 * (oc & 3)));
     }
   }
-#else
-  u32 rem = lt.rb;
-#pragma unroll 1
-  for (u32 who = __ballot_sync(0xffffffffu, rem != 0); who; who = __ballot_sync(0xffffffffu, rem != 0), o += 4) {
-    const int src = __ffs(who) - 1;
-    u32 gi = 0, e4 = 0;
-    if (lane == src) {
-      const int k = __ffs(rem) - 1;
-      const int oc = min(o, esc_max);
-      e4 = esc[oc] | (u32)esc[oc + 1] << 8 | (u32)esc[oc + 2] << 16 | (u32)esc[oc + 3] << 24;  // planes 4..7
-      gi = lane * GPL + k;
-      rem &= rem - 1;
-    }
-    f3_scatter<IS_V, int>(s, lane, __shfl_sync(0xffffffffu, gi, src), __shfl_sync(0xffffffffu, e4, src));
-  }
-#endif
 }
 __device__ __forceinline__ u32 f3_ov(u32 x, int h) { return (h ? __funnelshift_r(x, x, 4) : x) & 0x78787878u; }
 
@@ -564,26 +503,6 @@ __device__ __forceinline__ void prepass(const Params& p, const u8* slot, const S
   }
 }
 
-#if KV_PREPASS
-// GAAC_KV_PREPASS: the unit's K and V slots (HK, HV: which are slots) in one pass, the escape windows loaded first,
-// then the group words of both, so the two independent chains can interleave; the overlays stay with their tiles
-// (they share one region of the scratch: kv_overlay).
-template <bool HK, bool HV>
-__device__ __forceinline__ void prepass_kv(const Params& p, const u8* kslot, const u8* vslot, const Scratch& s,
-                                           const u32 (&b3)[2][TILES][GPL / 4], const u32 (&b4)[2][TILES][GPL / 4],
-                                           int lane, const LaneTags& tk, const LaneTags& tv) {
-  u32 kp3[GPL / 4], vp3[GPL / 4];
-  if (HK) plane3_window(p, kslot + SECTION_SHIFT + ESC_OFF, tk.wb, tk.off, kp3);
-  if (HV) plane3_window(p, vslot + SECTION_SHIFT + ESC_OFF, tv.wb, tv.off, vp3);
-  if (HK) group_words<false>(s, kp3, b3[0][0], b4[0][0], lane, tk);
-  if (HV) group_words<true>(s, vp3, b3[1][0], b4[1][0], lane, tv);
-}
-template <bool IS_V>
-__device__ __forceinline__ void kv_overlay(const Params& p, const u8* slot, const Scratch& s, int lane,
-                                           const LaneTags& lt) {
-  if (lt.any_raw) f3_overlay<IS_V>(slot + SECTION_SHIFT + ESC_OFF, BUF_BYTES - SECTION_SHIFT - ESC_OFF - 4, s, lane, lt);
-}
-#endif
 
 // N consecutive 32-bit words from shared memory in one vector load (the caller guarantees 4N-byte alignment).
 template <int N>
@@ -1302,36 +1221,18 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 
   const int* trow = p.table + (i64)b * p.table_sb;
   const int tstride = 2 * p.heads * TILES;
-#if STRIDED && !GAAC_PLAIN && !LANE_ENTRIES
-  // the split's first unit is `split` whatever the length: its table entries load beside kv_len (inside the table;
-  // used only if the unit turns out to be a finalized block of the row)
-  int early[2][TILES];
-#pragma unroll
-  for (int kv = 0; kv < 2; ++kv)
-#pragma unroll
-    for (int T = 0; T < TILES; ++T)
-      early[kv][T] = split < p.table_nb ? trow[(i64)split * tstride + (kv * p.heads + hk) * TILES + T] : 0;
-#endif
   const int len = p.kv_len[b];
   const int nb = len >> 4, tl = len & 15;
   const int units = nb + (tl > 0 ? 1 : 0);
-#if STRIDED
-  // the split's units strided: split, split + nsplit, ... (n of them)
-  const int u0 = split, us = p.nsplit;
-  const int n = units > split ? (units - 1 - split) / p.nsplit + 1 : 0;
-#else
   // the split's units: a contiguous range of ceil(units / nsplit), u0 .. u0 + n - 1
   const int per = (units + p.nsplit - 1) / p.nsplit;
   const int u0 = min(units, split * per), n = min(units, u0 + per) - u0;
   constexpr int us = 1;
-#endif
 
   u32 qb[TILES][NKS][2];
   u32 b3[2][TILES][GPL / 4], b4[2][TILES][GPL / 4];
-#if !GAAC_LATE_Q
   load_query(p, b, hk, g, t, qb);
   load_bases(p, hk, lane, b3, b4);
-#endif
 
   // the lane's first sign+mantissa chunk in a slot's buffer (issue_kv's 16-byte copies)
   const u32 sm_lane = (lane / (C / 16)) * SM_ROW + 16 * (lane % (C / 16));
@@ -1348,11 +1249,9 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   // slot bits of each stage (SPLITBAR: K's, then V's); the barriers of stage st: bars + 8 st, and with
   // SPLITBAR K's at bars + 8 st, V's at bars + 8 (STAGES + st)
   volatile u32* kinds = reinterpret_cast<volatile u32*>(ws + 8 * (SPLITBAR ? 2 : 1) * GAAC_STAGES);
-#if LANE_ENTRIES || !GAAC_ENTRY_PTR
   auto entry = [&](int u, int kv, int T) -> int {
     return (GAAC_PLAIN || u >= nb) ? 0 : trow[(i64)u * tstride + (kv * p.heads + hk) * TILES + T];
   };
-#endif
   // kind of a tile: 1 = slot, 0 = BF16 rows (raw tile, plain block, tail)
   // Stage copies of unit u into ring stage st. A slot: its sign+mantissa rows by 16-byte cp.async into rows padded
   // to C + 16 bytes (conflict-free fragment loads), its group section (planes, tags, escapes) by one bulk copy. A
@@ -1499,18 +1398,6 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     e[0][0] = __shfl_sync(~0u, cur_k, j & 31);
     e[1][0] = __shfl_sync(~0u, cur_v, j & 31);
   };
-#elif GAAC_ENTRY_PTR
-  // called for j = 0, 1, 2, ... in order (the one-warp loop and its prologue): a running pointer to unit u0 + j's row
-  // of the table instead of the row's 64-bit address computed per call
-  const int* erow = trow + (i64)u0 * tstride + hk * TILES;
-  auto load_entries = [&](int j, int (&e)[2][TILES]) {  // of the split's j-th unit
-    const bool in = !GAAC_PLAIN && j < n && u0 + j * us < nb;
-#pragma unroll
-    for (int kv = 0; kv < 2; ++kv)
-#pragma unroll
-      for (int T = 0; T < TILES; ++T) e[kv][T] = in ? erow[kv * p.heads * TILES + T] : 0;
-    erow += (i64)us * tstride;
-  };
 #else
   auto load_entries = [&](int j, int (&e)[2][TILES]) {  // of the split's j-th unit
 #pragma unroll
@@ -1520,21 +1407,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   };
 #endif
   int ent[2][TILES];
-#if STRIDED && !GAAC_PLAIN && !LANE_ENTRIES
-  if (u0 < p.table_nb) {  // the first unit's entries, read at the start
-#pragma unroll
-    for (int kv = 0; kv < 2; ++kv)
-#pragma unroll
-      for (int T = 0; T < TILES; ++T) ent[kv][T] = n > 0 && u0 < nb ? early[kv][T] : 0;
-#if GAAC_ENTRY_PTR
-    erow += (i64)us * tstride;
-#endif
-  } else {
-    load_entries(0, ent);  // (a table the launcher did not size)
-  }
-#else
   load_entries(0, ent);
-#endif
 #if SPLITBAR
   // stage st's V half re-issued with the split's unit j + STAGES (its last reader is done)
   auto reissue_v = [&](int j, int st) {
@@ -1581,12 +1454,6 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     }
     if (j < 0) continue;
 #endif
-#if GAAC_LATE_Q
-    if (j == 0) {  // after the first copies' issue, so their proxy fences do not wait for these loads
-      load_query(p, b, hk, g, t, qb);
-      load_bases(p, hk, lane, b3, b4);
-    }
-#endif
     const int u = u0 + j * us;
     const int st = j % GAAC_STAGES;
     if (!GAAC_PLAIN && !LANE_ENTRIES && lane == 0 && u + 8 * us < nb)
@@ -1618,14 +1485,6 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     }
 
     const bool pre = !(GAAC_SKIP & 16) && (!(GAAC_SKIP & 64) || j == 0);  // (breakdown options leave it out)
-#if KV_PREPASS
-    if (DECODE && pre && !(GAAC_SKIP & 128)) {  // both slots' group words first (then each tile's overlay)
-      const u8* kb = ring + st * 2 * BUF_BYTES;
-      if ((slots_here & 3) == 3) prepass_kv<true, true>(p, kb, kb + BUF_BYTES, scr, b3, b4, lane, tk[0], tv[0]);
-      else if (slots_here & 1) prepass_kv<true, false>(p, kb, kb + BUF_BYTES, scr, b3, b4, lane, tk[0], tv[0]);
-      else if (slots_here & 2) prepass_kv<false, true>(p, kb, kb + BUF_BYTES, scr, b3, b4, lane, tk[0], tv[0]);
-    }
-#endif
 
     // S^T (even, odd k-slices): tokens g, g + 8 x heads 2t, 2t + 1
     float sc2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -1635,11 +1494,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       if (GAAC_SKIP & 128) {  // (breakdown) one word of the tile read, as the copy-pipeline probe reads
         sc2[0][0] = __uint_as_float(lds(buf + 4 * lane) & 0x3f000000u);
       } else if (DECODE && ((slots_here >> T) & 1)) {
-#if KV_PREPASS
-        if (pre) kv_overlay<false>(p, buf, scr, lane, tk[T]);
-#else
         if (pre) prepass(p, buf, scr, b3[0][T], b4[0][T], lane, tk[T]);
-#endif
         __syncwarp();
         k_tile<4>(p, buf, scr, g, t, qb[T], sc2, tk[T].any_raw, sw);
         __syncwarp();
@@ -1665,11 +1520,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       if (GAAC_SKIP & 128) {
         o[T][0][0] += __uint_as_float((lds(buf + 4 * lane) ^ pb[0]) & 0x3f000000u);
       } else if (DECODE && ((slots_here >> (TILES + T)) & 1)) {
-#if KV_PREPASS
-        if (pre) kv_overlay<true>(p, buf, scr, lane, tv[T]);
-#else
         if (pre) prepass<true>(p, buf, scr, b3[1][T], b4[1][T], lane, tv[T]);
-#endif
         __syncwarp();
         v_tile<4>(p, buf, scr, g, t, pb, o[T], tv[T].any_raw, sw);
         __syncwarp();
