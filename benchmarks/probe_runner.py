@@ -44,6 +44,13 @@ def finish_by_rank(tr: torch.Tensor, pl, hkv: int, tokens: int | None = None) ->
         rank[on] = torch.searchsorted(cta[on].unique(), cta[on])
     out = {"done_max_us": round(float(done[live].max()), 2), "done_p50_us": round(float(done[live].median()), 2),
            "by_cta_rank": grouped(done[live], rank[live])}
+    # how much a perfect dynamic balance could take off the finish (the splits start together, so their work ends at
+    # the mean finish if shared out evenly), and whether the late splits cluster by KV head (content: raw tiles,
+    # escapes) or not (pace)
+    out["done_p10_us"], out["done_p90_us"] = (round(float(done[live].quantile(f)), 2) for f in (0.1, 0.9))
+    out["done_mean_us"] = round(float(done[live].mean()), 2)
+    out["balance_bound_us"] = round(out["done_max_us"] - out["done_mean_us"], 2)
+    out["by_kv_head"] = grouped(done[live], ((w // pl.nsplit) % hkv)[live])
     if pl.warps > 4:
         out["by_warp_group"] = grouped(done[live], (warp // 4)[live])
     # the phases of a split (µs after the first entry): entry, first unit ready, done; the streaming part per unit

@@ -76,7 +76,13 @@ def test_split_phases_from_stamps():
     st[-1, 1:3] = -(2 ** 62)  # a split that did not run
     tr[:4 * items] = st.flatten()
     tr[4 * items:] = 60000
-    ph = finish_by_rank(tr, pl, 8, 65536)["phases"]
+    fin = finish_by_rank(tr, pl, 8, 65536)
+    ph = fin["phases"]
+    # done: 54.0-56.2 µs after the first entry (entries 0-0.2 µs after it, odd items 2 µs longer): mean ~55.1; every
+    # KV head's splits alike (each head's 198 items hold both parities)
+    assert fin["done_max_us"] == 56.2 and abs(fin["done_mean_us"] - 55.1) < 0.02
+    assert fin["balance_bound_us"] == round(56.2 - fin["done_mean_us"], 2) and fin["done_p10_us"] <= fin["done_p90_us"]
+    assert sorted(fin["by_kv_head"]) == list(range(8)) and sum(c for _, _, c in fin["by_kv_head"].values()) == items - 1
     assert ph["entry_max_us"] == 0.2 and ph["first_ready_p50_us"] == 4.0
     assert ph["stream_p50_us"] in (50.0, 52.0) and ph["stream_max_us"] == 52.0
     assert ph["stream_us_per_unit_p50"] == round(ph["stream_p50_us"] / (4096 / 198 - 1), 3)
