@@ -10,13 +10,16 @@ of each (layer, K|V, kv-head, channel) stream and measured on the second half (h
   group, five per raw group; format version 2's even windows), the codec's bits without the slot capacity;
 - `gaac_group_windows`: the same code with the windows chosen for whole groups (the 3-bit window holding the most
   groups of 8, then the 4-bit one holding the most of the rest) instead of for values, as the calibration does;
-- `gaac_2bit_mode`: the format as it is plus a fourth, 2-bit mode (the tag pattern the format leaves invalid) with its own
-  per-channel window of 4 exponents: the most any fixed-width mode added to this code saves;
+- `gaac_2bit_mode`: the format as it is plus a fourth, 2-bit mode (the tag pattern the format leaves invalid) with
+  its own per-channel window of 4 exponents (the one holding the most whole groups);
 - `static_entropy`: a per-channel table of exponent frequencies (an ideal entropy coder, Huffman / ANS, one table per
   channel; an exponent the table never saw costs an escape and 8 bits) — a bound of every code that codes each
   exponent on its own with per-channel statistics, whatever its decoding speed;
 - `context_entropy`: the same given the previous token's exponent in the channel (counts per (previous, exponent),
   backed off to the channel's table): what a sequential context model could reach.
+
+For the fixed-width codes it also gives the resident bytes per tile with the escape capacity chosen as the caches
+choose it (`resident_bytes`), at the model's head_dim and in heads twice as wide (the kernel benchmarks' 128).
 
     python benchmarks/exponent_code_bounds.py --real-kv .bench/real_kv_2k.safetensors \\
         --out benchmarks/results/exponent_code_bounds.json
