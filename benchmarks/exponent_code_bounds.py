@@ -237,8 +237,9 @@ def main():
         for name, r in st["rows"].items():
             modes = " / ".join(f"{100 * r['modes'][m]:.2f}" for m in ("2bit", "3bit", "4bit", "raw")) \
                 if "modes" in r else ""
+            by_dim = r.get("resident_by_head_dim", {}).values()
             resident = "; ".join(f"{x['bytes_per_tile']:.1f} ({x['capacity']}, {100 * x['raw_tile_share']:.2f}%, "
-                                 f"{100 * (x['vs_gaac'] - 1):+.2f}%)" for x in r.get("resident_by_head_dim", {}).values())
+                                 f"{100 * (x['vs_gaac'] - 1):+.2f}%)" for x in by_dim)
             print(f"| {where} | {name} | {r['exponent_bits']:.3f} | {r['bits_per_element']:.3f} | "
                   f"{r['bytes_vs_gaac']:.4f} | {modes} | {resident} |")
     res["command"] = " ".join(["python", "benchmarks/exponent_code_bounds.py", *sys.argv[1:]])
