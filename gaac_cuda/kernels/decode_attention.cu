@@ -1227,7 +1227,6 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   // the split's units: a contiguous range of ceil(units / nsplit), u0 .. u0 + n - 1
   const int per = (units + p.nsplit - 1) / p.nsplit;
   const int u0 = min(units, split * per), n = min(units, u0 + per) - u0;
-  constexpr int us = 1;
 
   u32 qb[TILES][NKS][2];
   u32 b3[2][TILES][GPL / 4], b4[2][TILES][GPL / 4];
@@ -1384,8 +1383,8 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   // and loads the chunk after it, so each chunk's loads have 32 units to land
   auto chunk_entries = [&](int c, int& ek, int& ev) {
     const int jc = 32 * c + lane;
-    ek = jc < n ? entry(u0 + jc * us, 0, 0) : 0;
-    ev = jc < n ? entry(u0 + jc * us, 1, 0) : 0;
+    ek = jc < n ? entry(u0 + jc, 0, 0) : 0;
+    ev = jc < n ? entry(u0 + jc, 1, 0) : 0;
   };
   int cur_k, cur_v, nxt_k, nxt_v;
   chunk_entries(0, cur_k, cur_v);
@@ -1403,7 +1402,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #pragma unroll
     for (int kv = 0; kv < 2; ++kv)
 #pragma unroll
-      for (int T = 0; T < TILES; ++T) e[kv][T] = j < n ? entry(u0 + j * us, kv, T) : 0;
+      for (int T = 0; T < TILES; ++T) e[kv][T] = j < n ? entry(u0 + j, kv, T) : 0;
   };
 #endif
   int ent[2][TILES];
@@ -1412,7 +1411,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   // stage st's V half re-issued with the split's unit j + STAGES (its last reader is done)
   auto reissue_v = [&](int j, int st) {
     if (j + GAAC_STAGES < n) {
-      issue_half(u0 + (j + GAAC_STAGES) * us, st, ent, 1);
+      issue_half(u0 + (j + GAAC_STAGES), st, ent, 1);
       load_entries(j + GAAC_STAGES + 1, ent);
     }
   };
@@ -1427,7 +1426,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   // the mask bytes of the units in the ring, oldest first, loaded as their copies are issued (padding masks only)
   UnitMask mq[GAAC_STAGES];
   auto queue_mask = [&](int i, int j) {  // mq[i] = the mask bytes of the split's j-th unit
-    if (mrow) mq[i] = unit_mask(mrow, u0 + j * us, g, u0 + j * us >= nb ? tl : 16);
+    if (mrow) mq[i] = unit_mask(mrow, u0 + j, g, u0 + j >= nb ? tl : 16);
   };
 #pragma unroll
   for (int i = 0; i < GAAC_STAGES; ++i) mq[i] = {1u, 1u};
@@ -1435,8 +1434,8 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #pragma unroll
   for (int i = 0; i < GAAC_STAGES; ++i) {
     if (i < n) {
-      issue_half(u0 + i * us, i, ent, 0);
-      issue_half(u0 + i * us, i, ent, 1);
+      issue_half(u0 + i, i, ent, 0);
+      issue_half(u0 + i, i, ent, 1);
       load_entries(i + 1, ent);
       queue_mask(i, i);
     }
@@ -1448,16 +1447,16 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #pragma unroll
     for (int i = 0; i + 1 < GAAC_STAGES; ++i) mq[i] = mq[i + 1];
     if (next < n) {
-      issue(u0 + next * us, next % GAAC_STAGES, ent);
+      issue(u0 + next, next % GAAC_STAGES, ent);
       load_entries(next + 1, ent);
       queue_mask(GAAC_STAGES - 1, next);
     }
     if (j < 0) continue;
 #endif
-    const int u = u0 + j * us;
+    const int u = u0 + j;
     const int st = j % GAAC_STAGES;
-    if (!GAAC_PLAIN && !LANE_ENTRIES && lane == 0 && u + 8 * us < nb)
-      asm volatile("prefetch.global.L1 [%0];" ::"l"(trow + (i64)(u + 8 * us) * tstride));
+    if (!GAAC_PLAIN && !LANE_ENTRIES && lane == 0 && u + 8 < nb)
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(trow + (i64)(u + 8) * tstride));
     mbar_wait(bars + 8 * st, (phases >> st) & 1);
 #if SPLITBAR
     mbar_wait(bars + 8 * (GAAC_STAGES + st), (phases >> st) & 1);
@@ -1504,7 +1503,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     }
 #if SPLITBAR
     __syncwarp();  // every lane has read the stage's K tiles
-    if (j + GAAC_STAGES < n) issue_half(u0 + (j + GAAC_STAGES) * us, st, ent, 0);
+    if (j + GAAC_STAGES < n) issue_half(u0 + (j + GAAC_STAGES), st, ent, 0);
 #endif
     // online softmax (base 2) of heads 2t, 2t+1 over the 16 tokens, then the output rescaled if the max moved
     u32 pb[2] = {__float_as_uint(sc2[0][0]), 0u};
