@@ -142,25 +142,18 @@ def _table(counts: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return -torch.log2(p) + torch.where(seen, 0.0, 8.0)
 
 
-def static_entropy_bits(cal: torch.Tensor, test: torch.Tensor) -> float:
-    """Per-channel table from `cal`, bits per element on `test` (exponents `[L, 2, H, T, D]`)."""
-    counts = exponent_histogram_of(cal).double()  # [S, D, 256]
-    return _table(counts, _streams(test).long()).mean().item()
+def static_entropy_bits(chan: torch.Tensor, test: torch.Tensor) -> float:
+    """Bits per element on `test` (exponents `[L, 2, H, T, D]`) of the per-channel tables `chan` `[S, D, 256]` (the
+    fitted exponents' counts per stream and channel)."""
+    return _table(chan.double(), _streams(test).long()).mean().item()
 
 
-def exponent_histogram_of(e: torch.Tensor) -> torch.Tensor:
-    """Counts of exponents `[L, 2, H, T, D]` per stream and channel: `[S, D, 256]`."""
-    s = _streams(e).long()
-    out = torch.zeros(*s.shape[:2], 256, dtype=torch.int64)
-    return out.scatter_add_(-1, s, torch.ones_like(s))
-
-
-def context_entropy_bits(cal: torch.Tensor, test: torch.Tensor) -> float:
+def context_entropy_bits(chan: torch.Tensor, cal: torch.Tensor, test: torch.Tensor) -> float:
     """Bits per element on `test` of a per-channel model of the exponent given the previous token's, fitted on `cal`
-    (backed off to the channel's table by `BACKOFF` pseudo-counts; an exponent unseen by the table: escape + 8 bits).
-    The first token of `test` is coded by the channel's table."""
+    (backed off to the channel's table `chan`, `cal`'s counts `[S, D, 256]`, by `BACKOFF` pseudo-counts; an exponent
+    unseen by the table: escape + 8 bits). The first token of `test` is coded by the channel's table."""
     sc, st = _streams(cal).long(), _streams(test).long()
-    chan = exponent_histogram_of(cal).double()  # [S, D, 256]
+    chan = chan.double()
     pair = torch.zeros(*sc.shape[:2], 256 * 256, dtype=torch.float64)
     pair.scatter_add_(-1, sc[..., :-1] * 256 + sc[..., 1:], torch.ones_like(sc[..., 1:], dtype=torch.float64))
     pair = pair.view(*sc.shape[:2], 256, 256)
@@ -187,7 +180,8 @@ def study(kv: torch.Tensor, held_out: bool = True) -> dict:
         t = kv.shape[-2] // GROUP_SIZE * GROUP_SIZE
         cal_kv = test_kv = kv[..., :t, :]
     cal, test = exponents(cal_kv).long(), exponents(test_kv).long()
-    base3, base4 = windows_from_histogram(exponent_histogram(cal_kv), 2)
+    hist = exponent_histogram(cal_kv)  # [L, 2, H, D, 256]
+    base3, base4 = windows_from_histogram(hist, 2)
     lo_c, hi_c = group_extent(cal)
     # the windows chosen for whole groups instead of values (format version 2's even bases): the 3-bit window holding
     # the most groups, then the 4-bit one holding the most of the others
@@ -205,8 +199,8 @@ def study(kv: torch.Tensor, held_out: bool = True) -> dict:
 
     rows = {"gaac": fixed_width(base3, base4), "gaac_group_windows": fixed_width(g3, g4),
             "gaac_2bit_mode": fixed_width(base3, base4, base2),
-            "static_entropy": {"exponent_bits": static_entropy_bits(cal, test)},
-            "context_entropy": {"exponent_bits": context_entropy_bits(cal, test)}}
+            "static_entropy": {"exponent_bits": static_entropy_bits(hist.flatten(0, 2), test)},
+            "context_entropy": {"exponent_bits": context_entropy_bits(hist.flatten(0, 2), cal, test)}}
     ref = rows["gaac"]
     for r in rows.values():
         r["bits_per_element"] = VERBATIM_BITS + r["exponent_bits"]
