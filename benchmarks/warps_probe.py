@@ -333,6 +333,20 @@ BOUNDS_GAAC = {
 # (its variants' defines) is in git history (commit 9ac4bdc).
 
 
+# Session 30 (`--set tail`): tail chunks (plan(tail=T), GAAC_TAIL): each split's last T units a chunk with its own
+# partial, claimed by whichever warp of the (row, kv-head) group is free, against the session-29 finish spread (the
+# last split 3.7 / 5.9 us after the mean at 1x64K / 1x128K); the chunks run by their own splits (the same bits:
+# the cost of twice the partials and the mid-loop writes alone), and the twin with tails. Each checked against the
+# twin planned alike.
+TAIL_GAAC = {
+    "gaac": {},
+    "gaac_tail1": {"tail": 1},
+    "gaac_tail2": {"tail": 2},
+    "gaac_tail3": {"tail": 3},
+    "gaac_tail2_own": {"tail": 2, "tail_claim": False},
+}
+TAIL_TWIN = {"twin": {}, "twin_tail2": {"tail": 2}}
+
 SETS = {  # --set: (compressed variants, twin variants, the variants also run with globaltimer stamps)
     "s17": (GAAC_VARIANTS, TWIN_VARIANTS, TRACED),
     "next": (NEXT_GAAC, NEXT_TWIN, ("gaac_half_splits_6_warps",)),
@@ -354,6 +368,7 @@ SETS = {  # --set: (compressed variants, twin variants, the variants also run wi
     "hdr": (HDR_GAAC, ISSUE_TWIN, ("gaac", "gaac_hdr64")),
     "bounds": (BOUNDS_GAAC, ISSUE_TWIN, ("gaac_prepass_first_unit_no_scan", "gaac_stripped")),
     "frame2": (FRAME2_GAAC, ISSUE_TWIN, ("gaac_split_only", "gaac_bare_split_only", "gaac_bare_split_only_no_pdl")),
+    "tail": (TAIL_GAAC, TAIL_TWIN, ("gaac", "gaac_tail2")),
 }
 
 

@@ -339,6 +339,13 @@ if [ "$MODE" = gputests ]; then  # session 29: every GPU test of the kernel, the
     | tee "$OUT/gpu_static_cache.log"
   timeout ${GEN_TIMEOUT:-200} python3 -m pytest -q tests/test_gaac_gpu_generate.py 2>&1 | tail -3 | tee "$OUT/gpu_generate.log"
 fi
+if [ "$MODE" = tail ]; then  # session 30: the tail chunks' GPU bit tests, then warps_probe.py --set tail (SHAPES:
+  # 1x64K, 1x128K, 1x16K first: the shapes whose plans do not merge per CTA)
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x tests/test_gaac_cuda_ops.py -k tail 2>&1 | tail -3 \
+    | tee "$OUT/gpu_tail_tests.log"
+  timeout ${PROBE_TIMEOUT:-330} python3 benchmarks/warps_probe.py --set tail --real-kv .bench/real_kv_2k.safetensors \
+    --shapes ${SHAPES:-1,4,0} --out "$OUT/warps_probe_tail.json" 2>&1 | tee "$OUT/warps_probe_tail.log" | tail -6
+fi
 if [ "$MODE" = bounds128 ]; then  # session 27; run in session 29 (SHAPES=4,1, then 5,2,0,3): the bounds set (loads
   # only, stripped) - what the kernel reaches without its tile code where the targets ask 1.20-1.35x (attention_cuda.md)
   timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/warps_probe.py --set bounds --real-kv .bench/real_kv_2k.safetensors \
