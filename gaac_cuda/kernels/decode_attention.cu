@@ -1565,12 +1565,13 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   } else if (nh == 1) {
     claim();
   }
-  if (more) {
+  auto entries_at = [&](int u) {  // the table entries of unit u, for its issue
 #pragma unroll
     for (int kv = 0; kv < 2; ++kv)
 #pragma unroll
-      for (int T = 0; T < TILES; ++T) ent[kv][T] = entry(iu, kv, T);
-  }
+      for (int T = 0; T < TILES; ++T) ent[kv][T] = entry(u, kv, T);
+  };
+  if (more) entries_at(iu);
   int pending = 0;     // units issued, not yet consumed
   int last_part = -1;  // the partial of the last range consumed, written after the loop
   for (int j = -(GAAC_STAGES - 1);; ++j) {
@@ -1591,12 +1592,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       } else {
         take();
       }
-      if (more) {
-#pragma unroll
-        for (int kv = 0; kv < 2; ++kv)
-#pragma unroll
-          for (int T = 0; T < TILES; ++T) ent[kv][T] = entry(iu, kv, T);
-      }
+      if (more) entries_at(iu);
     }
     if (j < 0) continue;
     if (pending == 0) break;
