@@ -344,6 +344,7 @@ TAIL_GAAC = {
     "gaac_tail2": {"tail": 2},
     "gaac_tail3": {"tail": 3},
     "gaac_tail2_own": {"tail": 2, "tail_claim": False},
+    "gaac_tail2_unroll25": {"tail": 2, "defines": ("GAAC_COMBINE_UNROLL=25",)},  # the combine in one round of loads
 }
 TAIL_TWIN = {"twin": {}, "twin_tail2": {"tail": 2}}
 

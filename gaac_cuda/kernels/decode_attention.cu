@@ -1739,7 +1739,10 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #define GAAC_COMBINE_WARPS 16
 #endif
 #define COMBINE_WARPS GAAC_COMBINE_WARPS
-#define COMBINE_UNROLL 16
+#ifndef GAAC_COMBINE_UNROLL  // partials per combine warp and round of loads (benchmarks: the tail chunks' twice as
+#define GAAC_COMBINE_UNROLL 16  // many partials in one round, e.g. 25 for 392 partials over 16 warps)
+#endif
+#define COMBINE_UNROLL GAAC_COMBINE_UNROLL
 extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) gaac_combine(const Params p) {
   __shared__ float red[COMBINE_WARPS][2];
   __shared__ float part[COMBINE_WARPS][32];
