@@ -348,6 +348,17 @@ TAIL_GAAC = {
 }
 TAIL_TWIN = {"twin": {}, "twin_tail2": {"tail": 2}}
 
+# Session 30 (`--set l2pf`): the units d ahead of the one entering the ring prefetched into L2 by one bulk prefetch
+# per slot (GAAC_L2_PF=d), so more bytes per warp are in flight from HBM than the two-stage ring holds (session 19
+# measured L2 prefetches slower, but under the misaligned ring of sessions 18-24, whose copies ran a quarter slower).
+L2PF_GAAC = {
+    "gaac": {},
+    "gaac_l2pf1": {"defines": ("GAAC_L2_PF=1",)},
+    "gaac_l2pf2": {"defines": ("GAAC_L2_PF=2",)},
+    "gaac_l2pf3": {"defines": ("GAAC_L2_PF=3",)},
+    "gaac_l2pf5": {"defines": ("GAAC_L2_PF=5",)},
+}
+
 SETS = {  # --set: (compressed variants, twin variants, the variants also run with globaltimer stamps)
     "s17": (GAAC_VARIANTS, TWIN_VARIANTS, TRACED),
     "next": (NEXT_GAAC, NEXT_TWIN, ("gaac_half_splits_6_warps",)),
@@ -370,6 +381,7 @@ SETS = {  # --set: (compressed variants, twin variants, the variants also run wi
     "bounds": (BOUNDS_GAAC, ISSUE_TWIN, ("gaac_prepass_first_unit_no_scan", "gaac_stripped")),
     "frame2": (FRAME2_GAAC, ISSUE_TWIN, ("gaac_split_only", "gaac_bare_split_only", "gaac_bare_split_only_no_pdl")),
     "tail": (TAIL_GAAC, TAIL_TWIN, ("gaac", "gaac_tail2")),
+    "l2pf": (L2PF_GAAC, ISSUE_TWIN, ("gaac", "gaac_l2pf2")),
 }
 
 

@@ -346,6 +346,10 @@ if [ "$MODE" = tail ]; then  # session 30: the tail chunks' GPU bit tests, then 
   timeout ${PROBE_TIMEOUT:-330} python3 benchmarks/warps_probe.py --set tail --real-kv .bench/real_kv_2k.safetensors \
     --shapes ${SHAPES:-1,4,0} --out "$OUT/warps_probe_tail.json" 2>&1 | tee "$OUT/warps_probe_tail.log" | tail -6
 fi
+if [ "$MODE" = l2pf ]; then  # session 30: units prefetched into L2 ahead of the ring (warps_probe.py --set l2pf)
+  timeout ${PROBE_TIMEOUT:-400} python3 benchmarks/warps_probe.py --set l2pf --real-kv .bench/real_kv_2k.safetensors \
+    --shapes ${SHAPES:-1,4,2,5,0,3} --out "$OUT/warps_probe_l2pf.json" 2>&1 | tee "$OUT/warps_probe_l2pf.log" | tail -8
+fi
 if [ "$MODE" = bounds128 ]; then  # session 27; run in session 29 (SHAPES=4,1, then 5,2,0,3): the bounds set (loads
   # only, stripped) - what the kernel reaches without its tile code where the targets ask 1.20-1.35x (attention_cuda.md)
   timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/warps_probe.py --set bounds --real-kv .bench/real_kv_2k.safetensors \
