@@ -25,7 +25,7 @@ from benchmarks.warp_finish_probe import grouped  # noqa: E402
 
 # the plan options that change the bits (and kernel defines: some do; and the CTA's warps, which the CTA merge groups
 # by): a twin planned alike matches
-SPLIT_KEYS = ("combine_warps", "nsplit", "cta_merge", "fused_combine", "defines", "warps", "tail")
+SPLIT_KEYS = ("combine_warps", "nsplit", "cta_merge", "fused_combine", "defines", "warps")
 
 
 def finish_by_rank(tr: torch.Tensor, pl, hkv: int, tokens: int | None = None) -> dict:

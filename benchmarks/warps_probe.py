@@ -333,20 +333,12 @@ BOUNDS_GAAC = {
 # (its variants' defines) is in git history (commit 9ac4bdc).
 
 
-# Session 30 (`--set tail`): tail chunks (plan(tail=T), GAAC_TAIL): each split's last T units a chunk with its own
-# partial, claimed by whichever warp of the (row, kv-head) group is free, against the session-29 finish spread (the
-# last split 3.7 / 5.9 us after the mean at 1x64K / 1x128K); the chunks run by their own splits (the same bits:
-# the cost of twice the partials and the mid-loop writes alone), and the twin with tails. Each checked against the
-# twin planned alike.
-TAIL_GAAC = {
-    "gaac": {},
-    "gaac_tail1": {"tail": 1},
-    "gaac_tail2": {"tail": 2},
-    "gaac_tail3": {"tail": 3},
-    "gaac_tail2_own": {"tail": 2, "tail_claim": False},
-    "gaac_tail2_unroll25": {"tail": 2, "defines": ("GAAC_COMBINE_UNROLL=25",)},  # the combine in one round of loads
-}
-TAIL_TWIN = {"twin": {}, "twin_tail2": {"tail": 2}}
+# Session 30 (`--set tail`, run once on the H200, warps_probe_tail_s30.json; kernel option GAAC_TAIL and plan(tail=T)
+# removed after it, commit 2a71a29 has them): each split's last T units a chunk with its own partial, claimed by
+# whichever warp of the (row, kv-head) group was free. Bit-identical to the twin (20 GPU tests) and slower at every
+# shape (1x64K 57.7 -> 61.3-61.7 us, 1x128K 105.1 -> 111.2-112.5, 1x16K 23.6 -> 25.6-26.1; the chunks run by their own
+# splits 60.0 / 107.2 / 25.0): the claim loop made each unit 7.5% slower (2.41 -> 2.59 us) while the finish spread it
+# targets shrank only from 3.8 to 3.0 us (1x64K) and 6.6 to 5.1 (1x128K).
 
 # Session 30 (`--set l2pf`): the units d ahead of the one entering the ring prefetched into L2 by one bulk prefetch
 # per slot (GAAC_L2_PF=d), so more bytes per warp are in flight from HBM than the two-stage ring holds (session 19
@@ -380,7 +372,6 @@ SETS = {  # --set: (compressed variants, twin variants, the variants also run wi
     "hdr": (HDR_GAAC, ISSUE_TWIN, ("gaac", "gaac_hdr64")),
     "bounds": (BOUNDS_GAAC, ISSUE_TWIN, ("gaac_prepass_first_unit_no_scan", "gaac_stripped")),
     "frame2": (FRAME2_GAAC, ISSUE_TWIN, ("gaac_split_only", "gaac_bare_split_only", "gaac_bare_split_only_no_pdl")),
-    "tail": (TAIL_GAAC, TAIL_TWIN, ("gaac", "gaac_tail2")),
     "l2pf": (L2PF_GAAC, ISSUE_TWIN, ("gaac", "gaac_l2pf2")),
 }
 

@@ -85,14 +85,6 @@ FUSED_COMBINE = {"1": True, "0": False}.get(os.environ.get("GAAC_HF_CUDA_FUSED_C
 # 24.7 -> 24.5, 9/3/64 1x64K 21.6 -> 20.8 / 18.5 -> 18.4, 1x128K 111.9 -> 111.8 / 130.2 -> 129.8; bit-identical. On
 # by default wherever the plan knows the slot size (plain KV always); GAAC_HF_CUDA_CONST_LAYOUT=0 turns it off.
 CONST_LAYOUT = os.environ.get("GAAC_HF_CUDA_CONST_LAYOUT", "1") != "0"
-# Tail chunks (`plan(tail=T)`, kernel option GAAC_TAIL, session 30): each split's range is cut into a head and a
-# tail chunk of its last T units, each with its own partial result (twice the partials; the combine merges the heads,
-# then the tails). Over compressed KV a warp runs its split's head and then claims tail chunks of its (row, kv-head)
-# group from a counter (`tail_claim`, GAAC_TAIL_CLAIM), so warps that finish early take the late ones' tails: the
-# finish spread of session 29 (3.7 / 5.9 us at 1x64K / 1x128K between the mean and the last split) is what it can
-# take off. The twin runs its own head and tail, the same partials. Plans that merge per CTA keep one range per
-# split. GAAC_HF_CUDA_TAIL sets the process default (0: off).
-TAIL = int(os.environ.get("GAAC_HF_CUDA_TAIL", "0"))
 # Kernel defines for every plan of the process (benchmarks: a prepared kernel option inside the captured step, whose
 # caches plan by themselves), e.g. GAAC_HF_CUDA_DEFINES="GAAC_STAGED_O=0,GAAC_HDR=64"; compressed KV and its twin
 # alike, so the bits still match. Each must be NAME=VALUE with a GAAC_ name.
@@ -159,8 +151,6 @@ class DecodePlan:
     cta_merge: bool = False  # `plan(cta_merge=True)`: one partial per CTA and (row, kv-head)
     fused_combine: bool = False  # `plan(fused_combine=True)`: no combine kernel
     slot_bytes: int = 0  # `plan(const_layout=True)`, compressed KV: the slot size compiled in (0: read at launch)
-    tail: int = 0  # `plan(tail=T)`: units of each split's tail chunk (0: one range per split)
-    tail_claim: bool = False  # compressed KV with `tail`: tail chunks claimed by the group's free warps
 
     @property
     def items(self) -> int:
@@ -172,15 +162,7 @@ class DecodePlan:
         per (row, kv-head) (the CTAs a group's consecutive splits can span; the kernel's cta_parts_cap)."""
         if self.cta_merge:
             return self.batch * self.kv_heads * (self.nsplit // self.warps + 2)
-        return 2 * self.items if self.tail else self.items
-
-    @property
-    def counters(self) -> int:
-        """Int32 counters the split kernel uses (zero between launches): the fused combine's CTAs done per group, or
-        the tail chunks claimed and the warps done claiming per group."""
-        if self.tail_claim:
-            return 2 * self.batch * self.kv_heads
-        return self.batch * self.kv_heads if self.fused_combine else 0
+        return self.items
 
     @property
     def grid(self) -> int:
@@ -211,7 +193,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
          buf_bytes: int | None = None,
          combine_warps: int | None = None, pdl: bool | None = None,
          cta_merge: bool | None = None, fused_combine: bool | None = None,
-         const_layout: bool | None = None, tail: int | None = None, tail_claim: bool = True) -> DecodePlan:
+         const_layout: bool | None = None) -> DecodePlan:
     """Plan the kernel for contexts up to `max_tokens` (the split count assumes that length; shorter contexts
     spread over the same splits). `slot_bytes`: the calibration's slot size (compressed KV). `skip`: benchmark
     variants that leave out the tensor-core math (1) or the reconstruction (2); their output is not attention.
@@ -247,11 +229,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     `fused_combine` (None: `FUSED_COMBINE`'s rule where the plan merges per CTA): the last CTA of each group writes
     the output, no combine kernel (see `FUSED_COMBINE`; needs `cta_merge`; the bits depend on it).
     `const_layout` (None: `CONST_LAYOUT` where the slot size is known; the one-warp kernel): the ring layout and the
-    slot size compiled in (see `CONST_LAYOUT`; the same bits; compressed KV needs `slot_bytes`).
-    `tail` (None: `TAIL`): units of each split's tail chunk, a range with its own partial (see `TAIL`; the bits depend
-    on it: plan the twin alike); not with `cta_merge` (a plan left to choose does not merge). `tail_claim`
-    (compressed KV): tail chunks claimed by whichever warp of the group is free (default) or run by their own split
-    (the same bits)."""
+    slot size compiled in (see `CONST_LAYOUT`; the same bits; compressed KV needs `slot_bytes`)."""
     pdl = PDL if pdl is None else bool(pdl)
     if combine_warps is not None and not 1 <= combine_warps <= 16:
         raise ValueError(f"combine_warps takes 1..16 warps per combine block (more would spill), not {combine_warps}")
@@ -315,15 +293,6 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
     if nsplit is None:
         nsplit = _default_nsplit(batch, kv_heads, max_tokens, device, tiles)
     options, cw = _combine_option(options, combine_warps)
-    tail = TAIL if tail is None else int(tail)
-    if tail < 0:
-        raise ValueError(f"tail is a number of units (0: none), not {tail}")
-    if tail:
-        if cta_merge:
-            raise ValueError("tail chunks write one partial per range: not with cta_merge")
-        if header < 128 or stages > 5:
-            raise ValueError("tail chunks keep their ring entries' units in a 128-byte header: at most 5 stages")
-        cta_merge = False
     merge = _cta_merge(cta_merge, stages * 2 * tiles * buf, head_dim,
                        _merge_pays(batch, kv_heads * rep, head_dim, nsplit, cw, device))
     if fused_combine and not merge:
@@ -332,15 +301,11 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         fused_combine = (_fused_pays(batch, kv_heads * rep, head_dim, device) if FUSED_COMBINE is None
                          else FUSED_COMBINE)
     fused = bool(merge and fused_combine)
-    claim = bool(tail and tail_claim and not plain)
-    if ((fused or claim) and torch.device(device).type == "cuda" and torch.cuda.is_available()
+    if (fused and torch.device(device).type == "cuda" and torch.cuda.is_available()
             and not torch.cuda.is_current_stream_capturing()):
-        # made with the plan, so a first launch inside a graph capture finds them
-        _counters((2 if claim else 1) * batch * kv_heads, device)
+        _counters(batch * kv_heads, device)  # made with the plan, so a first launch inside a graph capture finds them
     if merge:
         options += ("-DGAAC_CTA_MERGE=1",) + (("-DGAAC_FUSED_COMBINE=1",) if fused else ())
-    if tail:
-        options += (f"-DGAAC_TAIL={tail}",) + (("-DGAAC_TAIL_CLAIM=0",) if not (claim or plain) else ())
     if const_layout and not plain and slot_bytes <= 0:
         raise ValueError("const_layout compiles the slot size in: plan compressed KV with its slot_bytes")
     # (the process default applies where the plan knows the slot size)
@@ -350,8 +315,7 @@ def plan(batch: int, kv_heads: int, rep: int, head_dim: int, max_tokens: int, de
         options += () if plain else (f"-DGAAC_SLOT_BYTES={slot_bytes}",)
     return _with_pdl(DecodePlan(batch, kv_heads, rep, head_dim, plain, nsplit, warps, stages, buf, warp_bytes,
                                 options, combine_warps=cw, cta_merge=merge, fused_combine=fused,
-                                slot_bytes=slot_bytes if const and not plain else 0, tail=tail,
-                                tail_claim=claim), pdl)
+                                slot_bytes=slot_bytes if const and not plain else 0), pdl)
 
 
 def _merge_pays(batch: int, q_heads: int, head_dim: int, nsplit: int, combine_warps: int, device) -> bool:
@@ -411,7 +375,7 @@ _counter_buffers: dict = {}  # device -> the counters of fused-combine launches;
 
 
 def _counters(n: int, device: torch.device) -> torch.Tensor:
-    """At least `n` int32 zeros on `device` for fused-combine and tail-claim launches, made once (and grown, never inside a graph
+    """At least `n` int32 zeros on `device` for `FUSED_COMBINE` launches, made once (and grown, never inside a graph
     capture: `plan` makes them outside one; else launch a plan of the largest batch x kv-heads once before
     capturing). The kernel leaves them zero."""
     device = torch.device(device)
@@ -420,7 +384,7 @@ def _counters(n: int, device: torch.device) -> torch.Tensor:
     bufs = _counter_buffers.setdefault(device, [])
     if not bufs or bufs[-1].numel() < n:
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"a decode plan needs {n} counters on {device} and its first launch is "
+            raise RuntimeError(f"a fused-combine decode plan needs {n} counters on {device} and its first launch is "
                                "inside a CUDA graph capture: launch it once before capturing")
         bufs.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
     return bufs[-1]
@@ -506,8 +470,8 @@ def _run(p: DecodePlan, query, kv_len, mask, scale, fill, combine_too: bool = Tr
         if trace is None or trace.dtype != torch.int64 or trace.numel() < trace_size(p) or trace.device != dev:
             raise ValueError(f"a traced plan needs an int64 trace tensor of {trace_size(p)} elements on {dev}")
         prm.trace = trace.data_ptr()
-    if p.counters:
-        prm.counters = _counters(p.counters, dev).data_ptr()
+    if p.fused_combine:
+        prm.counters = _counters(p.batch * p.kv_heads, dev).data_ptr()
     keep = fill(prm)  # tensors the launch reads must outlive it
     split_kernel, combine = p.kernels(dev)
     # the launches go to the kernels' context: switch devices only when another one is current

@@ -212,11 +212,8 @@ def test_plan_of_the_kernel_shapes():
                                     (64, 1, 0, "GAAC_CTA_MERGE=1", "GAAC_FUSED_COMBINE=1"),
                                     (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_LANE_ENTRIES=1"),
                                     (64, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_LANE_ENTRIES=1"),
-                                    (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_TAIL=2"),
-                                    (64, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_TAIL=2"),
-                                    (128, 1, 6, "GAAC_WARPS=12", "GAAC_TAIL=1", "GAAC_TAIL_CLAIM=0"),
-                                    (128, 1, 2, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_TAIL=2"),
-                                    (64, 1, 2, "GAAC_WARPS=12", "GAAC_TAIL=3")])
+                                    (128, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_L2_PF=2"),
+                                    (64, 1, 6, "GAAC_WARPS=12", "GAAC_PDL=1", "GAAC_L2_PF=3")])
 def test_kernel_compiles_for_sm90a_without_spills(config, tmp_path):
     """The sm_90a build of every head_dim-64/128 variant, at the plan's register cap (12 warps per SM: 3 CTAs of 4
     warps, or one of 12), keeps its state in registers: no stack, no local memory."""
@@ -746,74 +743,3 @@ def test_cta_merge_partials_fit_the_plans_allocation():
                 per_cta.setdefault(cta, set()).add(grp)
             assert len(rows) == sum(len(g) for g in per_cta.values()) and max(rows) < p.parts
             assert max(len(g) for g in per_cta.values()) <= warps
-
-
-def test_tail_option():
-    """plan(tail=T): the kernel options, twice the partials, the counters of the claims (compressed KV only), one
-    range per split where a plan merges per CTA, and the refusals."""
-    pc = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, slot_bytes=2944, format_version=3, tail=2)
-    assert pc.tail == 2 and pc.tail_claim and "-DGAAC_TAIL=2" in pc.options
-    assert not any("TAIL_CLAIM" in o for o in pc.options)
-    assert pc.parts == 2 * pc.items and pc.counters == 2 * 8
-    pp = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, plain=True, tail=2)
-    assert pp.tail == 2 and not pp.tail_claim and pp.counters == 0 and "-DGAAC_TAIL=2" in pp.options
-    assert pp.parts == 2 * pp.items
-    own = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, slot_bytes=2944, format_version=3, tail=2, tail_claim=False)
-    assert not own.tail_claim and "-DGAAC_TAIL_CLAIM=0" in own.options and own.counters == 0
-    off = plan(1, 8, 4, 128, 65536, "cpu", nsplit=198, slot_bytes=2944, format_version=3, tail=0)
-    assert off.tail == 0 and off.parts == off.items and not any("TAIL" in o for o in off.options)
-    # a shape whose default merges per CTA (64/8 1x64K) keeps one range per split unless asked for tails
-    assert plan(1, 8, 8, 128, 65536, "cpu", nsplit=198, tail=0).cta_merge
-    merged_shape = plan(1, 8, 8, 128, 65536, "cpu", nsplit=198, tail=2)
-    assert not merged_shape.cta_merge and not merged_shape.fused_combine and merged_shape.tail == 2
-    with pytest.raises(ValueError, match="not with cta_merge"):
-        plan(1, 8, 8, 128, 65536, "cpu", nsplit=198, tail=2, cta_merge=True)
-    with pytest.raises(ValueError, match="at most 5 stages"):
-        plan(1, 8, 4, 64, 65536, "cpu", nsplit=198, tail=2, stages=6)
-    with pytest.raises(ValueError, match="number of units"):
-        plan(1, 8, 4, 128, 65536, "cpu", tail=-1)
-
-
-@gpu
-@pytest.mark.parametrize("tail", [1, 2, 3])
-@pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[1], GPU_CASES[3], GPU_CASES[6], GPU_CASES[8], GPU_CASES[9]],
-                         ids=lambda c: f"b{c[0]}h{c[1]}r{c[2]}L{c[3][0]}d{c[4]}{c[5]}")
-def test_tail_chunks_equal_the_twin_planned_alike(case, tail):
-    """plan(tail=T): each split's last T units are a chunk of their own, claimed by whichever warp of the group is
-    free (compressed KV). Splits shorter than a chunk, empty splits and empty heads, 4- and 12-warp CTAs, head_dim
-    64 / 128 / 256, formats 1 and 3: compressed KV equals its twin (which runs its own chunks), the chunks run by
-    their own splits give the same bits, the output is close to the reference and to one range per split, three calls
-    in one CUDA graph replayed twice give the same bits each time, and the claim counters are zero again after every
-    launch."""
-    from gaac_cuda.decode_attention import _counters
-
-    b, h, nrep, _, d, _, _, _ = case
-    (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout, scale, ref = case_with_reference(case)
-    for pc in _option_equals_twin(case, {"tail": tail}, {"tail": 0},
-                                  ((1, None), (5, None), (13, None), (3, 4), (None, None), (40, None))):
-        assert pc.tail == tail and pc.tail_claim and pc.parts == 2 * pc.items
-        assert int(_counters(pc.counters, "cuda")[:pc.counters].abs().sum()) == 0
-        own = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=pc.nsplit, warps=pc.warps,
-                   tail=tail, tail_claim=False)
-        claimed = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, pc)
-        mine = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, mask, scale, layout, own)
-        assert torch.equal(bits(claimed), bits(mine)), (pc.nsplit, pc.warps)
-    _format2_equals_twin(case, {"tail": tail})
-
-
-@gpu
-def test_tail_chunks_over_many_splits_and_empty_ones():
-    """Tail chunks where most splits are empty (997 splits over 250 units: claims that find empty chunks write empty
-    partials and claim again) and where the combine takes several rounds: the twin's bits, near the reference."""
-    b, h, nrep, d = 1, 1, 4, 64
-    (q, sp, rp, tab, tk, tv, b3, b4, kv_len), (k, v), mask, layout = compressed_case(
-        b, h, nrep, [4000], d, "mixed", 32, seed=3)
-    scale = d ** -0.5
-    ref = reference_attention(q.cpu(), k.cpu(), v.cpu(), kv_len.cpu(), None, scale)
-    for nsplit in (130, 300, 997):
-        for tail in (1, 2):
-            pc = plan(b, h, nrep, d, k.shape[2], "cuda", slot_bytes=layout.slot_bytes, nsplit=nsplit, tail=tail)
-            pp = plan(b, h, nrep, d, k.shape[2], "cuda", plain=True, nsplit=nsplit, tail=tail)
-            got = decode_attention(q, sp, rp, tab, tk, tv, b3, b4, kv_len, None, scale, layout, pc)
-            assert torch.equal(bits(got), bits(plain_decode_attention(q, k, v, kv_len, None, scale, pp))), nsplit
-            assert ((got.cpu().double() - ref).norm() / ref.norm()).item() < 1e-2, nsplit

@@ -339,13 +339,7 @@ if [ "$MODE" = gputests ]; then  # session 29: every GPU test of the kernel, the
     | tee "$OUT/gpu_static_cache.log"
   timeout ${GEN_TIMEOUT:-200} python3 -m pytest -q tests/test_gaac_gpu_generate.py 2>&1 | tail -3 | tee "$OUT/gpu_generate.log"
 fi
-if [ "$MODE" = tail ]; then  # session 30: the tail chunks' GPU bit tests, then warps_probe.py --set tail (SHAPES:
-  # 1x64K, 1x128K, 1x16K first: the shapes whose plans do not merge per CTA)
-  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x tests/test_gaac_cuda_ops.py -k tail 2>&1 | tail -3 \
-    | tee "$OUT/gpu_tail_tests.log"
-  timeout ${PROBE_TIMEOUT:-330} python3 benchmarks/warps_probe.py --set tail --real-kv .bench/real_kv_2k.safetensors \
-    --shapes ${SHAPES:-1,4,0} --out "$OUT/warps_probe_tail.json" 2>&1 | tee "$OUT/warps_probe_tail.log" | tail -6
-fi
+# (`tail`, session 30: the tail chunks' GPU tests and warps_probe --set tail; ran once, option removed: commit 2a71a29)
 if [ "$MODE" = l2pf ]; then  # session 30: units prefetched into L2 ahead of the ring (warps_probe.py --set l2pf)
   timeout ${PROBE_TIMEOUT:-400} python3 benchmarks/warps_probe.py --set l2pf --real-kv .bench/real_kv_2k.safetensors \
     --shapes ${SHAPES:-1,4,2,5,0,3} --out "$OUT/warps_probe_l2pf.json" 2>&1 | tee "$OUT/warps_probe_l2pf.log" | tail -8

@@ -70,18 +70,6 @@
 #define GAAC_FUSED_COMBINE 0  // into the output (1; no combine kernel) or the combine kernel does (0)
 #endif
 #define FUSED_COMBINE (GAAC_FUSED_COMBINE && CTA_MERGE)
-#ifndef GAAC_TAIL  // units of each split's tail chunk (0: none; session 30). Each split's range of units is cut into a
-#define GAAC_TAIL 0  // head (all but its last GAAC_TAIL units) and a tail chunk, each with its own partial result:
-#endif  // rows 2 grp nsplit + s (heads) and 2 grp nsplit + nsplit + s (tails) of group grp = b * heads + hk, merged
-// by the combine in that order. Compressed KV (GAAC_TAIL_CLAIM=1) lets whichever warp of the group is free run a
-// tail chunk: a warp runs its split's head, then claims tail chunks from the group's counter (Params::counters)
-// until none is left, so fast warps take the slow ones' tails; the plain twin (and GAAC_TAIL_CLAIM=0) runs its own
-// split's head and tail. A chunk's partial is the same whoever computes it, so the bits match the twin's.
-#ifndef GAAC_TAIL_CLAIM
-#define GAAC_TAIL_CLAIM 1
-#endif
-#define TAIL GAAC_TAIL
-#define TAIL_DYN (TAIL && GAAC_TAIL_CLAIM && !GAAC_PLAIN)
 // The one-warp kernel over plain KV (the twin at head_dim 256, or when asked for): K and V of a stage on their own
 // barriers, each re-issued as soon as its tile is read (measured faster for the twin, slower for compressed KV:
 // benchmarks/results/attention_cuda.md, sessions 7 and 24).
@@ -101,10 +89,7 @@
 #ifndef GAAC_L2_PF  // (benchmark option, session 30) compressed KV at one tile per head: units prefetched into L2
 #define GAAC_L2_PF 0  // this many units ahead of the one entering the ring (0: none; see the loop)
 #endif
-#define L2_PF ((GAAC_L2_PF) * (!GAAC_PLAIN && TILES == 1 && !LANE_ENTRIES && !GAAC_TAIL))
-#if TAIL && (CTA_MERGE || GAAC_LANE_ENTRIES || (GAAC_HDR) < 128 || GAAC_STAGES > 5)
-#error "GAAC_TAIL: one partial per range (no CTA merge), table entries per unit, a 128-byte header of <= 5 stages"
-#endif
+#define L2_PF ((GAAC_L2_PF) * (!GAAC_PLAIN && TILES == 1 && !LANE_ENTRIES))
 #ifndef VT_WORDS  // V words decoded per vector load in v_tile (all NVW at once, or halves)
 #define VT_WORDS NVW
 #endif
@@ -1015,37 +1000,6 @@ __device__ __forceinline__ void write_o_staged(const Params& p, int item, int g,
   for (int i = 4 * g + t; i < p.rep * (D / 4); i += 32) to[i] = from[i];
 }
 
-#if TAIL
-// GAAC_TAIL: a range's output written mid-loop through a drained ring stage at shared address `stage` (32-bit
-// addressing: the loop's registers are near the budget), as write_o_staged writes it
-__device__ __forceinline__ void write_o_stage32(const Params& p, int item, int g, int t, int lane,
-                                                const float (&o)[TILES][NVM][4], u32 stage) {
-  __syncwarp();
-  o_pairs(p, g, t, o, [&](int head, int ch, float x, float y) {
-    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(stage + 4 * (head * D + ch)), "f"(x), "f"(y) : "memory");
-  });
-  __syncwarp();
-  float4* to = reinterpret_cast<float4*>(p.part_o + (i64)item * p.rep * D);
-  for (int i = lane; i < p.rep * (D / 4); i += 32) {
-    float4 x;
-    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w)
-                 : "r"(stage + 16 * i) : "memory");
-    to[i] = x;
-  }
-  __syncwarp();  // every lane is done with the stage before its next copies are issued
-}
-#endif
-#if TAIL_DYN
-// GAAC_TAIL: the partial of a claimed tail chunk that holds no unit (a split past the context): attends to nothing
-__device__ __forceinline__ void write_empty(const Params& p, int item, int lane) {
-  if (lane < p.rep) {
-    p.part_ml[2 * ((i64)item * p.rep + lane)] = NEG_INF;
-    p.part_ml[2 * ((i64)item * p.rep + lane) + 1] = 0.f;
-  }
-  for (int i = lane; i < p.rep * D; i += 32) p.part_o[(i64)item * p.rep * D + i] = 0.f;
-}
-#endif
-
 __device__ __forceinline__ void add_scaled(float4& acc, const float4& x, float w) {  // acc += x w
   acc.x += x.x * w;
   acc.y += x.y * w;
@@ -1281,12 +1235,6 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   // the split's units: a contiguous range of ceil(units / nsplit), u0 .. u0 + n - 1
   const int per = (units + p.nsplit - 1) / p.nsplit;
   const int u0 = min(units, split * per), n = min(units, u0 + per) - u0;
-#if TAIL
-  // the split's head (units u0 .. u0 + nh - 1) and tail chunk (the rest), partial rows head_item and + nsplit
-  const int grp = b * p.heads + hk;
-  const int nh = n - min(TAIL, n);
-  const int head_item = 2 * grp * p.nsplit + split;
-#endif
 
   u32 qb[TILES][NKS][2];
   u32 b3[2][TILES][GPL / 4], b4[2][TILES][GPL / 4];
@@ -1436,33 +1384,6 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     for (int n = 0; n < NVM; ++n)
 #pragma unroll
       for (int c = 0; c < 4; ++c) o[T][n][c] = 0.f;
-#if TAIL
-  // a range's partial written from the fragments (its units all consumed; the ring may hold the next range's), and
-  // the softmax state reset for the next range
-  // (staged: through the shared address of a drained ring stage's buffers, 2 TILES BUF_BYTES >= 8 x 4 D bytes; or
-  // direct stores: two separate functions, as a runtime choice would keep both in the loop's registers)
-  auto reset_state = [&]() {
-    m[0] = m[1] = NEG_INF;
-    l[0] = l[1] = 0.f;
-#pragma unroll
-    for (int T = 0; T < TILES; ++T)
-#pragma unroll
-      for (int n2 = 0; n2 < NVM; ++n2)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) o[T][n2][c] = 0.f;
-  };
-  auto flush_staged = [&](int it, u32 stage) {
-    write_ml(p, it, g, t, m, l);
-    write_o_stage32(p, it, g, t, lane, o, stage);
-    reset_state();
-  };
-  auto flush_direct = [&](int it) {
-    write_ml(p, it, g, t, m, l);
-    write_o(p, it, g, t, o);
-    reset_state();
-  };
-  if (nh == 0) flush_direct(head_item);  // an empty head
-#endif
 
   // table entries are loaded one issue ahead, so no issue waits on a global load
 #if LANE_ENTRIES
@@ -1528,83 +1449,6 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     }
   }
   for (int j = 0; j < n; ++j) {
-#elif TAIL_DYN
-  // GAAC_TAIL with claims: the issue side walks the split's head, then each tail chunk it claims; a claim (one
-  // atomic on the group's counter) is made one issue before the current range's last unit, so its result and the
-  // next chunk's table entries have a unit's consumption to land (only a warp with no head waits for its first).
-  // Lane 0 writes each ring stage's unit and, for a range's last unit, the partial to write once it is consumed
-  // (-1: none) into the header beside the stage's barrier (read after it, as the slot bits); the warp's last partial
-  // is written after the loop.
-  volatile int* const unit_q = reinterpret_cast<volatile int*>(ws + 64);
-  volatile int* const part_q = reinterpret_cast<volatile int*>(ws + 96);
-  int claimed = 0;  // lane 0's claim result
-  auto claim = [&]() {
-    if (lane == 0) claimed = atomicAdd(p.counters + grp, 1);
-  };
-  int iu = u0, iend = u0 + nh, ipart = head_item;  // issue side: next unit, its range's end and partial
-  bool more = true;
-  // the claimed chunk (claim() made before): the first that holds a unit, or none left
-  auto take = [&]() {
-    for (;;) {
-      const int k = __shfl_sync(~0u, claimed, 0);
-      if (k >= p.nsplit) {  // none left: the group's last warp to find that resets the counters for the next launch
-        more = false;
-        if (lane == 0 && atomicAdd(p.counters + p.batch * p.heads + grp, 1) == p.nsplit - 1) {
-          atomicExch(p.counters + grp, 0);
-          atomicExch(p.counters + p.batch * p.heads + grp, 0);
-        }
-        return;
-      }
-      const int k0 = min(units, k * per), kn = min(units, k0 + per) - k0;
-      ipart = 2 * grp * p.nsplit + p.nsplit + k;
-      if (kn > 0) {
-        iu = k0 + kn - min(TAIL, kn);
-        iend = k0 + kn;
-        if (iend - iu == 1) claim();  // a one-unit chunk: the next claim now
-        return;
-      }
-      write_empty(p, ipart, lane);
-      claim();
-    }
-  };
-  if (nh == 0) {
-    claim();
-    take();
-  } else if (nh == 1) {
-    claim();
-  }
-  auto entries_at = [&](int u) {  // the table entries of unit u, for its issue
-#pragma unroll
-    for (int kv = 0; kv < 2; ++kv)
-#pragma unroll
-      for (int T = 0; T < TILES; ++T) ent[kv][T] = entry(u, kv, T);
-  };
-  if (more) entries_at(iu);
-  int pending = 0;     // units issued, not yet consumed
-  int last_part = -1;  // the partial of the last range consumed, written after the loop
-  for (int j = -(GAAC_STAGES - 1);; ++j) {
-    const int next = j + GAAC_STAGES - 1;
-#pragma unroll
-    for (int i = 0; i + 1 < GAAC_STAGES; ++i) mq[i] = mq[i + 1];
-    if (more) {
-      if (lane == 0) {
-        unit_q[next % GAAC_STAGES] = iu;
-        part_q[next % GAAC_STAGES] = iu + 1 == iend ? ipart : -1;
-      }
-      issue(iu, next % GAAC_STAGES, ent);
-      ++pending;
-      queue_mask(GAAC_STAGES - 1, iu - u0);
-      if (iu + 1 < iend) {
-        ++iu;
-        if (iu + 1 == iend) claim();  // the range's last unit is next
-      } else {
-        take();
-      }
-      if (more) entries_at(iu);
-    }
-    if (j < 0) continue;
-    if (pending == 0) break;
-    --pending;
 #else
 #if L2_PF
   // (GAAC_L2_PF = d) compressed KV at one tile per head: the slots (or raw tiles) of the split's unit next + d
@@ -1638,17 +1482,11 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     }
     if (j < 0) continue;
 #endif
-#if TAIL_DYN
-    const int st = j % GAAC_STAGES;
-    mbar_wait(bars + 8 * st, (phases >> st) & 1);  // (also orders lane 0's unit_q / part_q writes before the reads)
-    const int u = unit_q[st];
-#else
     const int u = u0 + j;
     const int st = j % GAAC_STAGES;
-#endif
     if (!GAAC_PLAIN && !LANE_ENTRIES && lane == 0 && u + 8 < nb)
       asm volatile("prefetch.global.L1 [%0];" ::"l"(trow + (i64)(u + 8) * tstride));
-    if (!TAIL_DYN) mbar_wait(bars + 8 * st, (phases >> st) & 1);
+    mbar_wait(bars + 8 * st, (phases >> st) & 1);
 #if SPLITBAR
     mbar_wait(bars + 8 * (GAAC_STAGES + st), (phases >> st) & 1);
     const u32 slots_here = kinds[st] | kinds[GAAC_STAGES + st];
@@ -1725,36 +1563,15 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
     for (int i = 0; i + 1 < GAAC_STAGES; ++i) mq[i] = mq[i + 1];
     if (j + GAAC_STAGES < n) queue_mask(GAAC_STAGES - 1, j + GAAC_STAGES);
 #endif
-#if TAIL_DYN
-    const int fp = part_q[st];
-    __syncwarp();  // every lane has read it before lane 0 issues this stage's next unit
-    if (fp >= 0) {  // a range's last unit: its partial now, staged in this stage's drained buffers, or after the loop
-      if (more || pending > 0) flush_staged(fp, smem_u32(ring) + st * 2 * TILES * BUF_BYTES);
-      else last_part = fp;
-    }
-#elif TAIL && SPLITBAR
-    if (j == nh - 1) flush_direct(head_item);  // (both halves of the stage are in flight again: direct stores)
-#elif TAIL
-    if (j == nh - 1) flush_staged(head_item, smem_u32(ring) + st * 2 * TILES * BUF_BYTES);
-#endif
   }
 
   // partial results of this split, or (GAAC_CTA_MERGE) of the CTA's splits of each group
 #if CTA_MERGE
   cta_merge(p, smem, warp, lane, g, t, m, l, o);
 #else
-#if TAIL_DYN
-  const int out_item = last_part;  // (-1: the warp consumed no unit; its empty head is written)
-#elif TAIL
-  const int out_item = head_item + p.nsplit;  // the split's tail
-#else
-  const int out_item = item;
-#endif
-  if (!TAIL_DYN || out_item >= 0) {
-    write_ml(p, out_item, g, t, m, l);
-    if (GAAC_STAGED_O) write_o_staged(p, out_item, g, t, o, reinterpret_cast<float*>(ring));  // (every unit waited for)
-    else write_o(p, out_item, g, t, o);
-  }
+  write_ml(p, item, g, t, m, l);
+  if (GAAC_STAGED_O) write_o_staged(p, item, g, t, o, reinterpret_cast<float*>(ring));  // (every unit waited for)
+  else write_o(p, item, g, t, o);
 #endif
   if (GAAC_TRACE && lane == 0) p.trace[4 * item + 2] = gtimer();
 }
@@ -1768,10 +1585,7 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
 #define GAAC_COMBINE_WARPS 16
 #endif
 #define COMBINE_WARPS GAAC_COMBINE_WARPS
-#ifndef GAAC_COMBINE_UNROLL  // partials per combine warp and round of loads (benchmarks: the tail chunks' twice as
-#define GAAC_COMBINE_UNROLL 16  // many partials in one round, e.g. 25 for 392 partials over 16 warps)
-#endif
-#define COMBINE_UNROLL GAAC_COMBINE_UNROLL
+#define COMBINE_UNROLL 16
 extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) gaac_combine(const Params p) {
   __shared__ float red[COMBINE_WARPS][2];
   __shared__ float part[COMBINE_WARPS][32];
@@ -1787,9 +1601,6 @@ extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) gaac_combine(co
 #if CTA_MERGE  // one partial per CTA that held splits of (b, hk), in CTA order
   const i64 item0 = (i64)grp * cta_parts_cap(p);
   const int nparts = last_cta(p, grp) - first_cta(p, grp) + 1;
-#elif TAIL  // the splits' heads, then their tails
-  const i64 item0 = (i64)grp * 2 * p.nsplit;
-  const int nparts = 2 * p.nsplit;
 #else
   const i64 item0 = (i64)grp * p.nsplit;
   const int nparts = p.nsplit;
