@@ -349,6 +349,8 @@ L2PF_GAAC = {
     "gaac_l2pf2": {"defines": ("GAAC_L2_PF=2",)},
     "gaac_l2pf3": {"defines": ("GAAC_L2_PF=3",)},
     "gaac_l2pf5": {"defines": ("GAAC_L2_PF=5",)},
+    "gaac_loads_only": {"skip": 3},  # (bounds: wrong bits by design)
+    "gaac_loads_only_l2pf2": {"skip": 3, "defines": ("GAAC_L2_PF=2",)},
 }
 
 SETS = {  # --set: (compressed variants, twin variants, the variants also run with globaltimer stamps)
@@ -372,7 +374,7 @@ SETS = {  # --set: (compressed variants, twin variants, the variants also run wi
     "hdr": (HDR_GAAC, ISSUE_TWIN, ("gaac", "gaac_hdr64")),
     "bounds": (BOUNDS_GAAC, ISSUE_TWIN, ("gaac_prepass_first_unit_no_scan", "gaac_stripped")),
     "frame2": (FRAME2_GAAC, ISSUE_TWIN, ("gaac_split_only", "gaac_bare_split_only", "gaac_bare_split_only_no_pdl")),
-    "l2pf": (L2PF_GAAC, ISSUE_TWIN, ("gaac", "gaac_l2pf2")),
+    "l2pf": (L2PF_GAAC, ISSUE_TWIN, ("gaac_l2pf2",)),
 }
 
 
