@@ -352,6 +352,14 @@ L2PF_GAAC = {
     "gaac_loads_only": {"skip": 3},  # (bounds: wrong bits by design)
     "gaac_loads_only_l2pf2": {"skip": 3, "defines": ("GAAC_L2_PF=2",)},
 }
+# (`--set evict`) the common unit's slot copies with an L2 evict-first policy (GAAC_EVICT_FIRST; session 19 measured a
+# hint slower on the misaligned ring)
+EVICT_GAAC = {
+    "gaac": {},
+    "gaac_evict_first": {"defines": ("GAAC_EVICT_FIRST=1",)},
+    "gaac_loads_only": {"skip": 3},
+    "gaac_loads_only_evict_first": {"skip": 3, "defines": ("GAAC_EVICT_FIRST=1",)},
+}
 
 SETS = {  # --set: (compressed variants, twin variants, the variants also run with globaltimer stamps)
     "s17": (GAAC_VARIANTS, TWIN_VARIANTS, TRACED),
@@ -375,6 +383,7 @@ SETS = {  # --set: (compressed variants, twin variants, the variants also run wi
     "bounds": (BOUNDS_GAAC, ISSUE_TWIN, ("gaac_prepass_first_unit_no_scan", "gaac_stripped")),
     "frame2": (FRAME2_GAAC, ISSUE_TWIN, ("gaac_split_only", "gaac_bare_split_only", "gaac_bare_split_only_no_pdl")),
     "l2pf": (L2PF_GAAC, ISSUE_TWIN, ("gaac_l2pf2",)),
+    "evict": (EVICT_GAAC, ISSUE_TWIN, ()),
 }
 
 

@@ -344,6 +344,10 @@ if [ "$MODE" = l2pf ]; then  # session 30: units prefetched into L2 ahead of the
   timeout ${PROBE_TIMEOUT:-400} python3 benchmarks/warps_probe.py --set l2pf --real-kv .bench/real_kv_2k.safetensors \
     --shapes ${SHAPES:-1,4,2,5,0,3} --out "$OUT/warps_probe_l2pf.json" 2>&1 | tee "$OUT/warps_probe_l2pf.log" | tail -8
 fi
+if [ "$MODE" = evict ]; then  # session 30: the slot copies with an L2 evict-first policy (warps_probe.py --set evict)
+  timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/warps_probe.py --set evict --real-kv .bench/real_kv_2k.safetensors \
+    --shapes ${SHAPES:-1,4,2,5,0,3} --out "$OUT/warps_probe_evict.json" 2>&1 | tee "$OUT/warps_probe_evict.log" | tail -8
+fi
 if [ "$MODE" = bounds128 ]; then  # session 27; run in session 29 (SHAPES=4,1, then 5,2,0,3): the bounds set (loads
   # only, stripped) - what the kernel reaches without its tile code where the targets ask 1.20-1.35x (attention_cuda.md)
   timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/warps_probe.py --set bounds --real-kv .bench/real_kv_2k.safetensors \

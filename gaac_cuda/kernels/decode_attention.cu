@@ -215,6 +215,21 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
       "l"(src), "r"(bytes), "r"(bar)
       : "memory");
 }
+#ifndef GAAC_EVICT_FIRST  // (benchmark option, session 30) the common unit's slot copies with an L2 evict-first
+#define GAAC_EVICT_FIRST 0  // policy (the KV is read once per call), or the default policy (0)
+#endif
+__device__ __forceinline__ void bulk_copy_once(u32 dst, const void* src, u32 bytes, u32 bar) {
+#if GAAC_EVICT_FIRST
+  unsigned long long pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(pol)
+      : "memory");
+#else
+  bulk_copy(dst, src, bytes, bar);
+#endif
+}
 // GAAC_L2_PF: a bulk prefetch of global bytes into L2 (no shared memory, no completion)
 __device__ __forceinline__ void prefetch_l2(const void* src, u32 bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
@@ -1304,8 +1319,8 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       if (lane == 0) {
         const u32 dst = smem_u32(ring + st * 2 * BUF_BYTES);
         mbar_expect(bar, 2u * (u32)SLOT_BYTES);
-        bulk_copy(dst, p.slots + (i64)e[0][0] * SLOT_BYTES, (u32)SLOT_BYTES, bar);
-        bulk_copy(dst + BUF_BYTES, p.slots + (i64)e[1][0] * SLOT_BYTES, (u32)SLOT_BYTES, bar);
+        bulk_copy_once(dst, p.slots + (i64)e[0][0] * SLOT_BYTES, (u32)SLOT_BYTES, bar);
+        bulk_copy_once(dst + BUF_BYTES, p.slots + (i64)e[1][0] * SLOT_BYTES, (u32)SLOT_BYTES, bar);
       }
       mbar_arrive(bar);
       return;
