@@ -340,18 +340,11 @@ BOUNDS_GAAC = {
 # splits 60.0 / 107.2 / 25.0): the claim loop made each unit 7.5% slower (2.41 -> 2.59 us) while the finish spread it
 # targets shrank only from 3.8 to 3.0 us (1x64K) and 6.6 to 5.1 (1x128K).
 
-# Session 30 (`--set l2pf`): the units d ahead of the one entering the ring prefetched into L2 by one bulk prefetch
-# per slot (GAAC_L2_PF=d), so more bytes per warp are in flight from HBM than the two-stage ring holds (session 19
-# measured L2 prefetches slower, but under the misaligned ring of sessions 18-24, whose copies ran a quarter slower).
-L2PF_GAAC = {
-    "gaac": {},
-    "gaac_l2pf1": {"defines": ("GAAC_L2_PF=1",)},
-    "gaac_l2pf2": {"defines": ("GAAC_L2_PF=2",)},
-    "gaac_l2pf3": {"defines": ("GAAC_L2_PF=3",)},
-    "gaac_l2pf5": {"defines": ("GAAC_L2_PF=5",)},
-    "gaac_loads_only": {"skip": 3},  # (bounds: wrong bits by design)
-    "gaac_loads_only_l2pf2": {"skip": 3, "defines": ("GAAC_L2_PF=2",)},
-}
+# Session 30 (`--set l2pf`, run once on the H200, warps_probe_l2pf_s30.json; kernel option GAAC_L2_PF removed after
+# it, commit e937023 has it): the units d ahead of the one entering the ring prefetched into L2 by one bulk prefetch
+# per slot, so more bytes per warp were in flight from HBM than the two-stage ring holds. Slower at every shape and
+# every distance, the loads-only build too (1x64K: 57.6 -> 63.8 / 66.1 / 77.2 / 88.1 us at d = 1 / 2 / 3 / 5; loads
+# only 55.1 -> 64.9 at d = 2), as session 19 had found on the misaligned ring.
 # (`--set evict`) the common unit's slot copies with an L2 evict-first policy (GAAC_EVICT_FIRST; session 19 measured a
 # hint slower on the misaligned ring)
 EVICT_GAAC = {
@@ -382,7 +375,6 @@ SETS = {  # --set: (compressed variants, twin variants, the variants also run wi
     "hdr": (HDR_GAAC, ISSUE_TWIN, ("gaac", "gaac_hdr64")),
     "bounds": (BOUNDS_GAAC, ISSUE_TWIN, ("gaac_prepass_first_unit_no_scan", "gaac_stripped")),
     "frame2": (FRAME2_GAAC, ISSUE_TWIN, ("gaac_split_only", "gaac_bare_split_only", "gaac_bare_split_only_no_pdl")),
-    "l2pf": (L2PF_GAAC, ISSUE_TWIN, ("gaac_l2pf2",)),
     "evict": (EVICT_GAAC, ISSUE_TWIN, ()),
 }
 

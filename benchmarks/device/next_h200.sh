@@ -340,10 +340,7 @@ if [ "$MODE" = gputests ]; then  # session 29: every GPU test of the kernel, the
   timeout ${GEN_TIMEOUT:-200} python3 -m pytest -q tests/test_gaac_gpu_generate.py 2>&1 | tail -3 | tee "$OUT/gpu_generate.log"
 fi
 # (`tail`, session 30: the tail chunks' GPU tests and warps_probe --set tail; ran once, option removed: commit 2a71a29)
-if [ "$MODE" = l2pf ]; then  # session 30: units prefetched into L2 ahead of the ring (warps_probe.py --set l2pf)
-  timeout ${PROBE_TIMEOUT:-400} python3 benchmarks/warps_probe.py --set l2pf --real-kv .bench/real_kv_2k.safetensors \
-    --shapes ${SHAPES:-1,4,2,5,0,3} --out "$OUT/warps_probe_l2pf.json" 2>&1 | tee "$OUT/warps_probe_l2pf.log" | tail -8
-fi
+# (`l2pf`, session 30: warps_probe --set l2pf; ran once, option removed: commit e937023 has it)
 if [ "$MODE" = evict ]; then  # session 30: the slot copies with an L2 evict-first policy (warps_probe.py --set evict)
   timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/warps_probe.py --set evict --real-kv .bench/real_kv_2k.safetensors \
     --shapes ${SHAPES:-1,4,2,5,0,3} --out "$OUT/warps_probe_evict.json" 2>&1 | tee "$OUT/warps_probe_evict.log" | tail -8

@@ -86,10 +86,6 @@
 #define GAAC_LANE_ENTRIES 0  // entries held by the lanes, lane i those of unit 32 c + i of the current chunk c of 32
 #endif                       // units (and of the next, loaded 32 units ahead), read by shuffles (1); or one global
 #define LANE_ENTRIES (GAAC_LANE_ENTRIES && !GAAC_PLAIN && TILES == 1 && !SPLITBAR)  // load per unit, one ahead (0)
-#ifndef GAAC_L2_PF  // (benchmark option, session 30) compressed KV at one tile per head: units prefetched into L2
-#define GAAC_L2_PF 0  // this many units ahead of the one entering the ring (0: none; see the loop)
-#endif
-#define L2_PF ((GAAC_L2_PF) * (!GAAC_PLAIN && TILES == 1 && !LANE_ENTRIES))
 #ifndef VT_WORDS  // V words decoded per vector load in v_tile (all NVW at once, or halves)
 #define VT_WORDS NVW
 #endif
@@ -229,10 +225,6 @@ __device__ __forceinline__ void bulk_copy_once(u32 dst, const void* src, u32 byt
 #else
   bulk_copy(dst, src, bytes, bar);
 #endif
-}
-// GAAC_L2_PF: a bulk prefetch of global bytes into L2 (no shared memory, no completion)
-__device__ __forceinline__ void prefetch_l2(const void* src, u32 bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
@@ -1465,17 +1457,6 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
   }
   for (int j = 0; j < n; ++j) {
 #else
-#if L2_PF
-  // (GAAC_L2_PF = d) compressed KV at one tile per head: the slots (or raw tiles) of the split's unit next + d
-  // prefetched into L2 by lane 0 as unit `next` enters the ring, so about d more units per warp are in flight
-  // from HBM than the ring holds; their entries are loaded one issue ahead of the prefetch
-  int pfe[2];
-  auto pf_entries = [&](int jj) {
-#pragma unroll
-    for (int kv = 0; kv < 2; ++kv) pfe[kv] = jj < n ? entry(u0 + jj, kv, 0) : 0;
-  };
-  pf_entries(L2_PF);
-#endif
   for (int j = -(GAAC_STAGES - 1); j < n; ++j) {
     const int next = j + GAAC_STAGES - 1;
 #pragma unroll
@@ -1484,16 +1465,6 @@ extern "C" __global__ void __launch_bounds__(GAAC_WARPS * 32, GAAC_MIN_CTAS) gaa
       issue(u0 + next, next % GAAC_STAGES, ent);
       load_entries(next + 1, ent);
       queue_mask(GAAC_STAGES - 1, next);
-#if L2_PF
-      if (lane == 0 && u0 + next + L2_PF < nb && next + L2_PF < n) {
-#pragma unroll
-        for (int kv = 0; kv < 2; ++kv) {
-          if (pfe[kv] >= 0) prefetch_l2(p.slots + (i64)pfe[kv] * SLOT_BYTES, (u32)SLOT_BYTES);
-          else prefetch_l2(raw_src(pfe[kv]), 32 * C);
-        }
-      }
-      pf_entries(next + 1 + L2_PF);
-#endif
     }
     if (j < 0) continue;
 #endif
