@@ -211,8 +211,12 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
       "l"(src), "r"(bytes), "r"(bar)
       : "memory");
 }
-#ifndef GAAC_EVICT_FIRST  // (benchmark option, session 30) the common unit's slot copies with an L2 evict-first
-#define GAAC_EVICT_FIRST 0  // policy (the KV is read once per call), or the default policy (0)
+// The common unit's slot copies carry an L2 evict-first policy (the KV is read once per call, and the partials, table
+// and query stay in L2): session 30 on the H200 (warps_probe_evict_s30a/b.json, two runs, us default -> evict-first):
+// 1x16K 23.5 -> 22.7 and 23.3 -> 22.6, 9/3/64 1x64K 21.4 -> 20.7 and 21.2 -> 20.6, 1x64K 57.2 -> 56.8 and 57.4 ->
+// 57.0, the other shapes within +-1% (1x128K 105.5 -> 105.5 and 104.7 -> 105.7). GAAC_EVICT_FIRST=0: the default policy.
+#ifndef GAAC_EVICT_FIRST
+#define GAAC_EVICT_FIRST 1
 #endif
 __device__ __forceinline__ void bulk_copy_once(u32 dst, const void* src, u32 bytes, u32 bar) {
 #if GAAC_EVICT_FIRST
