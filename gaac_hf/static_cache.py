@@ -17,7 +17,7 @@ A decode step (`update` with one token per row) is one custom op, `gaac::append_
 tail and, for rows whose block the token completes, encodes the block and takes slots / raw tiles by advancing the
 device counters, with no host synchronization and no Python branch on data (on CUDA a Triton kernel that runs every
 step and returns early for rows with nothing to finalize). The attention then reads the layer through the
-`gaac::decode_attention` custom op (gaac_hf/ops.py), handed over as the `gaac_record` of the tail tensor `update`
+`gaac::decode_attention` custom op (gaac_hf/attention_ops.py), handed over as the `gaac_record` of the tail tensor `update`
 returns. Prefill and any other update of several tokens per row run eagerly (inside a compiled forward: a graph
 break, as for the verification steps of assisted decoding). `crop(-n)` (assisted decoding, prompt lookup) runs
 eagerly and in place: a block it cuts into is decoded back into the tail, the blocks past it leave the table, and

@@ -45,9 +45,9 @@ def test_the_caches_choose_format_2_where_the_cuda_kernel_reads_it(monkeypatch, 
     for d, rep in ((256, 4), (80, 1), (128, 9)):  # head dims and group sizes the kernel's format 3 does not cover
         assert not ops.fused_reads(2, d, rep, "cpu") and choose_format(None, v2, d, rep, "cpu") == 1
     assert choose_format(None, v2, 128, 4, "cpu") == 2 and choose_format(None, tiny_calibration, 128, 4, "cpu") == 1
-    f3 = ops._cuda_plan(1, 8, 4, 128, 256, 2944, False, 6, "cpu", 2)
+    f3 = ops.cuda_plan(1, 8, 4, 128, 256, 2944, False, 6, "cpu", 2)
     assert "-DGAAC_FORMAT=3" in f3.options and "-DGAAC_DENSE_SLOT=1" in f3.options
-    assert "-DGAAC_FORMAT=1" in ops._cuda_plan(1, 8, 4, 128, 256, 2944, False, 6, "cpu", 1).options
+    assert "-DGAAC_FORMAT=1" in ops.cuda_plan(1, 8, 4, 128, 256, 2944, False, 6, "cpu", 1).options
 
 
 def test_plan_rejects_shapes_the_kernel_does_not_cover():
