@@ -1,6 +1,7 @@
 """Which kernels serve a device (`backend_of`: the CUDA C++ package `gaac_cuda`, Triton, or the torch reference) and
-the launch plans the decode attention reads (`DecodePlan`, made once per shape: FlashInfer's plan/run split); the
-slot layouts by capacity or row size, made once."""
+the launch plans the decode attention reads (`DecodePlan`, made once per shape: FlashInfer's plan/run split; the
+CUDA kernel's own plans, `cuda_plan`); what the fused kernels cover (`fused_serves`, `fused_reads`); the lengths
+tensor an eager step's layers share (`device_lengths`); the slot layouts by capacity or row size, made once."""
 
 from __future__ import annotations
 

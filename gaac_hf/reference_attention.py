@@ -86,4 +86,5 @@ def compressed_chunks(slot_pool, raw_pool, table, tail_k, tail_v, base3, base4, 
 
 
 def mask4(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A decode op's bool mask `[B, S]` as `reference_attention` takes it, `[B, 1, 1, S]` (None stays None)."""
     return None if mask is None else mask[:, None, None, :]
