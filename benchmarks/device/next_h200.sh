@@ -32,6 +32,9 @@
 #   Session 29 ran `ov` (the options prepared in sessions 26-27: GAAC_OV_UNIFORM became the default, the rest were
 #   removed, with the `ov`, `ovtests` and `ovstep` modes: commit 9ac4bdc has them), `ovtests` (the static caches'
 #   crop failed on transformers 5.17: fixed), `ovstep`, `bounds128` at all six shapes. `gputests` (new): every GPU test.
+#   Session 30 ran `tail` and `l2pf` (both options slower and removed, with their modes), `evict` twice (the slot
+#   copies' L2 evict-first policy became the default). First next session: `gputests` (every GPU test at the
+#   session-30 default; that session's budget ran out after 24 tests of the static caches' file).
 #   `fence` (session 20: the warp-specialized kernel's race probe) was removed with that kernel in session 28.
 #   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
 #     common unit's copies issued by lane 0 alone, the default, against the general issue path). Session 19's
