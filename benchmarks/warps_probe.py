@@ -345,6 +345,7 @@ BOUNDS_GAAC = {
 # per slot, so more bytes per warp were in flight from HBM than the two-stage ring holds. Slower at every shape and
 # every distance, the loads-only build too (1x64K: 57.6 -> 63.8 / 66.1 / 77.2 / 88.1 us at d = 1 / 2 / 3 / 5; loads
 # only 55.1 -> 64.9 at d = 2), as session 19 had found on the misaligned ring.
+
 # Session 30 (`--set evict`, run twice: warps_probe_evict_s30a/b.json): the common unit's slot copies with an L2
 # evict-first policy (GAAC_EVICT_FIRST; session 19 measured a hint slower on the misaligned ring): 3% faster at 1x16K
 # and 9/3/64, within +-1% elsewhere, and the default since (GAAC_EVICT_FIRST=0 is the build without it; the set's
