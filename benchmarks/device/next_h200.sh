@@ -35,6 +35,10 @@
 #   Session 30 ran `tail` and `l2pf` (both options slower and removed, with their modes), `evict` twice (the slot
 #   copies' L2 evict-first policy became the default). First next session: `gputests` (every GPU test at the
 #   session-30 default; that session's budget ran out after 24 tests of the static caches' file).
+#   Session 31 had no device machine (every start refused). First next session: `s31` (every GPU test, then the
+#   default, the bounds builds and cuDNN at all six shapes on the same machine, whichever card it is: the device tool
+#   now lends H100s as well, and an H100's table is new - its HBM is slower against the same SM, so the kernel's
+#   instruction pace matters less there; compare within the call only).
 #   `fence` (session 20: the warp-specialized kernel's race probe) was removed with that kernel in session 28.
 #   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
 #     common unit's copies issued by lane 0 alone, the default, against the general issue path). Session 19's
@@ -347,6 +351,14 @@ fi
 if [ "$MODE" = evict ]; then  # session 30: the slot copies with an L2 evict-first policy (warps_probe.py --set evict)
   timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/warps_probe.py --set evict --real-kv .bench/real_kv_2k.safetensors \
     --shapes ${SHAPES:-1,4,2,5,0,3} --out "$OUT/warps_probe_evict.json" 2>&1 | tee "$OUT/warps_probe_evict.log" | tail -8
+fi
+if [ "$MODE" = s31 ]; then  # prepared in session 31 (no device that session): gputests, then the bounds set at six
+  # shapes with the card's clocks, one machine (H100 or H200: the JSON and gpu.txt say which)
+  nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem,memory.total --format=csv | tee "$OUT/gpu_clocks.txt"
+  bash "$0" gputests
+  timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/warps_probe.py --set bounds --real-kv .bench/real_kv_2k.safetensors \
+    --shapes ${SHAPES:-1,4,2,5,0,3} --out "$OUT/warps_probe_bounds_s31.json" 2>&1 | tee "$OUT/warps_probe_bounds_s31.log" \
+    | tail -10
 fi
 if [ "$MODE" = bounds128 ]; then  # session 27; run in session 29 (SHAPES=4,1, then 5,2,0,3): the bounds set (loads
   # only, stripped) - what the kernel reaches without its tile code where the targets ask 1.20-1.35x (attention_cuda.md)
