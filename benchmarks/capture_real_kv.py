@@ -35,6 +35,14 @@ def capture(model, ids: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers]).contiguous()
 
 
+def load_real_kv(path: str) -> tuple[torch.Tensor, dict]:
+    """The captured KV `[layers, 2, H, T, D]` BF16 and the file's metadata (model, text, tokens)."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        return f.get_tensor("kv"), f.metadata()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=2048)

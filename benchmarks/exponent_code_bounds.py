@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.capture_real_kv import load_real_kv  # noqa: E402
 from gaac_hf.calibrate import exponent_histogram, exponents, windows_from_histogram  # noqa: E402
 from gaac_hf.format import ALIGN, BLOCK_TABLE_ENTRY_BYTES, GROUP_SIZE, TileLayout, tile_split  # noqa: E402
 
@@ -215,10 +216,7 @@ def main():
     p.add_argument("--real-kv", default=".bench/real_kv_2k.safetensors")
     p.add_argument("--out", default="benchmarks/results/exponent_code_bounds.json")
     args = p.parse_args()
-    from safetensors import safe_open
-
-    with safe_open(args.real_kv, "pt") as f:
-        kv, meta = f.get_tensor("kv"), f.metadata()
+    kv, meta = load_real_kv(args.real_kv)
     res = {"real_kv": args.real_kv, "source": meta, "shape": list(kv.shape), "torch": torch.__version__,
            "studies": [study(kv, True), study(kv, False)]}
     print(f"{meta.get('model', '?')} KV {list(kv.shape)}")

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.capture_real_kv import load_real_kv  # noqa: E402
 from gaac_hf.format import GROUP_SIZE  # noqa: E402
 
 EPS = 1e-4  # floor of a fitted probability (a value the fit never saw still costs bits, not infinity)
@@ -78,10 +79,7 @@ def main():
     p.add_argument("--real-kv", default=".bench/real_kv_2k.safetensors")
     p.add_argument("--out", default="benchmarks/results/verbatim_byte_bounds.json")
     args = p.parse_args()
-    from safetensors import safe_open
-
-    with safe_open(args.real_kv, "pt") as f:
-        kv, meta = f.get_tensor("kv"), f.metadata()
+    kv, meta = load_real_kv(args.real_kv)
     res = {"real_kv": args.real_kv, "source": meta, "shape": list(kv.shape), "torch": torch.__version__,
            **study(kv)}
     print(f"{meta.get('model', '?')} KV {list(kv.shape)}, fitted on {res['tokens_fitted']} tokens, measured on the "
