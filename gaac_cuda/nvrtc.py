@@ -2,8 +2,9 @@
 
 No CUDA toolkit is needed: NVRTC comes with torch's CUDA wheels (`nvidia-cuda-nvrtc`), the driver with the GPU.
 Binaries are cached on disk by (source hash, options, GPU arch, NVRTC version) under `~/.cache/gaac_hf/cubin`
-(`GAAC_HF_CACHE` moves the root). Nothing here runs at import: a machine without a GPU or NVRTC imports fine and
-`available()` says False.
+(`GAAC_HF_CACHE` moves the root). Where that folder cannot be written (a read-only home, a container) the binary is
+kept in memory only, with one warning; a cached binary the driver refuses (a damaged file) is compiled again and
+replaced. Nothing here runs at import: a machine without a GPU or NVRTC imports fine and `available()` says False.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import glob
 import hashlib
 import os
 import site
+import tempfile
 import threading
+import warnings
 
 import torch
 
@@ -119,17 +122,51 @@ def _check_cu(status: int, what: str) -> None:
         raise RuntimeError(f"CUDA driver call {what} failed: {status} {msg.value.decode() if msg.value else ''}")
 
 
-def compile_cubin(source: str, options: list[str], arch: str) -> bytes:
-    """NVRTC-compile `source` for `arch` (e.g. "sm_90a"); cached on disk."""
+def cache_path(source: str, opts: list[str], version) -> str:
+    """Where the cubin of `source` compiled with the full NVRTC `opts` by NVRTC `version` is cached."""
+    key = hashlib.sha256("\0".join([source, *opts, str(version)]).encode()).hexdigest()[:24]
+    root = os.environ.get("GAAC_HF_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "gaac_hf")
+    return os.path.join(root, "cubin", f"{key}.cubin")
+
+
+_unwritable: set = set()  # cache folders already warned about
+
+
+def store(path: str, data: bytes) -> bool:
+    """Write `data` to `path` atomically (a unique temporary file in the same folder, then a rename, so concurrent
+    writers of one key, processes or threads, never leave a mixed file). A folder that cannot be written is warned
+    about once and skipped: the caller keeps the binary in memory. True if stored."""
+    folder = os.path.dirname(path)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return True
+    except OSError as e:
+        if folder not in _unwritable:
+            _unwritable.add(folder)
+            warnings.warn(f"gaac_cuda: cannot cache compiled kernels in {folder} ({e}); they are compiled once per "
+                          "process instead. Set GAAC_HF_CACHE to a writable folder to keep them.", stacklevel=3)
+        return False
+
+
+def compile_cubin(source: str, options: list[str], arch: str, refresh: bool = False) -> bytes:
+    """NVRTC-compile `source` for `arch` (e.g. "sm_90a"); cached on disk (`refresh`: compile again and replace the
+    cached binary, e.g. one the driver refused)."""
     lib = _load("nvrtc")
     if lib is None:
         raise NVRTCError("NVRTC (libnvrtc) was not found; install torch's CUDA build (it depends on nvidia-cuda-nvrtc)")
     version = nvrtc_version()
     opts = [f"--gpu-architecture={arch}", "-std=c++17", "--device-as-default-execution-space"] + list(options)
-    key = hashlib.sha256("\0".join([source, *opts, str(version)]).encode()).hexdigest()[:24]
-    root = os.environ.get("GAAC_HF_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "gaac_hf")
-    path = os.path.join(root, "cubin", f"{key}.cubin")
-    if os.path.isfile(path):
+    path = cache_path(source, opts, version)
+    if not refresh and os.path.isfile(path):
         with open(path, "rb") as f:
             return f.read()
     prog = ctypes.c_void_p()
@@ -152,11 +189,7 @@ def compile_cubin(source: str, options: list[str], arch: str) -> bytes:
         data = cubin.raw
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    store(path, data)
     return data
 
 
@@ -231,6 +264,11 @@ def get_kernel(source: str, options: list[str], name: str, device: torch.device)
     if kernel is None:
         major, minor = torch.cuda.get_device_capability(index)
         arch = f"sm_{major}{minor}" + ("a" if major == 9 else "")
-        kernel = Kernel(compile_cubin(source, options, arch), name, torch.device("cuda", index))
+        try:
+            kernel = Kernel(compile_cubin(source, options, arch), name, torch.device("cuda", index))
+        except RuntimeError as e:  # a cached binary the driver refuses (damaged on disk): compile it again once
+            if "cuModuleLoadData" not in str(e):
+                raise
+            kernel = Kernel(compile_cubin(source, options, arch, refresh=True), name, torch.device("cuda", index))
         _modules[key] = kernel
     return kernel

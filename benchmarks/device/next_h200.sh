@@ -356,6 +356,7 @@ if [ "$MODE" = s31 ]; then  # prepared in session 31 (no device that session): g
   # shapes with the card's clocks, one machine (H100 or H200: the JSON and gpu.txt say which)
   nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem,memory.total --format=csv | tee "$OUT/gpu_clocks.txt"
   bash "$0" gputests
+  timeout 120 python3 -m pytest -q tests/test_gaac_nvrtc_cache.py 2>&1 | tail -3 | tee "$OUT/gpu_nvrtc_cache.log"
   timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/warps_probe.py --set bounds --real-kv .bench/real_kv_2k.safetensors \
     --shapes ${SHAPES:-1,4,2,5,0,3} --out "$OUT/warps_probe_bounds_s31.json" 2>&1 | tee "$OUT/warps_probe_bounds_s31.log" \
     | tail -10
