@@ -3,8 +3,9 @@
 * `expand_into` (what the caches call): table entries `[B, n, 2, H, T]` -> tiles written straight into a strided
   output, e.g. the `[2, B, H, S, D]` buffer whose halves the cache hands out as K and V (no permute, no concatenation
   afterwards). It runs the C kernel `cpu_decode.c` (one pass per tile, vectorized by the compiler, OpenMP over
-  tiles), built with the system C compiler on first use and cached under `~/.cache/gaac_hf/cpu_kernel/`; where no
-  compiler works (or `GAAC_HF_CPU_KERNEL=0`) it falls back, silently, to the torch decoder below, bit-identical.
+  tiles), built with the system C compiler on first use and cached under `~/.cache/gaac_hf/cpu_kernel/` (built for
+  the process alone where that folder cannot be written); where no compiler works (or `GAAC_HF_CPU_KERNEL=0`) it
+  falls back, silently, to the torch decoder below, bit-identical.
 * `decode_slots`: the torch decoder, written to run: it works on bytes (uint8 arithmetic wraps mod 256 exactly as
   the format's exponent code does) and unpacks the bit planes eight elements at a time with a 256-entry table that
   spreads the bits of a byte over the byte lanes of an int64 (SWAR). The escape area is read only when some tile
@@ -14,6 +15,7 @@
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import hashlib
@@ -110,7 +112,13 @@ def build_kernel(compiler: str | None = None) -> Path:
     path = cache_dir() / "cpu_kernel" / f"cpu_decode-{key}.so"
     if path.is_file():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryDirectory(dir=path.parent).cleanup()
+    except OSError:  # a cache that cannot be written (read-only home): build for this process only
+        folder = Path(tempfile.mkdtemp(prefix="gaac_hf_cpu_kernel-"))
+        atexit.register(shutil.rmtree, folder, True)
+        path = folder / path.name
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name
         subprocess.run([cc, *CFLAGS, str(KERNEL_SOURCE), "-o", str(out)], capture_output=True, check=True,

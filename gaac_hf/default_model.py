@@ -5,8 +5,12 @@ The GGUF is dequantized to BF16 once and cached as safetensors, so later loads t
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import shutil
+import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -33,10 +37,41 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def _complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+
+
+def save_into_cache(target: Path, save) -> Path:
+    """Run `save(folder)` into a fresh temporary folder beside `target` and rename it into place, so a reader never
+    sees a half-written model and concurrent first uses (several processes) each write their own folder: the first
+    rename wins, the others are discarded. Where the cache cannot be written (a read-only home), save into a
+    process-temporary folder instead (removed at exit), with a warning naming GAAC_HF_CACHE. Returns the folder to
+    load from."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp-"))
+    except OSError as e:
+        warnings.warn(f"cannot write the model cache {target.parent} ({e}); the default model is converted into a "
+                      "temporary folder for this process. Set GAAC_HF_CACHE to a writable folder to keep it.",
+                      stacklevel=3)
+        tmp = Path(tempfile.mkdtemp(prefix="gaac_hf_default_model-"))
+        atexit.register(shutil.rmtree, tmp, True)
+        save(tmp)
+        return tmp
+    try:
+        save(tmp)
+        tmp.rename(target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not _complete(target):  # not a race another process won: a real failure
+            raise
+    return target
+
+
 def default_model_path() -> Path:
     """A BF16 safetensors copy of the default model, made from the GGUF on first use."""
     target = cache_dir() / "SmolLM2-135M-Instruct-bf16"
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+    if _complete(target):
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
@@ -49,11 +84,12 @@ def default_model_path() -> Path:
         dtype=torch.bfloat16,
     )
     model.config.name_or_path = DEFAULT_MODEL_ID
-    tmp = target.with_name(target.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(target)
-    return target
+
+    def save(into: Path) -> None:
+        model.save_pretrained(into)
+        tokenizer.save_pretrained(into)
+
+    return save_into_cache(target, save)
 
 
 def load_default_model(attn_implementation: str = "sdpa", device: str | torch.device = "cpu"):

@@ -1,5 +1,7 @@
 """The fast CPU decoder (gaac_hf/cpu_decode.py) against the reference decoder, bit for bit."""
 
+import ctypes
+
 import pytest
 import torch
 from gaac_triton_cases import realistic_kv
@@ -173,6 +175,17 @@ def test_kernel_is_built_once_and_cached(tmp_path, monkeypatch):
     assert path.is_file() and path.parent == tmp_path / "cpu_kernel"
     stamp = path.stat().st_mtime_ns
     assert cpu_decode.build_kernel() == path and path.stat().st_mtime_ns == stamp  # the cached build is reused
+
+
+def test_an_unwritable_cache_builds_the_kernel_for_the_process(tmp_path, monkeypatch):
+    if cpu_decode.kernel() is None:
+        pytest.skip("the C kernel cannot be built here (no working C compiler)")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("GAAC_HF_CACHE", str(blocker / "cache"))  # mkdir fails here even for root
+    path = cpu_decode.build_kernel()
+    assert path.is_file() and not str(path).startswith(str(blocker))
+    assert ctypes.CDLL(str(path)).gaac_expand is not None
 
 
 def test_expand_into_rejects_bad_shapes():
