@@ -38,7 +38,8 @@
 #   Session 31 had no device machine (every start refused). First next session: `s31` (every GPU test, then the
 #   default, the bounds builds and cuDNN at all six shapes on the same machine, whichever card it is: the device tool
 #   now lends H100s as well, and an H100's table is new - its HBM is slower against the same SM, so the kernel's
-#   instruction pace matters less there; compare within the call only).
+#   instruction pace matters less there; compare within the call only). Then, on the same warm machine, `fa3`
+#   (carry [".whl"]): FA3 graph-replayed beside cuDNN and flash SDPA, the fairness check of the "best baseline".
 #   `fence` (session 20: the warp-specialized kernel's race probe) was removed with that kernel in session 28.
 #   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
 #     common unit's copies issued by lane 0 alone, the default, against the general issue path). Session 19's
@@ -360,6 +361,22 @@ if [ "$MODE" = s31 ]; then  # prepared in session 31 (no device that session): g
   timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/warps_probe.py --set bounds --real-kv .bench/real_kv_2k.safetensors \
     --shapes ${SHAPES:-1,4,2,5,0,3} --out "$OUT/warps_probe_bounds_s31.json" 2>&1 | tee "$OUT/warps_probe_bounds_s31.log" \
     | tail -10
+fi
+if [ "$MODE" = fa3 ]; then  # prepared in session 31: FA3 beside cuDNN and flash SDPA, all graph-replayed, at the six
+  # shapes (benchmarks/attention.py --graphs --no-triton; the README's "best BF16 baseline" had FA3 and FlashInfer from
+  # 2026-11-29's non-graph timings only). Carry [".whl"] (the fa3-fwd wheel, 27.6 MB: `pip download --no-deps
+  # --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_24_x86_64 -d .whl
+  # fa3-fwd==0.0.3`); .bench (46 MB; with the wheel over the 64 MiB carry) must be on the machine already, from an
+  # earlier call of this warm machine that carried it (e.g. `s31`).
+  if [ ! -f .bench/real_kv_2k.safetensors ]; then
+    echo "no .bench/real_kv_2k.safetensors here: run a mode that carries [\".bench\"] on this warm machine first"; exit 1
+  fi
+  S=$(mktemp -d); python3 -m pip install -q --no-index --no-deps --no-compile --target "$S" .whl/fa3_fwd*.whl \
+    && export PYTHONPATH="$S:$PYTHONPATH"
+  python3 -c "import fa3_fwd_interface; print('fa3', fa3_fwd_interface.__file__)" 2>&1 | tee "$OUT/fa3_import.txt"
+  timeout ${BASE_TIMEOUT:-500} python3 benchmarks/attention.py --real-kv .bench/real_kv_2k.safetensors --no-triton \
+    --graphs --shapes ${ASHAPES:-2,3,5,7,0,8} --flex-shapes "" --out "$OUT/attention_fa3_s31.json" 2>&1 \
+    | tee "$OUT/attention_fa3_s31.log" | tail -12
 fi
 if [ "$MODE" = bounds128 ]; then  # session 27; run in session 29 (SHAPES=4,1, then 5,2,0,3): the bounds set (loads
   # only, stripped) - what the kernel reaches without its tile code where the targets ask 1.20-1.35x (attention_cuda.md)
