@@ -38,8 +38,8 @@
 #   Session 31 had no device machine (every start refused). First next session: `s31` (every GPU test, then the
 #   default, the bounds builds and cuDNN at all six shapes on the same machine, whichever card it is: the device tool
 #   now lends H100s as well, and an H100's table is new - its HBM is slower against the same SM, so the kernel's
-#   instruction pace matters less there; compare within the call only). Then, on the same warm machine, `fa3`
-#   (carry [".whl"]): FA3 graph-replayed beside cuDNN and flash SDPA, the fairness check of the "best baseline".
+#   instruction pace matters less there; compare within the call only). Then, on the same warm machine and if it is
+#   an H100, `fa3` (carry [".whl"]): FA3 graph-replayed beside cuDNN and flash SDPA, which card's best baseline is.
 #   `fence` (session 20: the warp-specialized kernel's race probe) was removed with that kernel in session 28.
 #   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
 #     common unit's copies issued by lane 0 alone, the default, against the general issue path). Session 19's
@@ -363,8 +363,8 @@ if [ "$MODE" = s31 ]; then  # prepared in session 31 (no device that session): g
     | tail -10
 fi
 if [ "$MODE" = fa3 ]; then  # prepared in session 31: FA3 beside cuDNN and flash SDPA, all graph-replayed, at the six
-  # shapes (benchmarks/attention.py --graphs --no-triton; the README's "best BF16 baseline" had FA3 and FlashInfer from
-  # 2026-11-29's non-graph timings only). Carry [".whl"] (the fa3-fwd wheel, 27.6 MB: `pip download --no-deps
+  # shapes (benchmarks/attention.py --graphs --no-triton). On the H200 sessions 6 and 10 timed FA3 and FlashInfer
+  # graph-replayed and cuDNN was the fastest at every shape; on an H100 nothing says so yet. Carry [".whl"] (the fa3-fwd wheel, 27.6 MB: `pip download --no-deps
   # --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_24_x86_64 -d .whl
   # fa3-fwd==0.0.3`); .bench (46 MB; with the wheel over the 64 MiB carry) must be on the machine already, from an
   # earlier call of this warm machine that carried it (e.g. `s31`).
