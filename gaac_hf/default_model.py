@@ -60,6 +60,10 @@ def save_into_cache(target: Path, save) -> Path:
         return tmp
     try:
         save(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
         tmp.rename(target)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -45,6 +45,16 @@ def test_a_failed_save_raises_and_leaves_nothing(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_any_failure_of_the_save_leaves_nothing(tmp_path):
+    def interrupted(folder):
+        _save(folder)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        save_into_cache(tmp_path / "model-bf16", interrupted)
+    assert os.listdir(tmp_path) == []
+
+
 def test_an_unwritable_cache_converts_into_a_temporary_folder(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
