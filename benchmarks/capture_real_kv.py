@@ -43,6 +43,16 @@ def load_real_kv(path: str) -> tuple[torch.Tensor, dict]:
         return f.get_tensor("kv"), f.metadata()
 
 
+def study_args(doc: str, out: str, argv=None) -> tuple[argparse.Namespace, torch.Tensor, dict]:
+    """The command line of a study over the captured KV (`--real-kv`, `--out`), the KV, and the header of its JSON."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--real-kv", default=".bench/real_kv_2k.safetensors")
+    p.add_argument("--out", default=out)
+    args = p.parse_args(argv)
+    kv, meta = load_real_kv(args.real_kv)
+    return args, kv, {"real_kv": args.real_kv, "source": meta, "shape": list(kv.shape), "torch": torch.__version__}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=2048)

@@ -27,7 +27,6 @@ choose it (`resident_bytes`), at the model's head_dim and in heads twice as wide
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -35,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.capture_real_kv import load_real_kv  # noqa: E402
+from benchmarks.capture_real_kv import study_args  # noqa: E402
 from gaac_hf.calibrate import exponent_histogram, exponents, windows_from_histogram  # noqa: E402
 from gaac_hf.format import ALIGN, BLOCK_TABLE_ENTRY_BYTES, GROUP_SIZE, TileLayout, tile_split  # noqa: E402
 
@@ -212,14 +211,9 @@ def study(kv: torch.Tensor, held_out: bool = True) -> dict:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--real-kv", default=".bench/real_kv_2k.safetensors")
-    p.add_argument("--out", default="benchmarks/results/exponent_code_bounds.json")
-    args = p.parse_args()
-    kv, meta = load_real_kv(args.real_kv)
-    res = {"real_kv": args.real_kv, "source": meta, "shape": list(kv.shape), "torch": torch.__version__,
-           "studies": [study(kv, True), study(kv, False)]}
-    print(f"{meta.get('model', '?')} KV {list(kv.shape)}")
+    args, kv, res = study_args(__doc__, "benchmarks/results/exponent_code_bounds.json")
+    res["studies"] = [study(kv, True), study(kv, False)]
+    print(f"{res['source'].get('model', '?')} KV {list(kv.shape)}")
     print("| fitted on → measured on | code | exponent bits / element | bits / element | bytes vs GAAC | "
           "modes (2/3/4-bit/raw %) | resident B/tile (E, raw tiles) at head_dim 64; 128 |")
     print("|---|---|---|---|---|---|---|")

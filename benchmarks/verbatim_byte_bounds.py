@@ -20,7 +20,6 @@ for tags, alignment or a kernel's cost).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.capture_real_kv import load_real_kv  # noqa: E402
+from benchmarks.capture_real_kv import study_args  # noqa: E402
 from gaac_hf.format import GROUP_SIZE  # noqa: E402
 
 EPS = 1e-4  # floor of a fitted probability (a value the fit never saw still costs bits, not infinity)
@@ -75,14 +74,9 @@ def study(kv: torch.Tensor) -> dict:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--real-kv", default=".bench/real_kv_2k.safetensors")
-    p.add_argument("--out", default="benchmarks/results/verbatim_byte_bounds.json")
-    args = p.parse_args()
-    kv, meta = load_real_kv(args.real_kv)
-    res = {"real_kv": args.real_kv, "source": meta, "shape": list(kv.shape), "torch": torch.__version__,
-           **study(kv)}
-    print(f"{meta.get('model', '?')} KV {list(kv.shape)}, fitted on {res['tokens_fitted']} tokens, measured on the "
+    args, kv, res = study_args(__doc__, "benchmarks/results/verbatim_byte_bounds.json")
+    res.update(study(kv))
+    print(f"{res['source'].get('model', '?')} KV {list(kv.shape)}, fitted on {res['tokens_fitted']} tokens, measured on the "
           f"next {res['tokens_measured']} (bits per element; verbatim: 1 sign + 7 mantissa bits)")
     cols = ("sign_static", "sign_previous_token", "mantissa_bit_6", "mantissa_bit_5", "mantissa_bit_4",
             "one_sign_group_share", "one_sign_mode_saves_bits_per_element")

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from capture_real_kv import load_real_kv  # noqa: E402
+from capture_real_kv import load_real_kv, study_args  # noqa: E402
 from verbatim_byte_bounds import cross_entropy, study  # noqa: E402
 
 
@@ -59,3 +59,11 @@ def test_load_real_kv_returns_the_tensor_and_metadata(tmp_path):
     save_file({"kv": kv}, tmp_path / "kv.safetensors", metadata={"model": "m", "tokens": "16"})
     got, meta = load_real_kv(str(tmp_path / "kv.safetensors"))
     assert torch.equal(got.view(torch.int16), kv.view(torch.int16)) and meta == {"model": "m", "tokens": "16"}
+
+
+def test_study_args_parse_load_and_head_the_json(tmp_path):
+    kv = torch.randn(1, 2, 1, 16, 8).to(torch.bfloat16)
+    save_file({"kv": kv}, tmp_path / "kv.safetensors", metadata={"model": "m"})
+    args, got, res = study_args("A study.\nMore.", "default.json", ["--real-kv", str(tmp_path / "kv.safetensors")])
+    assert args.out == "default.json" and torch.equal(got.view(torch.int16), kv.view(torch.int16))
+    assert res["source"] == {"model": "m"} and res["shape"] == [1, 2, 1, 16, 8] and res["torch"] == torch.__version__
