@@ -141,6 +141,7 @@ def store(path: str, data: bytes) -> bool:
         os.makedirs(folder, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
         try:
+            os.fchmod(fd, 0o644)  # (mkstemp's 0600 would hide the binary from other users of a shared cache)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
             os.replace(tmp, path)
@@ -167,8 +168,11 @@ def compile_cubin(source: str, options: list[str], arch: str, refresh: bool = Fa
     opts = [f"--gpu-architecture={arch}", "-std=c++17", "--device-as-default-execution-space"] + list(options)
     path = cache_path(source, opts, version)
     if not refresh and os.path.isfile(path):
-        with open(path, "rb") as f:
-            return f.read()
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError:  # unreadable (another user's file, say): compile it here
+            pass
     prog = ctypes.c_void_p()
     status = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"gaac.cu", 0, None, None)
     if status != 0:

@@ -89,6 +89,25 @@ def test_compiled_once_per_key_then_read_from_disk(fake, tmp_path):
     assert len(os.listdir(os.path.dirname(path))) == 4  # and no temporary file is left behind
 
 
+def test_cached_binaries_are_readable_by_other_users(fake):
+    nvrtc.compile_cubin("kernel A", [], "sm_90a")
+    path = nvrtc.cache_path("kernel A", _opts(), (13, 0))
+    assert os.stat(path).st_mode & 0o777 == 0o644
+
+
+def test_an_unreadable_cached_binary_is_compiled_instead(fake, monkeypatch):
+    good = nvrtc.compile_cubin("kernel A", [], "sm_90a")
+    real_open = open
+
+    def deny(path, mode="r", *a, **k):
+        if str(path).endswith(".cubin") and "r" in mode:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, mode, *a, **k)
+
+    monkeypatch.setattr("builtins.open", deny)
+    assert nvrtc.compile_cubin("kernel A", [], "sm_90a") == good and fake.compiles == 2
+
+
 def test_a_damaged_binary_is_compiled_again_on_refresh(fake):
     good = nvrtc.compile_cubin("kernel A", [], "sm_90a")
     path = nvrtc.cache_path("kernel A", _opts(), (13, 0))
