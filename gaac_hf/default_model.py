@@ -50,6 +50,7 @@ def save_into_cache(target: Path, save) -> Path:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp-"))
+        tmp.chmod(0o755)  # (mkdtemp's 0700 would hide the model from other users of a shared cache)
     except OSError as e:
         warnings.warn(f"cannot write the model cache {target.parent} ({e}); the default model is converted into a "
                       "temporary folder for this process. Set GAAC_HF_CACHE to a writable folder to keep it.",

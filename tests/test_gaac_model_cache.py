@@ -17,6 +17,7 @@ def test_saved_into_place_with_nothing_left_over(tmp_path):
     target = tmp_path / "cache" / "model-bf16"
     assert save_into_cache(target, _save) == target and _complete(target)
     assert os.listdir(tmp_path / "cache") == ["model-bf16"]
+    assert target.stat().st_mode & 0o777 == 0o755  # readable by the other users of a shared cache
 
 
 def test_a_race_lost_to_another_process_keeps_the_winner(tmp_path):
