@@ -114,12 +114,13 @@ def build_kernel(compiler: str | None = None) -> Path:
         return path
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryDirectory(dir=path.parent).cleanup()
+        build_dir = tempfile.TemporaryDirectory(dir=path.parent)
     except OSError:  # a cache that cannot be written (read-only home): build for this process only
         folder = Path(tempfile.mkdtemp(prefix="gaac_hf_cpu_kernel-"))
         atexit.register(shutil.rmtree, folder, True)
         path = folder / path.name
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        build_dir = tempfile.TemporaryDirectory(dir=folder)
+    with build_dir as tmp:
         out = Path(tmp) / path.name
         subprocess.run([cc, *CFLAGS, str(KERNEL_SOURCE), "-o", str(out)], capture_output=True, check=True,
                        timeout=300)
