@@ -29,6 +29,16 @@ def test_a_target_becomes_a_time_and_a_rate():
     assert r["needed_vs_cudnn_rate"] == pytest.approx(1.35 / 2)
     assert r["builds_us"] == {"gaac": 60.0, "gaac_loads_only": 40.0}  # the twin is not a GAAC build
     assert r["builds_meeting_target"] == ["gaac_loads_only"]
+    assert "decode_budget_us" not in r  # no zero-decode build in this run
+
+
+def test_the_decode_budget_from_the_zero_decode_build():
+    probe = _probe()
+    probe["rows"][0]["gaac_zero_decode"] = {"us": 52.0}
+    (r,) = rates(probe)
+    # the target (50 us) is below what the kernel takes with nothing decoded: no budget left
+    assert r["decode_budget_us"] == pytest.approx(50.0 - 52.0) and r["decode_cost_us"] == pytest.approx(8.0)
+    assert "gaac_zero_decode" not in r["builds_meeting_target"]
 
 
 def test_the_script_prints_and_writes(tmp_path):
@@ -37,5 +47,6 @@ def test_the_script_prints_and_writes(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "target_rates.py"), str(src), "--out", str(out)],
                          capture_output=True, text=True, check=True)
     assert "| 32/8/128 1x65536 | 1.35× | 50.0 |" in run.stdout and "gaac_loads_only" in run.stdout
+    assert run.stdout.rstrip().endswith("| gaac_loads_only | — |")
     res = json.loads(out.read_text())
     assert res["gpu"] == "test card" and len(res["rows"]) == 1 and "target_rates.py" in res["command"]

@@ -35,11 +35,12 @@
 #   Session 30 ran `tail` and `l2pf` (both options slower and removed, with their modes), `evict` twice (the slot
 #   copies' L2 evict-first policy became the default). First next session: `gputests` (every GPU test at the
 #   session-30 default; that session's budget ran out after 24 tests of the static caches' file).
-#   Session 31 had no device machine (every start refused). First next session: `s31` (every GPU test, then the
-#   default, the bounds builds and cuDNN at all six shapes on the same machine, whichever card it is: the device tool
-#   now lends H100s as well, and an H100's table is new - its HBM is slower against the same SM, so the kernel's
-#   instruction pace matters less there; compare within the call only). Then, on the same warm machine and if it is
-#   an H100, `fa3` (carry [".whl"]): FA3 graph-replayed beside cuDNN and flash SDPA, which card's best baseline is.
+#   Session 31 had no device machine (every start refused). Session 32 had none either. First next session, carry
+#   [".bench"]: `bounds32` (SHAPES=1,4,2: the default, the bounds builds with the new zero-decode build, and cuDNN, on
+#   one machine, whichever card it is: the device tool now lends H100s as well, and an H100's table is new - its HBM is
+#   slower against the same SM, so the kernel's instruction pace matters less there; compare within the call only),
+#   then `s31` (every GPU test), then `SHAPES=5,0,3 bash ... bounds32`; then, on the same warm machine and if it is an
+#   H100, `fa3` (carry [".whl"]): FA3 graph-replayed beside cuDNN and flash SDPA, which card's best baseline is.
 #   `fence` (session 20: the warp-specialized kernel's race probe) was removed with that kernel in session 28.
 #   `... issue` (session 20): the GPU tests of tests/test_gaac_cuda_ops.py, then warps_probe.py --set issue (the
 #     common unit's copies issued by lane 0 alone, the default, against the general issue path). Session 19's
@@ -353,14 +354,24 @@ if [ "$MODE" = evict ]; then  # session 30: the slot copies with an L2 evict-fir
   timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/warps_probe.py --set evict --real-kv .bench/real_kv_2k.safetensors \
     --shapes ${SHAPES:-1,4,2,5,0,3} --out "$OUT/warps_probe_evict.json" 2>&1 | tee "$OUT/warps_probe_evict.log" | tail -8
 fi
-if [ "$MODE" = s31 ]; then  # prepared in session 31 (no device that session): gputests, then the bounds set at six
-  # shapes with the card's clocks, one machine (H100 or H200: the JSON and gpu.txt say which)
+if [ "$MODE" = s31 ]; then  # prepared in session 31 (no device that session): every GPU test at the session-30
+  # default and the NVRTC disk cache's GPU test (about 6 minutes; the bounds moved to `bounds32` in session 32, since
+  # the tests and six shapes of the bounds set do not fit one 10-minute call)
   nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem,memory.total --format=csv | tee "$OUT/gpu_clocks.txt"
   bash "$0" gputests
   timeout 120 python3 -m pytest -q tests/test_gaac_nvrtc_cache.py 2>&1 | tail -3 | tee "$OUT/gpu_nvrtc_cache.log"
-  timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/warps_probe.py --set bounds --real-kv .bench/real_kv_2k.safetensors \
-    --shapes ${SHAPES:-1,4,2,5,0,3} --out "$OUT/warps_probe_bounds_s31.json" 2>&1 | tee "$OUT/warps_probe_bounds_s31.log" \
-    | tail -10
+fi
+if [ "$MODE" = bounds32 ]; then  # prepared in session 32: the bounds set with the zero-decode build (no tags, scan,
+  # prepass, tiles or softmax: the kernel's copies, entries, waits, start and combine) at three shapes per call,
+  # SHAPES=1,4,2 first (1x64K, 1x128K, 64/8), then SHAPES=5,0,3 (4x64K, 1x16K, 9/3/64); the card's clocks beside it
+  # (H100 or H200: the JSON and gpu.txt say which). Then `python benchmarks/target_rates.py <json>`: the decode budget.
+  SH=${SHAPES:-1,4,2}
+  nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem,memory.total --format=csv | tee "$OUT/gpu_clocks.txt"
+  timeout ${PROBE_TIMEOUT:-540} python3 benchmarks/warps_probe.py --set bounds --real-kv .bench/real_kv_2k.safetensors \
+    --shapes "$SH" --out "$OUT/warps_probe_bounds_s32_${SH//,/}.json" 2>&1 \
+    | tee "$OUT/warps_probe_bounds_s32_${SH//,/}.log" | tail -10
+  python3 benchmarks/target_rates.py "$OUT/warps_probe_bounds_s32_${SH//,/}.json" \
+    --out "$OUT/target_rates_s32_${SH//,/}.json" 2>&1 | tail -5
 fi
 if [ "$MODE" = fa3 ]; then  # prepared in session 31: FA3 beside cuDNN and flash SDPA, all graph-replayed, at the six
   # shapes (benchmarks/attention.py --graphs --no-triton). On the H200 sessions 6 and 10 timed FA3 and FlashInfer
