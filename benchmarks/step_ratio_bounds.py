@@ -13,10 +13,10 @@ captured pair, `captured` and `captured-twin`):
 - the ratio bounds: GAAC's split kernel at its zero-decode build's time (`--zero-decode CONTEXT=US`, the build that only
   copies, e.g. session 25's frame probe at 1x64K or `warps_probe.py --set bounds`' `gaac_zero_decode`), and at the
   measured HBM read rate with no frame at all (`--hbm-tb-per-s`, ../shared/gpu/README.md: 4.30); each also with the
-  model's matrix products reading the weights at that rate (`--param-bytes` from the JSON), both steps alike.
+  model's matrix products reading its weights (the JSON's `param_bytes`) at that rate, both steps alike.
 
     python benchmarks/step_ratio_bounds.py benchmarks/results/generate_ov_defines_s29.json \\
-        --probe benchmarks/results/warps_probe_bounds128_s29.json --zero-decode 65536=46.9 \\
+        --probe benchmarks/results/warps_probe_bounds128_s29.json --zero-decode 65536=46.88 \\
         --out benchmarks/results/step_ratio_bounds_s32.json
 """
 
@@ -26,6 +26,9 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.target_rates import parse_shape  # noqa: E402
 
 TARGETS = {65536: 1.10, 131072: 1.15}  # issue 13: the captured GAAC step against its twin
 SPLIT = "gaac_decode_split"
@@ -92,9 +95,8 @@ def probe_bytes(probe: dict) -> dict[int, int]:
     """GAAC's bytes at batch 1 and head_dim 128 with 32 query heads, by context, from a warps_probe JSON."""
     out = {}
     for r in probe["rows"]:
-        heads, rows = r["shape"].split()
-        b, s = (int(x) for x in rows.split("x"))
-        if heads == "32/8/128" and b == 1:
+        hq, hkv, d, b, s = parse_shape(r["shape"])
+        if (hq, hkv, d, b) == (32, 8, 128, 1):
             out[s] = r["bytes"]
     return out
 
