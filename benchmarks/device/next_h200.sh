@@ -35,7 +35,7 @@
 #   Session 30 ran `tail` and `l2pf` (both options slower and removed, with their modes), `evict` twice (the slot
 #   copies' L2 evict-first policy became the default); its budget ran out after 24 GPU tests of the static caches'
 #   file, so every GPU test at the session-30 default is still to run (`gputests`, inside `s31` below).
-#   Session 31 had no device machine (every start refused). Sessions 32 and 33 had none either. First next session, carry
+#   Session 31 had no device machine (every start refused). Sessions 32, 33 and 34 had none either. First next session, carry
 #   [".bench"]: `bounds32` (SHAPES=1,4,2: the default, the bounds builds with the new zero-decode build, and cuDNN, on
 #   one machine, whichever card it is: the device tool now lends H100s as well, and an H100's table is new - its HBM is
 #   slower against the same SM, so the kernel's instruction pace matters less there; compare within the call only),
